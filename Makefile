@@ -1,0 +1,46 @@
+# train_gpt: build, test, benchmark and data targets.
+#   make              build everything (train_gpt, test_gpt, prepro, dev kernels)
+#   make test         build everything and run the test suite (GPU tests skip without a GPU)
+#   make data         fetch and tokenize the default corpus into data/default/
+#   make train        prepare the default data if missing, then train on it
+#   make bench        train on synthetic tokens and print one JSON line of throughput figures
+NVCC      ?= nvcc
+CC        ?= gcc
+GPU_ARCH  ?= -gencode=arch=compute_90a,code=sm_90a
+NVFLAGS   ?= -O3 -std=c++17 $(GPU_ARCH) --use_fast_math -Xcompiler -Wall,-Wno-unused-function
+CFLAGS    ?= -O2 -std=c11 -Wall -Wextra -Wno-unused-function
+LIBS      := -lcublasLt -lpthread
+HEADERS   := cuda_common.h kernels.cuh data.h ckpt.h
+
+.PHONY: all test data train bench dev clean
+all: train_gpt test_gpt prepro dev
+
+train_gpt: train_gpt.cu $(HEADERS)
+	$(NVCC) $(NVFLAGS) $< -o $@ $(LIBS)
+
+test_gpt: test_gpt.cu train_gpt.cu reference.h testing.h test_data.h test_ckpt.h $(HEADERS)
+	$(NVCC) $(NVFLAGS) $< -o $@ $(LIBS)
+
+prepro: prepro.c data.h
+	$(CC) $(CFLAGS) $< -o $@ -lpthread
+
+dev: dev/attention
+
+dev/attention: dev/attention.cu dev/common.h $(wildcard dev/*.cuh) cuda_common.h
+	$(NVCC) $(NVFLAGS) -lineinfo $< -o $@ $(LIBS)
+
+test: all
+	./test_gpt
+
+data: prepro
+	bash scripts/prepare_data.sh
+
+train: train_gpt
+	@[ -f data/default/.done ] || $(MAKE) data
+	./train_gpt
+
+bench: train_gpt
+	./train_gpt --bench
+
+clean:
+	rm -f train_gpt test_gpt prepro dev/attention

@@ -1,0 +1,44 @@
+/*
+ * testing.h - the small test harness behind test_gpt.
+ *
+ * A test is a function returning TEST_PASS, TEST_FAIL or TEST_SKIP; each subsystem keeps a table
+ * of them (name, function) and test_gpt.cu runs every table in turn, printing one line per test
+ * and, last, the totals as `N passed, N failed, N skipped` (the line CI reads). A test that needs
+ * a GPU calls REQUIRE_GPU() first, so that on a machine without one it counts as skipped.
+ * EXPECT* macros print the failing condition with file and line and make the test fail, but let
+ * it run on, so one run shows every broken check.
+ */
+#ifndef TESTING_H
+#define TESTING_H
+
+#include <stdio.h>
+#include <stdbool.h>
+#include <math.h>
+
+enum { TEST_PASS = 0, TEST_FAIL = 1, TEST_SKIP = 2 };
+
+typedef struct {
+    const char* name;
+    int (*fn)(void);
+} TestCase;
+
+/* Set by test_gpt.cu's main before any test runs. */
+static bool g_have_gpu = false;
+
+/* Each test declares `int failed = 0;` and returns TEST_RESULT at the end. */
+#define EXPECT(cond, ...)                                                        \
+    do {                                                                         \
+        if (!(cond)) {                                                           \
+            printf("    %s:%d: expected %s: ", __FILE__, __LINE__, #cond);       \
+            printf(__VA_ARGS__);                                                 \
+            printf("\n");                                                        \
+            failed = 1;                                                          \
+        }                                                                        \
+    } while (0)
+#define TEST_RESULT (failed ? TEST_FAIL : TEST_PASS)
+#define REQUIRE_GPU()                                                            \
+    do {                                                                         \
+        if (!g_have_gpu) return TEST_SKIP;                                       \
+    } while (0)
+
+#endif
