@@ -1,0 +1,671 @@
+/*
+ * kernels.cuh - every CUDA kernel train_gpt runs, and the one cuBLASLt wrapper all matmuls use.
+ *
+ * Read it top to bottom in the order of a training step: embedding, RMSNorm, the per-head QK norm
+ * with rotary embedding, attention, SwiGLU, the chunked cross-entropy, then the reductions (global
+ * gradient norm, loss sum) and the fused AdamW update. Each forward kernel is followed by its
+ * backward, whose comment states the derivative it computes.
+ *
+ * Conventions a reader must know:
+ *  - Activations are bf16, row-major, one row per token: x[n, c] with n = b*T + t.
+ *  - Every reduction accumulates in fp32, and every reduction across rows is deterministic: a
+ *    fixed grid writes per-block partial sums, and a second kernel adds them in a fixed order.
+ *    There are no floating-point atomics anywhere, so a run repeats bit for bit on the same GPU.
+ *  - Parameter gradients are fp32 and accumulate (+=) so that micro-batches add up; they are
+ *    zeroed once per optimizer step. The gradient of the residual stream is bf16 and is updated
+ *    in place as the backward walks down the layers.
+ *  - Rows are read in 16-byte vectors of 8 bf16, so every row length must be a multiple of 8
+ *    (train_gpt's config check enforces this before anything is allocated).
+ */
+#ifndef KERNELS_CUH
+#define KERNELS_CUH
+
+#include <math.h>
+#include <float.h>
+#include <cublasLt.h>
+#include "cuda_common.h"
+
+// ----------------------------------------------------------------------------------------------
+// Small device helpers
+
+// Eight bf16 values moved as one 16-byte load or store.
+struct __align__(16) bf16x8 {
+    bf16 v[8];
+};
+__device__ __forceinline__ bf16x8 load8(const bf16* p) { return *reinterpret_cast<const bf16x8*>(p); }
+__device__ __forceinline__ void store8(bf16* p, const bf16x8& x) { *reinterpret_cast<bf16x8*>(p) = x; }
+
+__device__ __forceinline__ float warp_sum(float x) {
+    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+// Sum over a whole block (blockDim.x a multiple of 32, at most 1024). Every thread gets the result.
+__device__ float block_sum(float x) {
+    __shared__ float warp_totals[32];
+    __shared__ float total;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+    x = warp_sum(x);
+    if (lane == 0) warp_totals[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+        float y = lane < n_warps ? warp_totals[lane] : 0.0f;
+        y = warp_sum(y);
+        if (lane == 0) total = y;
+    }
+    __syncthreads();
+    float result = total;
+    __syncthreads();  // so that a second call may reuse the shared slots
+    return result;
+}
+
+#define LAUNCH_CHECK() CUDA_CHECK(cudaGetLastError())
+
+// ----------------------------------------------------------------------------------------------
+// Deterministic reductions
+
+// Many kernels below produce one row of partial sums per block: partials[p * stride + c] for
+// p < n_partials, c < C. This adds them up in a fixed order and accumulates into dst (+=).
+__global__ void sum_partials_kernel(float* dst, const float* partials, int n_partials, int C, int stride) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float sum = 0.0f;
+    for (int p = 0; p < n_partials; p++) sum += partials[(size_t)p * stride + c];
+    dst[c] += sum;
+}
+
+static void sum_partials(float* dst, const float* partials, int n_partials, int C, int stride, cudaStream_t s) {
+    sum_partials_kernel<<<ceil_div(C, 256), 256, 0, s>>>(dst, partials, n_partials, C, stride);
+    LAUNCH_CHECK();
+}
+
+// Sum (or sum of squares) of a long fp32 vector in two fixed-shape passes: REDUCE_BLOCKS blocks
+// each stride over the vector and write one partial; one block then adds the partials in order.
+// `out` receives the total (accumulate = false) or has it added (accumulate = true).
+#define REDUCE_BLOCKS 512
+template <bool SQUARE>
+__global__ void reduce_partials_kernel(float* partials, const float* x, size_t n) {
+    float sum = 0.0f;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float v = x[i];
+        sum += SQUARE ? v * v : v;
+    }
+    sum = block_sum(sum);
+    if (threadIdx.x == 0) partials[blockIdx.x] = sum;
+}
+
+__global__ void reduce_final_kernel(float* out, const float* partials, int n, bool accumulate) {
+    float sum = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) sum += partials[i];
+    sum = block_sum(sum);
+    if (threadIdx.x == 0) *out = accumulate ? *out + sum : sum;
+}
+
+// scratch must hold REDUCE_BLOCKS floats.
+static void reduce_sum(float* out, const float* x, size_t n, bool square, bool accumulate, float* scratch,
+                       cudaStream_t s) {
+    if (square) reduce_partials_kernel<true><<<REDUCE_BLOCKS, 512, 0, s>>>(scratch, x, n);
+    else reduce_partials_kernel<false><<<REDUCE_BLOCKS, 512, 0, s>>>(scratch, x, n);
+    LAUNCH_CHECK();
+    reduce_final_kernel<<<1, 512, 0, s>>>(out, scratch, REDUCE_BLOCKS, accumulate);
+    LAUNCH_CHECK();
+}
+
+// ----------------------------------------------------------------------------------------------
+// Initialization: a counter-based normal RNG, so that every element's value depends only on the
+// seed and its index (not on the launch shape), and fp32 -> bf16 casts.
+
+__device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+// p[i] = mean + std * N(0, 1), the normal drawn by Box-Muller from the hash of (seed, i).
+__global__ void init_normal_kernel(float* p, size_t n, float mean, float std, uint64_t seed) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t h = splitmix64(seed ^ splitmix64(i));
+        float u1 = ((h >> 40) + 1) * (1.0f / 16777217.0f);  // in (0, 1]: log() stays finite
+        float u2 = ((h >> 16) & 0xFFFFFF) * (1.0f / 16777216.0f);
+        p[i] = mean + std * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+    }
+}
+
+static void init_normal(float* p, size_t n, float mean, float std, uint64_t seed, cudaStream_t s) {
+    init_normal_kernel<<<1024, 256, 0, s>>>(p, n, mean, std, seed);
+    LAUNCH_CHECK();
+}
+
+__global__ void cast_to_bf16_kernel(bf16* out, const float* in, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        out[i] = __float2bfloat16(in[i]);
+}
+
+static void cast_to_bf16(bf16* out, const float* in, size_t n, cudaStream_t s) {
+    cast_to_bf16_kernel<<<1024, 256, 0, s>>>(out, in, n);
+    LAUNCH_CHECK();
+}
+
+// ----------------------------------------------------------------------------------------------
+// Token embedding. Forward: x[n, :] = E[token[n], :].
+
+__global__ void embedding_forward_kernel(bf16* out, const int* tokens, const bf16* embed, int N, int C) {
+    size_t i = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) * 8;  // first of 8 elements
+    if (i >= (size_t)N * C) return;
+    int n = (int)(i / C), c = (int)(i % C);
+    store8(out + i, load8(embed + (size_t)tokens[n] * C + c));
+}
+
+static void embedding_forward(bf16* out, const int* tokens, const bf16* embed, int N, int C, cudaStream_t s) {
+    embedding_forward_kernel<<<ceil_div((size_t)N * C / 8, 256), 256, 0, s>>>(out, tokens, embed, N, C);
+    LAUNCH_CHECK();
+}
+
+// Backward: dE[v, :] += sum over positions n with token[n] == v of dx[n, :].
+// Many positions share a token, so a naive scatter-add would need atomics. Instead the host sorts
+// the positions by token (a stable counting sort of the batch it already holds): bucket u holds the
+// positions of token bucket_token[u], in increasing order, at bucket_pos[bucket_start[u] ..
+// bucket_start[u+1]). One block owns one bucket (and 8*blockDim.x columns of it), adds its rows in
+// that fixed order and writes the one row of dE it owns: deterministic and free of races.
+__global__ void embedding_backward_kernel(float* d_embed, const bf16* dx, const int* bucket_start,
+                                          const int* bucket_pos, const int* bucket_token, int C) {
+    int u = blockIdx.x;
+    int c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    if (c >= C) return;
+    float sum[8] = {0};
+    for (int j = bucket_start[u]; j < bucket_start[u + 1]; j++) {
+        bf16x8 g = load8(dx + (size_t)bucket_pos[j] * C + c);
+        for (int k = 0; k < 8; k++) sum[k] += __bfloat162float(g.v[k]);
+    }
+    float* row = d_embed + (size_t)bucket_token[u] * C + c;
+    for (int k = 0; k < 8; k++) row[k] += sum[k];
+}
+
+static void embedding_backward(float* d_embed, const bf16* dx, const int* bucket_start, const int* bucket_pos,
+                               const int* bucket_token, int n_buckets, int C, cudaStream_t s) {
+    dim3 grid(n_buckets, ceil_div(C, 8 * 128));
+    embedding_backward_kernel<<<grid, 128, 0, s>>>(d_embed, dx, bucket_start, bucket_pos, bucket_token, C);
+    LAUNCH_CHECK();
+}
+
+// ----------------------------------------------------------------------------------------------
+// RMSNorm: y = w * x / rms(x), rms(x) = sqrt(mean(x^2) + eps), over the C channels of each row.
+// One warp per row; the forward saves rstd = 1/rms(x) per row for the backward.
+
+__global__ void rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* in, const bf16* weight,
+                                       int N, int C, float eps) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const bf16* x = in + (size_t)row * C;
+    float sum_sq = 0.0f;
+    for (int c = lane * 8; c < C; c += 32 * 8) {
+        bf16x8 v = load8(x + c);
+        for (int k = 0; k < 8; k++) {
+            float f = __bfloat162float(v.v[k]);
+            sum_sq += f * f;
+        }
+    }
+    float r = rsqrtf(warp_sum(sum_sq) / C + eps);
+    for (int c = lane * 8; c < C; c += 32 * 8) {
+        bf16x8 v = load8(x + c), w = load8(weight + c), y;
+        for (int k = 0; k < 8; k++)
+            y.v[k] = __float2bfloat16(__bfloat162float(v.v[k]) * r * __bfloat162float(w.v[k]));
+        store8(out + (size_t)row * C + c, y);
+    }
+    if (lane == 0) rstd[row] = r;
+}
+
+static void rmsnorm_forward(bf16* out, float* rstd, const bf16* in, const bf16* weight, int N, int C, float eps,
+                            cudaStream_t s) {
+    rmsnorm_forward_kernel<<<ceil_div(N, 8), 256, 0, s>>>(out, rstd, in, weight, N, C, eps);
+    LAUNCH_CHECK();
+}
+
+// Backward. With x_hat = x * rstd and g = dy * w (elementwise),
+//   dL/dx = rstd * (g - x_hat * mean(g * x_hat))      (the mean over the row's C channels)
+//   dL/dw = sum over rows of dy * x_hat
+// dL/dx is added into d_residual (the norm reads the residual stream, whose gradient already holds
+// the contribution of the skip connection). Each block takes RMSNORM_BWD_ROWS consecutive rows;
+// each of its 4 warps keeps its own fp32 dw row in shared memory, and the block writes their sum
+// as its partial (sum_partials adds the blocks' partials in order).
+#define RMSNORM_BWD_ROWS 64
+#define RMSNORM_BWD_WARPS 4
+__global__ void rmsnorm_backward_kernel(bf16* d_residual, float* dw_partials, const bf16* dy, const bf16* in,
+                                        const bf16* weight, const float* rstd, int N, int C) {
+    extern __shared__ float dw_warp[];  // [RMSNORM_BWD_WARPS][C]
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    float* my_dw = dw_warp + warp * C;
+    for (int c = lane; c < C; c += 32) my_dw[c] = 0.0f;
+    __syncwarp();
+    int row_end = min(N, (blockIdx.x + 1) * RMSNORM_BWD_ROWS);
+    for (int row = blockIdx.x * RMSNORM_BWD_ROWS + warp; row < row_end; row += RMSNORM_BWD_WARPS) {
+        const bf16* x = in + (size_t)row * C;
+        const bf16* g_out = dy + (size_t)row * C;
+        bf16* d_res = d_residual + (size_t)row * C;
+        float r = rstd[row];
+        float dot = 0.0f;  // sum over c of g * x_hat
+        for (int c = lane * 8; c < C; c += 32 * 8) {
+            bf16x8 xv = load8(x + c), gv = load8(g_out + c), wv = load8(weight + c);
+            for (int k = 0; k < 8; k++)
+                dot += __bfloat162float(gv.v[k]) * __bfloat162float(wv.v[k]) * __bfloat162float(xv.v[k]) * r;
+        }
+        float mean_dot = warp_sum(dot) / C;
+        for (int c = lane * 8; c < C; c += 32 * 8) {
+            bf16x8 xv = load8(x + c), gv = load8(g_out + c), wv = load8(weight + c), rv = load8(d_res + c);
+            for (int k = 0; k < 8; k++) {
+                float x_hat = __bfloat162float(xv.v[k]) * r;
+                float dyk = __bfloat162float(gv.v[k]);
+                float g = dyk * __bfloat162float(wv.v[k]);
+                rv.v[k] = __float2bfloat16(__bfloat162float(rv.v[k]) + r * (g - x_hat * mean_dot));
+                my_dw[c + k] += dyk * x_hat;
+            }
+            store8(d_res + c, rv);
+        }
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float sum = 0.0f;
+        for (int w = 0; w < RMSNORM_BWD_WARPS; w++) sum += dw_warp[w * C + c];
+        dw_partials[(size_t)blockIdx.x * C + c] = sum;
+    }
+}
+
+// dw_partials must hold ceil(N / RMSNORM_BWD_ROWS) * C floats.
+static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partials, const bf16* dy, const bf16* in,
+                             const bf16* weight, const float* rstd, int N, int C, cudaStream_t s) {
+    int blocks = ceil_div(N, RMSNORM_BWD_ROWS);
+    size_t smem = RMSNORM_BWD_WARPS * C * sizeof(float);
+    CUDA_CHECK(cudaFuncSetAttribute(rmsnorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    rmsnorm_backward_kernel<<<blocks, 32 * RMSNORM_BWD_WARPS, smem, s>>>(d_residual, dw_partials, dy, in, weight,
+                                                                         rstd, N, C);
+    LAUNCH_CHECK();
+    sum_partials(d_weight, dw_partials, blocks, C, C, s);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Per-head QK RMSNorm followed by rotary position embedding (Qwen3), on the fused QKV rows.
+//
+// A row of qkv holds Hq query heads, then Hkv key heads, then Hkv value heads, D channels each.
+// For each query and key head: a = w * x / rms(x) (w is q_norm or k_norm, length D), then the
+// rotate-half RoPE at the row's position t pairs channel i with i + D/2 (i < D/2):
+//   y[i]       = a[i] cos(t f_i) - a[i + D/2] sin(t f_i)
+//   y[i + D/2] = a[i + D/2] cos(t f_i) + a[i] sin(t f_i),    f_i = theta^(-2i/D).
+// Value heads are copied unchanged, so that qkv_rot has the same layout as qkv and attention reads
+// q, k and v from one buffer. One warp per (row, head); lane l owns pairs i = l + 32j. The tables
+// rope_cos and rope_sin are [T, D/2] fp32.
+
+template <int D>
+__global__ void qk_norm_rope_forward_kernel(bf16* qkv_rot, float* rstd, const bf16* qkv, const bf16* q_weight,
+                                            const bf16* k_weight, const float* rope_cos, const float* rope_sin,
+                                            int N, int T, int Hq, int Hkv, float eps) {
+    constexpr int PAIRS = D / 64;  // pairs (i, i + D/2) per lane
+    const int H = Hq + 2 * Hkv;
+    size_t task = blockIdx.x * (size_t)(blockDim.x / 32) + threadIdx.x / 32;
+    if (task >= (size_t)N * H) return;
+    const int lane = threadIdx.x % 32, n = (int)(task / H), h = (int)(task % H), t = n % T;
+    const bf16* x = qkv + (size_t)n * H * D + h * D;
+    bf16* y = qkv_rot + (size_t)n * H * D + h * D;
+    if (h >= Hq + Hkv) {  // a value head
+        for (int i = lane; i < D; i += 32) y[i] = x[i];
+        return;
+    }
+    const bf16* w = h < Hq ? q_weight : k_weight;
+    float lo[PAIRS], hi[PAIRS], sum_sq = 0.0f;
+    for (int j = 0; j < PAIRS; j++) {
+        lo[j] = __bfloat162float(x[lane + 32 * j]);
+        hi[j] = __bfloat162float(x[lane + 32 * j + D / 2]);
+        sum_sq += lo[j] * lo[j] + hi[j] * hi[j];
+    }
+    float r = rsqrtf(warp_sum(sum_sq) / D + eps);
+    for (int j = 0; j < PAIRS; j++) {
+        int i = lane + 32 * j;
+        float a_lo = lo[j] * r * __bfloat162float(w[i]);
+        float a_hi = hi[j] * r * __bfloat162float(w[i + D / 2]);
+        float c = rope_cos[t * (D / 2) + i], s = rope_sin[t * (D / 2) + i];
+        y[i] = __float2bfloat16(a_lo * c - a_hi * s);
+        y[i + D / 2] = __float2bfloat16(a_hi * c + a_lo * s);
+    }
+    if (lane == 0) rstd[(size_t)n * (Hq + Hkv) + h] = r;
+}
+
+// Backward, in place on d_qkv: on entry its q and k heads hold dL/dy (attention's dq, dk), on exit
+// dL/dx; the value heads are left as they are. RoPE is a rotation, so dL/da is dL/dy rotated back:
+//   da[i] = dy[i] cos + dy[i + D/2] sin,   da[i + D/2] = dy[i + D/2] cos - dy[i] sin,
+// and then, as for RMSNorm, with x_hat = x * rstd and g = da * w:
+//   dx = rstd * (g - x_hat * mean(g * x_hat)),   dw += da * x_hat (summed over rows and heads).
+// Each block takes QK_BWD_TASKS consecutive (row, head) tasks and writes one partial row of
+// [dq_norm (D) | dk_norm (D)].
+#define QK_BWD_TASKS 256
+#define QK_BWD_WARPS 8
+template <int D>
+__global__ void qk_norm_rope_backward_kernel(bf16* d_qkv, float* dw_partials, const bf16* qkv, const float* rstd,
+                                             const bf16* q_weight, const bf16* k_weight, const float* rope_cos,
+                                             const float* rope_sin, int N, int T, int Hq, int Hkv) {
+    constexpr int PAIRS = D / 64;
+    __shared__ float dw_warp[QK_BWD_WARPS][2 * D];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, H = Hq + 2 * Hkv;
+    float dw_q[2 * PAIRS] = {0}, dw_k[2 * PAIRS] = {0};  // this lane's channels: lo pairs, then hi pairs
+    size_t task_end = min((size_t)N * (Hq + Hkv), (blockIdx.x + 1) * (size_t)QK_BWD_TASKS);
+    for (size_t task = blockIdx.x * (size_t)QK_BWD_TASKS + warp; task < task_end; task += QK_BWD_WARPS) {
+        const int n = (int)(task / (Hq + Hkv)), h = (int)(task % (Hq + Hkv)), t = n % T;
+        const bf16* x = qkv + (size_t)n * H * D + h * D;
+        bf16* dx = d_qkv + (size_t)n * H * D + h * D;
+        const bf16* w = h < Hq ? q_weight : k_weight;
+        float* dw = h < Hq ? dw_q : dw_k;
+        const float r = rstd[(size_t)n * (Hq + Hkv) + h];
+        float x_hat[2 * PAIRS], g[2 * PAIRS], dot = 0.0f;
+        for (int j = 0; j < PAIRS; j++) {
+            int i = lane + 32 * j;
+            float c = rope_cos[t * (D / 2) + i], s = rope_sin[t * (D / 2) + i];
+            float dy_lo = __bfloat162float(dx[i]), dy_hi = __bfloat162float(dx[i + D / 2]);
+            float da_lo = dy_lo * c + dy_hi * s, da_hi = dy_hi * c - dy_lo * s;
+            x_hat[j] = __bfloat162float(x[i]) * r;
+            x_hat[PAIRS + j] = __bfloat162float(x[i + D / 2]) * r;
+            dw[j] += da_lo * x_hat[j];
+            dw[PAIRS + j] += da_hi * x_hat[PAIRS + j];
+            g[j] = da_lo * __bfloat162float(w[i]);
+            g[PAIRS + j] = da_hi * __bfloat162float(w[i + D / 2]);
+            dot += g[j] * x_hat[j] + g[PAIRS + j] * x_hat[PAIRS + j];
+        }
+        float mean_dot = warp_sum(dot) / D;
+        for (int j = 0; j < PAIRS; j++) {
+            int i = lane + 32 * j;
+            dx[i] = __float2bfloat16(r * (g[j] - x_hat[j] * mean_dot));
+            dx[i + D / 2] = __float2bfloat16(r * (g[PAIRS + j] - x_hat[PAIRS + j] * mean_dot));
+        }
+    }
+    for (int j = 0; j < PAIRS; j++) {
+        int i = lane + 32 * j;
+        dw_warp[warp][i] = dw_q[j];
+        dw_warp[warp][i + D / 2] = dw_q[PAIRS + j];
+        dw_warp[warp][D + i] = dw_k[j];
+        dw_warp[warp][D + i + D / 2] = dw_k[PAIRS + j];
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < 2 * D; c += blockDim.x) {
+        float sum = 0.0f;
+        for (int w = 0; w < QK_BWD_WARPS; w++) sum += dw_warp[w][c];
+        dw_partials[(size_t)blockIdx.x * 2 * D + c] = sum;
+    }
+}
+
+static void qk_norm_rope_forward(bf16* qkv_rot, float* rstd, const bf16* qkv, const bf16* q_weight,
+                                 const bf16* k_weight, const float* rope_cos, const float* rope_sin, int N, int T,
+                                 int Hq, int Hkv, int D, float eps, cudaStream_t s) {
+    size_t tasks = (size_t)N * (Hq + 2 * Hkv);
+    int blocks = ceil_div(tasks, 8);
+    if (D == 64)
+        qk_norm_rope_forward_kernel<64><<<blocks, 256, 0, s>>>(qkv_rot, rstd, qkv, q_weight, k_weight, rope_cos,
+                                                               rope_sin, N, T, Hq, Hkv, eps);
+    else
+        qk_norm_rope_forward_kernel<128><<<blocks, 256, 0, s>>>(qkv_rot, rstd, qkv, q_weight, k_weight, rope_cos,
+                                                                rope_sin, N, T, Hq, Hkv, eps);
+    LAUNCH_CHECK();
+}
+
+// dw_partials must hold ceil(N * (Hq + Hkv) / QK_BWD_TASKS) * 2 * D floats.
+static void qk_norm_rope_backward(bf16* d_qkv, float* dq_weight, float* dk_weight, float* dw_partials,
+                                  const bf16* qkv, const float* rstd, const bf16* q_weight, const bf16* k_weight,
+                                  const float* rope_cos, const float* rope_sin, int N, int T, int Hq, int Hkv, int D,
+                                  cudaStream_t s) {
+    int blocks = ceil_div((size_t)N * (Hq + Hkv), QK_BWD_TASKS);
+    if (D == 64)
+        qk_norm_rope_backward_kernel<64><<<blocks, 32 * QK_BWD_WARPS, 0, s>>>(
+            d_qkv, dw_partials, qkv, rstd, q_weight, k_weight, rope_cos, rope_sin, N, T, Hq, Hkv);
+    else
+        qk_norm_rope_backward_kernel<128><<<blocks, 32 * QK_BWD_WARPS, 0, s>>>(
+            d_qkv, dw_partials, qkv, rstd, q_weight, k_weight, rope_cos, rope_sin, N, T, Hq, Hkv);
+    LAUNCH_CHECK();
+    sum_partials(dq_weight, dw_partials, blocks, D, 2 * D, s);
+    sum_partials(dk_weight, dw_partials + D, blocks, D, 2 * D, s);
+}
+
+// ----------------------------------------------------------------------------------------------
+// ATTENTION_KERNELS_BEGIN
+#include "dev/attention_fa2.cuh"
+// ATTENTION_KERNELS_END
+
+// ----------------------------------------------------------------------------------------------
+// SwiGLU: a row of gate_up holds [gate (F) | up (F)]; out = silu(gate) * up, silu(g) = g sigmoid(g).
+// Backward: d_gate = d_out * up * sigmoid(g) * (1 + g (1 - sigmoid(g))),  d_up = d_out * silu(g).
+
+__global__ void swiglu_forward_kernel(bf16* out, const bf16* gate_up, int N, int F) {
+    size_t i = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) * 8;
+    if (i >= (size_t)N * F) return;
+    size_t n = i / F, f = i % F;
+    bf16x8 g = load8(gate_up + n * 2 * F + f), u = load8(gate_up + n * 2 * F + F + f), y;
+    for (int k = 0; k < 8; k++) {
+        float gk = __bfloat162float(g.v[k]);
+        y.v[k] = __float2bfloat16(gk / (1.0f + __expf(-gk)) * __bfloat162float(u.v[k]));
+    }
+    store8(out + i, y);
+}
+
+__global__ void swiglu_backward_kernel(bf16* d_gate_up, const bf16* d_out, const bf16* gate_up, int N, int F) {
+    size_t i = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) * 8;
+    if (i >= (size_t)N * F) return;
+    size_t n = i / F, f = i % F;
+    bf16x8 g = load8(gate_up + n * 2 * F + f), u = load8(gate_up + n * 2 * F + F + f), dy = load8(d_out + i);
+    bf16x8 dg, du;
+    for (int k = 0; k < 8; k++) {
+        float gk = __bfloat162float(g.v[k]), uk = __bfloat162float(u.v[k]), dyk = __bfloat162float(dy.v[k]);
+        float sig = 1.0f / (1.0f + __expf(-gk));
+        dg.v[k] = __float2bfloat16(dyk * uk * sig * (1.0f + gk * (1.0f - sig)));
+        du.v[k] = __float2bfloat16(dyk * gk * sig);
+    }
+    store8(d_gate_up + n * 2 * F + f, dg);
+    store8(d_gate_up + n * 2 * F + F + f, du);
+}
+
+static void swiglu_forward(bf16* out, const bf16* gate_up, int N, int F, cudaStream_t s) {
+    swiglu_forward_kernel<<<ceil_div((size_t)N * F / 8, 256), 256, 0, s>>>(out, gate_up, N, F);
+    LAUNCH_CHECK();
+}
+
+static void swiglu_backward(bf16* d_gate_up, const bf16* d_out, const bf16* gate_up, int N, int F, cudaStream_t s) {
+    swiglu_backward_kernel<<<ceil_div((size_t)N * F / 8, 256), 256, 0, s>>>(d_gate_up, d_out, gate_up, N, F);
+    LAUNCH_CHECK();
+}
+
+// ----------------------------------------------------------------------------------------------
+// Cross-entropy over one chunk of bf16 logits, fused with its gradient, in place.
+// For a row with logits z and target y: loss = logsumexp(z) - z[y], and
+//   dL/dz = (softmax(z) - onehot(y)) * d_loss,
+// where d_loss = 1 / (number of tokens in the optimizer step) makes the step's loss a mean.
+// One block per row: the first pass finds the max and the sum of exponentials online (each thread
+// over its own 8-wide slices, then combined across the block), the second overwrites the logits
+// with their gradient. Per-row losses go to `losses` for a deterministic sum later.
+
+__global__ void cross_entropy_kernel(bf16* logits, float* losses, const int* targets, int V, float d_loss) {
+    bf16* z = logits + (size_t)blockIdx.x * V;
+    const int target = targets[blockIdx.x];
+    const float z_target = __bfloat162float(z[target]);  // read before anyone overwrites it
+    float m = -FLT_MAX, sum = 0.0f;
+    for (int i = threadIdx.x * 8; i < V; i += blockDim.x * 8) {
+        bf16x8 v = load8(z + i);
+        for (int k = 0; k < 8; k++) {
+            float x = __bfloat162float(v.v[k]);
+            if (x > m) {
+                sum = sum * __expf(m - x) + 1.0f;
+                m = x;
+            } else {
+                sum += __expf(x - m);
+            }
+        }
+    }
+    // Combine (m, sum) across the block: rescale every thread's sum to the block's max.
+    __shared__ float block_max;
+    float mx = m;
+    for (int offset = 16; offset > 0; offset >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
+    __shared__ float warp_max[32];
+    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = mx;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float b = -FLT_MAX;
+        for (int w = 0; w < blockDim.x / 32; w++) b = fmaxf(b, warp_max[w]);
+        block_max = b;
+    }
+    __syncthreads();
+    float total = block_sum(sum * __expf(m - block_max));
+    float lse = block_max + logf(total);
+    if (threadIdx.x == 0) losses[blockIdx.x] = lse - z_target;
+    for (int i = threadIdx.x * 8; i < V; i += blockDim.x * 8) {
+        bf16x8 v = load8(z + i);
+        for (int k = 0; k < 8; k++) {
+            float p = __expf(__bfloat162float(v.v[k]) - lse);
+            v.v[k] = __float2bfloat16((p - (i + k == target ? 1.0f : 0.0f)) * d_loss);
+        }
+        store8(z + i, v);
+    }
+}
+
+static void cross_entropy(bf16* logits, float* losses, const int* targets, int rows, int V, float d_loss,
+                          cudaStream_t s) {
+    cross_entropy_kernel<<<rows, 512, 0, s>>>(logits, losses, targets, V, d_loss);
+    LAUNCH_CHECK();
+}
+
+// ----------------------------------------------------------------------------------------------
+// AdamW, fused with gradient clipping and the bf16 copy of the weights.
+// With g = grad * clip_scale, clip_scale = min(1, max_norm / ||grad||) read from the device (so the
+// host never waits for the norm):
+//   m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
+//   p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + lr * wd * p     (decoupled decay)
+// Weight decay applies to elements [0, decay_end) of the flat buffer: train_gpt lays out the
+// matrices first and the norm weights after them, so one boundary says what decays.
+
+__global__ void adamw_kernel(float* master, bf16* params, const float* grads, float* m, float* v, size_t begin,
+                             size_t end, size_t decay_end, float lr, float beta1, float beta2, float eps,
+                             float weight_decay, float bias_corr1, float bias_corr2, const float* grad_norm_sq,
+                             float max_norm) {
+    float norm = sqrtf(*grad_norm_sq);
+    float clip_scale = (max_norm > 0.0f && norm > max_norm) ? max_norm / norm : 1.0f;
+    for (size_t i = begin + blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < end;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float g = grads[i] * clip_scale;
+        float mi = beta1 * m[i] + (1.0f - beta1) * g;
+        float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+        m[i] = mi;
+        v[i] = vi;
+        float p = master[i];
+        float wd = i < decay_end ? weight_decay : 0.0f;
+        p -= lr * ((mi / bias_corr1) / (sqrtf(vi / bias_corr2) + eps) + wd * p);
+        master[i] = p;
+        params[i] = __float2bfloat16(p);
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// Matmuls through cuBLASLt.
+//
+// Every matmul of the model has one of three row-major forms, for a linear layer y = x W^T with
+// x [N, I], W [O, I] (PyTorch's layout: one row per output feature) and y [N, O]:
+//   forward          y  = x W^T (+ residual)           bf16 out
+//   backward input   dx = dy W                         bf16 out
+//   backward weight  dW += dy^T x                      fp32 out, accumulated (beta = 1)
+// cuBLASLt is column-major, and a row-major matrix is its column-major transpose, so each form
+// becomes one column-major call (the comments give the mapping). matmul() is the one place that
+// talks to cuBLASLt; it caches the heuristic's choice of algorithm per shape.
+
+typedef struct {
+    int m, n, k;
+    bool trans_a, trans_b, d_fp32, has_c;
+    cublasLtMatmulAlgo_t algo;
+} MatmulPlan;
+
+static cublasLtHandle_t g_cublaslt;
+static void* g_cublaslt_workspace;
+static const size_t CUBLASLT_WORKSPACE_BYTES = 32u << 20;
+static MatmulPlan g_plans[128];
+static int g_n_plans;
+
+static inline void cublas_check_(cublasStatus_t status, const char* what, const char* file, int line) {
+    if (status != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "cuBLASLt error at %s:%d: %s: %s\n", file, line, what, cublasLtGetStatusString(status));
+        exit(1);
+    }
+}
+#define CUBLAS_CHECK(call) cublas_check_((call), #call, __FILE__, __LINE__)
+
+static void matmul_init(void) {
+    CUBLAS_CHECK(cublasLtCreate(&g_cublaslt));
+    CUDA_CHECK(cudaMalloc(&g_cublaslt_workspace, CUBLASLT_WORKSPACE_BYTES));
+}
+
+static void matmul_free(void) {
+    CUBLAS_CHECK(cublasLtDestroy(g_cublaslt));
+    CUDA_CHECK(cudaFree(g_cublaslt_workspace));
+    g_n_plans = 0;
+}
+
+// Column-major D[m, n] = alpha * op(A)[m, k] op(B)[k, n] + beta * C, with bf16 A and B, fp32
+// accumulation, and D (and C) either bf16 or fp32. All pointers are 256-byte aligned and every
+// leading dimension is the stored matrix's row count, i.e. the matrices are dense.
+static void matmul(void* d, const void* c, const bf16* a, const bf16* b, int m, int n, int k, bool trans_a,
+                   bool trans_b, bool d_fp32, float beta, cudaStream_t stream) {
+    cudaDataType_t d_type = d_fp32 ? CUDA_R_32F : CUDA_R_16BF;
+    cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t layout_a, layout_b, layout_c;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_a, CUDA_R_16BF, trans_a ? k : m, trans_a ? m : k, trans_a ? k : m));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_b, CUDA_R_16BF, trans_b ? n : k, trans_b ? k : n, trans_b ? n : k));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_c, d_type, m, n, m));
+
+    bool has_c = beta != 0.0f;
+    MatmulPlan* plan = NULL;
+    for (int i = 0; i < g_n_plans; i++) {
+        MatmulPlan* p = &g_plans[i];
+        if (p->m == m && p->n == n && p->k == k && p->trans_a == trans_a && p->trans_b == trans_b &&
+            p->d_fp32 == d_fp32 && p->has_c == has_c)
+            plan = p;
+    }
+    if (!plan) {
+        cublasLtMatmulPreference_t pref;
+        CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                          &CUBLASLT_WORKSPACE_BYTES, sizeof(size_t)));
+        cublasLtMatmulHeuristicResult_t result;
+        int n_results = 0;
+        CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g_cublaslt, desc, layout_a, layout_b, layout_c, layout_c, pref, 1,
+                                                    &result, &n_results));
+        CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+        if (n_results == 0) {
+            fprintf(stderr, "cuBLASLt has no algorithm for a %dx%dx%d matmul (trans %d%d, %s out)\n", m, n, k,
+                    trans_a, trans_b, d_fp32 ? "fp32" : "bf16");
+            exit(1);
+        }
+        if (g_n_plans == (int)(sizeof(g_plans) / sizeof(g_plans[0]))) g_n_plans = 0;  // full: start over
+        plan = &g_plans[g_n_plans++];
+        *plan = (MatmulPlan){m, n, k, trans_a, trans_b, d_fp32, has_c, result.algo};
+    }
+    const float alpha = 1.0f;
+    CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, desc, &alpha, a, layout_a, b, layout_b, &beta, has_c ? c : d, layout_c,
+                                d, layout_c, &plan->algo, g_cublaslt_workspace, CUBLASLT_WORKSPACE_BYTES, stream));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(layout_a));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(layout_b));
+    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(layout_c));
+    CUBLAS_CHECK(cublasLtMatmulDescDestroy(desc));
+}
+
+// y[N, O] = x[N, I] W[O, I]^T (+ residual[N, O] when residual is not NULL).
+// Column-major: D[m=O, n=N] = op_T(W, stored [I, O]) x^T (stored [I, N]), D stored [O, N] = y.
+static void linear_forward(bf16* y, const bf16* x, const bf16* W, const bf16* residual, int N, int I, int O,
+                           cudaStream_t s) {
+    matmul(y, residual, W, x, O, N, I, true, false, false, residual ? 1.0f : 0.0f, s);
+}
+
+// dx[N, I] = dy[N, O] W[O, I].   Column-major: D[m=I, n=N] = W(stored [I, O]) dy^T(stored [O, N]).
+static void linear_backward_input(bf16* dx, const bf16* dy, const bf16* W, int N, int I, int O, cudaStream_t s) {
+    matmul(dx, NULL, W, dy, I, N, O, false, false, false, 0.0f, s);
+}
+
+// dW[O, I] += dy[N, O]^T x[N, I].   Column-major: D[m=I, n=O] = x^T(stored [I, N]) op_T(dy stored [O, N]).
+static void linear_backward_weight(float* dW, const bf16* dy, const bf16* x, int N, int I, int O, cudaStream_t s) {
+    matmul(dW, dW, x, dy, I, O, N, false, true, true, 1.0f, s);
+}
+
+#endif

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call: build everything, run the test suite on the GPU, benchmark train_gpt beside
+# PyTorch (torch_baseline.py, carried in .bench/), and compare an export against transformers.
+# Usage (on the device machine, from the repo root): bash scripts/device_run.sh [steps...]
+#   steps: any of build test bench torch hf (default: all). Logs go to $OUT (or /tmp/out).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+steps=${*:-build test bench torch hf}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+for step in $steps; do
+  echo "=== $step"
+  case $step in
+    build) make -j16 train_gpt test_gpt dev 2>&1 | grep -E "error|warning" | head -30; ls -la train_gpt test_gpt ;;
+    test) ./test_gpt 2>&1 | tee "$OUT/test.log" | grep -vE "^\S+ +ok \(" ;;
+    bench)
+      for rc in 1 0; do
+        ./train_gpt --bench --recompute $rc --out /tmp/bench_out 2>&1 | tee "$OUT/bench_rc$rc.log" | grep -E "memory plan|^\{|error" ;
+      done ;;
+    torch)
+      PYTHONUNBUFFERED=1 python3 .bench/torch_baseline.py --model-size small --n-head 6 --n-kv-head 2 --head-dim 128 \
+        --compile default --rope-theta 10000 2>&1 | tee "$OUT/torch_small.log" | tail -2 ;;
+    hf)
+      rm -rf /tmp/hf && ./train_gpt --bench --bench-steps 20 --batch 4 --seq 256 --out /tmp/hf_out --dump-grads /tmp/hf \
+        > "$OUT/hf_dump.log" 2>&1; tail -1 "$OUT/hf_dump.log"
+      cp /tmp/hf/grads.json "$OUT/hf_grads.json" 2>/dev/null
+      python3 scripts/hf_check.py /tmp/hf --also-bf16 2>&1 | tee "$OUT/hf_check.log" | tail -25 ;;
+  esac
+done

@@ -1,0 +1,1246 @@
+/*
+ * train_gpt.cu - train a Qwen3-architecture GQA transformer on one NVIDIA GPU, in one file.
+ *
+ * The model, top to bottom (shapes for one micro-batch of N = B*T tokens, C = d_model):
+ *   x = embed[tokens]                                                          [N, C]
+ *   for each layer:
+ *     h    = rmsnorm(x) @ W_qkv^T                  q | k | v heads             [N, (Hq + 2 Hkv) D]
+ *     q, k = rope(rmsnorm_per_head(q), rmsnorm_per_head(k))   (Qwen3's QK norm before RoPE)
+ *     x    = x + attention(q, k, v) @ W_o^T        causal, KV head j serves query heads jG..jG+G-1
+ *     x    = x + (silu(g) * u) @ W_down^T,  [g | u] = rmsnorm(x) @ W_gate_up^T
+ *   logits = rmsnorm(x) @ embed^T                  tied output head, never materialized whole
+ *   loss   = mean cross-entropy of the next token
+ *
+ * What lives where: kernels.cuh holds the CUDA kernels and the cuBLASLt wrapper, data.h the token
+ * shards, loader and tokenizer, ckpt.h the safetensors and checkpoint files. This file holds the
+ * config, the tables that lay out parameters and activations in a few big buffers, forward,
+ * backward, the optimizer step, the HF export, the command line and the training loop.
+ *
+ * Precision: bf16 weights and activations for compute, fp32 accumulation everywhere, fp32 master
+ * weights, gradients and AdamW moments. One convention to know: parameters live in ONE flat buffer
+ * (the same layout for the fp32 master copy, the bf16 copy, the gradients and both moments), with
+ * every matrix first and every norm weight after them, so that "decays or not" is one boundary.
+ * test_gpt.cu #includes this file with TRAIN_GPT_NO_MAIN defined, so tests run this exact code.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <stdint.h>
+#include <stdbool.h>
+#include <string.h>
+#include <math.h>
+#include <time.h>
+#include <errno.h>
+#include <sys/stat.h>
+#include "cuda_common.h"
+#include "kernels.cuh"
+#include "data.h"
+#include "ckpt.h"
+
+// ----------------------------------------------------------------------------------------------
+// The model's configuration
+
+typedef struct {
+    int vocab_size;  // V: rows of the tied embedding (GPT-2's 50257 tokens padded to 50304)
+    int d_model;     // C
+    int n_layer;     // L
+    int n_head;      // Hq: query heads
+    int n_kv_head;   // Hkv: key/value heads; each serves G = Hq / Hkv query heads
+    int head_dim;    // D
+    int ffn_dim;     // F: width of the SwiGLU hidden layer
+    int seq_len;     // T: tokens per sequence (and the length of the RoPE table)
+    float rope_theta;
+    float norm_eps;
+} ModelConfig;
+
+#define MAX_LAYERS 256
+
+static const ModelConfig DEFAULT_CONFIG = {50304, 768, 12, 6, 2, 128, 2048, 1024, 10000.0f, 1e-6f};
+
+static int qkv_dim(const ModelConfig* c) { return (c->n_head + 2 * c->n_kv_head) * c->head_dim; }
+
+// Says what is wrong with a config, in one line naming the constraint, before anything is
+// allocated. The constraints come from the kernels: 16-byte row vectors (multiples of 8), the
+// attention kernels (head_dim 64 or 128), shared memory (d_model), uint16 token ids, and GQA's
+// grouping.
+static bool config_check(const ModelConfig* c, char* err, size_t err_len) {
+#define REQUIRE(cond, ...)                          \
+    do {                                            \
+        if (!(cond)) {                              \
+            snprintf(err, err_len, __VA_ARGS__);    \
+            return false;                           \
+        }                                           \
+    } while (0)
+    REQUIRE(c->vocab_size > 0 && c->vocab_size <= 65536 && c->vocab_size % 8 == 0,
+            "vocab size %d must be a multiple of 8 in [8, 65536] (tokens are uint16)", c->vocab_size);
+    REQUIRE(c->d_model > 0 && c->d_model % 8 == 0 && c->d_model <= 8192,
+            "d_model %d must be a positive multiple of 8, at most 8192 (the RMSNorm backward keeps 4 fp32 rows "
+            "of d_model in shared memory)", c->d_model);
+    REQUIRE(c->n_layer >= 1 && c->n_layer <= MAX_LAYERS, "n_layer %d must be in [1, %d]", c->n_layer, MAX_LAYERS);
+    REQUIRE(c->n_head >= 1 && c->n_kv_head >= 1, "n_head %d and n_kv_head %d must be positive", c->n_head,
+            c->n_kv_head);
+    REQUIRE(c->n_head % c->n_kv_head == 0, "n_head %d must be a multiple of n_kv_head %d (GQA groups)", c->n_head,
+            c->n_kv_head);
+    REQUIRE(c->head_dim == 64 || c->head_dim == 128, "head_dim %d must be 64 or 128 (the attention kernels)",
+            c->head_dim);
+    REQUIRE(c->ffn_dim > 0 && c->ffn_dim % 8 == 0, "ffn_dim %d must be a positive multiple of 8", c->ffn_dim);
+    REQUIRE(c->seq_len >= 1 && c->seq_len <= 131072, "seq_len %d must be in [1, 131072]", c->seq_len);
+    REQUIRE(c->rope_theta > 0.0f, "rope_theta %g must be positive", c->rope_theta);
+    REQUIRE(c->norm_eps > 0.0f && c->norm_eps < 1.0f, "norm_eps %g must be in (0, 1)", c->norm_eps);
+#undef REQUIRE
+    return true;
+}
+
+// ----------------------------------------------------------------------------------------------
+// The parameter table: every tensor has a named entry with its shape, its place in the flat buffer
+// and whether it decays. Nothing else in the program knows where a tensor lives.
+
+typedef enum {
+    // matrices (weight decay applies)
+    P_EMBED, P_QKV, P_ATTN_OUT, P_GATE_UP, P_DOWN,
+    // norm weights (no decay)
+    P_ATTN_NORM, P_Q_NORM, P_K_NORM, P_MLP_NORM, P_FINAL_NORM,
+    N_PARAM_KINDS
+} ParamKind;
+
+typedef struct {
+    const char* name;
+    bool per_layer;
+    bool decay;
+} ParamKindInfo;
+
+static const ParamKindInfo PARAM_KINDS[N_PARAM_KINDS] = {
+    {"embed", false, true},      {"qkv", true, true},     {"attn_out", true, true},
+    {"gate_up", true, true},     {"down", true, true},    {"attn_norm", true, false},
+    {"q_norm", true, false},     {"k_norm", true, false}, {"mlp_norm", true, false},
+    {"final_norm", false, false},
+};
+
+typedef struct {
+    ParamKind kind;
+    int layer;          // -1 for tensors outside the layers
+    int64_t rows, cols; // a norm weight is 1 x n
+    size_t offset;      // in elements, into the flat buffers
+    char name[48];      // e.g. "layers.3.qkv"
+} ParamTensor;
+
+typedef struct {
+    ParamTensor* tensors;
+    int n_tensors;
+    int first[N_PARAM_KINDS];  // index of a kind's first tensor; layer l of a kind is first + l
+    size_t n_elements;         // length of the flat buffers, padding included
+    size_t decay_end;          // elements [0, decay_end) decay
+} ParamTable;
+
+// Every tensor starts on a 256-byte boundary of the bf16 buffer (cuBLASLt's preferred alignment);
+// the padding between tensors is zero in every buffer and stays zero.
+#define PARAM_ALIGN 128
+
+static void param_shape(const ModelConfig* c, ParamKind kind, int64_t* rows, int64_t* cols) {
+    int64_t C = c->d_model, D = c->head_dim;
+    switch (kind) {
+    case P_EMBED: *rows = c->vocab_size; *cols = C; break;
+    case P_QKV: *rows = qkv_dim(c); *cols = C; break;
+    case P_ATTN_OUT: *rows = C; *cols = c->n_head * D; break;
+    case P_GATE_UP: *rows = 2 * (int64_t)c->ffn_dim; *cols = C; break;
+    case P_DOWN: *rows = C; *cols = c->ffn_dim; break;
+    case P_Q_NORM: case P_K_NORM: *rows = 1; *cols = D; break;
+    default: *rows = 1; *cols = C; break;  // the d_model-wide norms
+    }
+}
+
+static void param_table_build(ParamTable* pt, const ModelConfig* c) {
+    pt->n_tensors = 0;
+    for (int k = 0; k < N_PARAM_KINDS; k++) pt->n_tensors += PARAM_KINDS[k].per_layer ? c->n_layer : 1;
+    pt->tensors = (ParamTensor*)calloc(pt->n_tensors, sizeof(ParamTensor));
+    size_t offset = 0;
+    int i = 0;
+    for (int k = 0; k < N_PARAM_KINDS; k++) {  // the enum lists the decayed kinds first
+        if (!PARAM_KINDS[k].decay && i > 0 && PARAM_KINDS[k - 1].decay) pt->decay_end = offset;
+        pt->first[k] = i;
+        int n = PARAM_KINDS[k].per_layer ? c->n_layer : 1;
+        for (int l = 0; l < n; l++, i++) {
+            ParamTensor* t = &pt->tensors[i];
+            t->kind = (ParamKind)k;
+            t->layer = PARAM_KINDS[k].per_layer ? l : -1;
+            param_shape(c, t->kind, &t->rows, &t->cols);
+            t->offset = offset;
+            if (t->layer >= 0) snprintf(t->name, sizeof(t->name), "layers.%d.%s", l, PARAM_KINDS[k].name);
+            else snprintf(t->name, sizeof(t->name), "%s", PARAM_KINDS[k].name);
+            offset += ((size_t)(t->rows * t->cols) + PARAM_ALIGN - 1) / PARAM_ALIGN * PARAM_ALIGN;
+        }
+    }
+    pt->n_elements = offset;
+}
+
+static const ParamTensor* param(const ParamTable* pt, ParamKind kind, int layer) {
+    return &pt->tensors[pt->first[kind] + (PARAM_KINDS[kind].per_layer ? layer : 0)];
+}
+
+static size_t param_count(const ParamTable* pt) {  // without padding
+    size_t n = 0;
+    for (int i = 0; i < pt->n_tensors; i++) n += (size_t)(pt->tensors[i].rows * pt->tensors[i].cols);
+    return n;
+}
+
+// FLOPs per token of one training step (forward + backward), the convention of ANCHORS.md and of
+// torch_baseline.py: 6 per matmul weight (2 forward, 4 backward; the tied embedding counted once,
+// as the output head; the lookup is no matmul) plus attention's two T x T products counted in full
+// (12 L Hq D T), ignoring the causal mask, as PaLM and nanoGPT do. Norms, RoPE, softmax and the
+// optimizer are not counted.
+static double flops_per_token(const ModelConfig* c) {
+    double C = c->d_model, Dq = (double)c->n_head * c->head_dim, Dkv = (double)c->n_kv_head * c->head_dim;
+    double per_layer = C * Dq + 2 * C * Dkv + Dq * C + 3 * C * c->ffn_dim;
+    double matmul_weights = c->n_layer * per_layer + (double)c->vocab_size * C;
+    return 6 * matmul_weights + 12.0 * c->n_layer * Dq * c->seq_len;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Activations: what the forward keeps for the backward, per layer, and the backward's scratch.
+// With recompute on, the cheap elementwise outputs (both RMSNorm outputs, the normed and rotated
+// q/k/v, the SwiGLU output) are not kept per layer: every layer writes the same buffer, and the
+// backward runs those kernels again before it needs them.
+
+typedef struct {
+    // kept by the forward
+    bf16* residual[MAX_LAYERS + 1];   // [N, C] residual stream entering layer l; [L] enters the final norm
+    bf16* residual_mid[MAX_LAYERS];   // [N, C] after the attention block of layer l
+    float* rstd_attn[MAX_LAYERS];     // [N]
+    float* rstd_mlp[MAX_LAYERS];      // [N]
+    float* rstd_qk[MAX_LAYERS];       // [N, Hq + Hkv]
+    bf16* xnorm_attn[MAX_LAYERS];     // [N, C]            (shared when recomputed)
+    bf16* qkv[MAX_LAYERS];            // [N, (Hq+2Hkv) D]  the projection's output, before the norms
+    bf16* qkv_rot[MAX_LAYERS];        // [N, (Hq+2Hkv) D]  normed and rotated q, k; v (shared when recomputed)
+    bf16* attn_out[MAX_LAYERS];       // [N, Hq D]
+    float* lse[MAX_LAYERS];           // [B, Hq, T]        attention's logsumexp per query row
+    bf16* xnorm_mlp[MAX_LAYERS];      // [N, C]            (shared when recomputed)
+    bf16* gate_up[MAX_LAYERS];        // [N, 2F]
+    bf16* mlp_act[MAX_LAYERS];        // [N, F]            (shared when recomputed)
+    float* rstd_final;                // [N]
+    bf16* xnorm_final;                // [N, C]
+    bf16* logits;                     // [R, V]  one chunk of rows of the output head
+    float* losses;                    // [N]     per-token loss
+    // the backward's scratch, reused by every layer
+    bf16* d_residual;                 // [N, C]  dL/d(residual stream), updated in place layer by layer
+    bf16* d_xnorm;                    // [N, C]  dL/d(a norm's output)
+    bf16* d_mlp_act;                  // [N, F]
+    bf16* d_gate_up;                  // [N, 2F]          } one region: the MLP's backward is done
+    bf16* d_attn_out;                 // [N, Hq D]        } before the attention's begins
+    bf16* d_qkv;                      // [N, (Hq+2Hkv) D] }
+    float* attn_delta;                // [B, Hq, T]
+    float* partials;                  // per-block partial sums of the deterministic reductions
+    // the step's scalars
+    float* loss_sum;                  // [1]  sum of per-token losses over the step's micro-batches
+    float* grad_norm_sq;              // [1]
+    // the batch on the device: inputs, targets, and the embedding backward's buckets
+    int* tokens;                      // [5N + 1] laid out as in Batch below
+} Activations;
+
+// One micro-batch as it is uploaded: the inputs and targets, and the positions sorted by token for
+// the deterministic embedding backward (see embedding_backward in kernels.cuh).
+typedef struct {
+    int* inputs;         // [N]
+    int* targets;        // [N]
+    int* bucket_pos;     // [N]      positions grouped by token, increasing within a group
+    int* bucket_token;   // [N]      the token of each group (first n_buckets entries)
+    int* bucket_start;   // [N + 1]  group u is bucket_pos[bucket_start[u] .. bucket_start[u+1])
+    int n_buckets;
+} Batch;
+
+static void batch_layout(Batch* b, int* base, int N) {
+    b->inputs = base;
+    b->targets = base + N;
+    b->bucket_pos = base + 2 * N;
+    b->bucket_token = base + 3 * N;
+    b->bucket_start = base + 4 * N;
+}
+
+// ----------------------------------------------------------------------------------------------
+// The model on the GPU
+
+typedef struct {
+    ModelConfig cfg;
+    ParamTable table;
+    int B, T, N;            // micro-batch shape, N = B * T
+    int loss_chunk;         // R: rows of the output head processed at once
+    bool recompute;
+    // the flat parameter buffers, table.n_elements long each
+    float* master;          // fp32 weights, updated by AdamW
+    bf16* params;           // bf16 copy used by forward and backward
+    float* grads;           // fp32, accumulated over micro-batches
+    float* adam_m;
+    float* adam_v;
+    Activations act;
+    float* rope_cos;        // [T, D/2]
+    float* rope_sin;
+    void* activation_memory;  // the two allocations the Activations are carved from
+    void* scratch_memory;
+    cudaStream_t stream;
+    size_t bytes_params, bytes_grads, bytes_optimizer, bytes_activations, bytes_scratch;
+} GPT;
+
+static bf16* P(const GPT* m, ParamKind kind, int layer) { return m->params + param(&m->table, kind, layer)->offset; }
+static float* G(const GPT* m, ParamKind kind, int layer) { return m->grads + param(&m->table, kind, layer)->offset; }
+
+// A bump allocator over one cudaMalloc: every carve is 256-byte aligned.
+typedef struct {
+    char* base;
+    size_t used, size;
+} Arena;
+
+static void* arena_take(Arena* a, size_t bytes) {
+    size_t start = (a->used + 255) / 256 * 256;
+    a->used = start + bytes;
+    return a->base ? (void*)(a->base + start) : NULL;  // base == NULL: only measuring
+}
+
+// Lays out (or, with a->base == NULL, just measures) the activations and scratch.
+static void activations_layout(Activations* a, Arena* kept, Arena* scratch, const ModelConfig* c, int B, int T,
+                               int loss_chunk, bool recompute) {
+    size_t N = (size_t)B * T, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c), A = (size_t)c->n_head * c->head_dim;
+    size_t heads = (size_t)B * c->n_head * T;
+    int L = c->n_layer;
+    bf16 *xnorm_attn = NULL, *qkv_rot = NULL, *xnorm_mlp = NULL, *mlp_act = NULL;
+    if (recompute) {
+        xnorm_attn = (bf16*)arena_take(kept, N * C * 2);
+        qkv_rot = (bf16*)arena_take(kept, N * Q * 2);
+        xnorm_mlp = (bf16*)arena_take(kept, N * C * 2);
+        mlp_act = (bf16*)arena_take(kept, N * F * 2);
+    }
+    for (int l = 0; l <= L; l++) a->residual[l] = (bf16*)arena_take(kept, N * C * 2);
+    for (int l = 0; l < L; l++) {
+        a->residual_mid[l] = (bf16*)arena_take(kept, N * C * 2);
+        a->rstd_attn[l] = (float*)arena_take(kept, N * 4);
+        a->rstd_mlp[l] = (float*)arena_take(kept, N * 4);
+        a->rstd_qk[l] = (float*)arena_take(kept, N * (c->n_head + c->n_kv_head) * 4);
+        a->qkv[l] = (bf16*)arena_take(kept, N * Q * 2);
+        a->attn_out[l] = (bf16*)arena_take(kept, N * A * 2);
+        a->lse[l] = (float*)arena_take(kept, heads * 4);
+        a->gate_up[l] = (bf16*)arena_take(kept, N * 2 * F * 2);
+        a->xnorm_attn[l] = recompute ? xnorm_attn : (bf16*)arena_take(kept, N * C * 2);
+        a->qkv_rot[l] = recompute ? qkv_rot : (bf16*)arena_take(kept, N * Q * 2);
+        a->xnorm_mlp[l] = recompute ? xnorm_mlp : (bf16*)arena_take(kept, N * C * 2);
+        a->mlp_act[l] = recompute ? mlp_act : (bf16*)arena_take(kept, N * F * 2);
+    }
+    a->rstd_final = (float*)arena_take(kept, N * 4);
+    a->xnorm_final = (bf16*)arena_take(kept, N * C * 2);
+    a->losses = (float*)arena_take(kept, N * 4);
+
+    a->logits = (bf16*)arena_take(scratch, (size_t)loss_chunk * c->vocab_size * 2);
+    a->d_residual = (bf16*)arena_take(scratch, N * C * 2);
+    a->d_xnorm = (bf16*)arena_take(scratch, N * C * 2);
+    a->d_mlp_act = (bf16*)arena_take(scratch, N * F * 2);
+    size_t attn_region = (N * A * 2 + 255) / 256 * 256 + N * Q * 2;
+    char* shared = (char*)arena_take(scratch, attn_region > N * 2 * F * 2 ? attn_region : N * 2 * F * 2);
+    a->d_gate_up = (bf16*)shared;
+    a->d_attn_out = (bf16*)shared;
+    a->d_qkv = shared ? (bf16*)(shared + (N * A * 2 + 255) / 256 * 256) : NULL;
+    a->attn_delta = (float*)arena_take(scratch, heads * 4);
+    size_t norm_partials = (size_t)ceil_div(N, RMSNORM_BWD_ROWS) * C;
+    size_t qk_partials = (size_t)ceil_div(N * (c->n_head + c->n_kv_head), QK_BWD_TASKS) * 2 * c->head_dim;
+    size_t partials = norm_partials > qk_partials ? norm_partials : qk_partials;
+    a->partials = (float*)arena_take(scratch, (partials > REDUCE_BLOCKS ? partials : REDUCE_BLOCKS) * 4);
+    a->loss_sum = (float*)arena_take(scratch, 4);
+    a->grad_norm_sq = (float*)arena_take(scratch, 4);
+    a->tokens = (int*)arena_take(scratch, (5 * N + 1) * 4);
+}
+
+// RoPE tables, computed as transformers does (fp32 inverse frequencies, fp32 angles), so that an
+// exported model sees the same rotation: angle(t, i) = t * theta^(-2i/D).
+static void rope_tables(float* cos_out, float* sin_out, int T, int D, float theta) {
+    for (int i = 0; i < D / 2; i++) {
+        float inv_freq = 1.0f / powf(theta, (float)(2 * i) / (float)D);
+        for (int t = 0; t < T; t++) {
+            float angle = (float)t * inv_freq;
+            cos_out[t * (D / 2) + i] = cosf(angle);
+            sin_out[t * (D / 2) + i] = sinf(angle);
+        }
+    }
+}
+
+static double gib(size_t bytes) { return bytes / (double)(1ull << 30); }
+
+static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recompute, int loss_chunk) {
+    memset(m, 0, sizeof(*m));
+    m->cfg = *cfg;
+    m->B = B;
+    m->T = T;
+    m->N = B * T;
+    m->recompute = recompute;
+    m->loss_chunk = loss_chunk < m->N ? loss_chunk : m->N;
+    param_table_build(&m->table, cfg);
+    CUDA_CHECK(cudaStreamCreate(&m->stream));
+    matmul_init();
+
+    size_t P = m->table.n_elements;
+    m->bytes_params = P * (4 + 2);
+    m->bytes_grads = P * 4;
+    m->bytes_optimizer = P * 8;
+    CUDA_CHECK(cudaMalloc(&m->master, P * 4));
+    CUDA_CHECK(cudaMalloc(&m->params, P * 2));
+    CUDA_CHECK(cudaMalloc(&m->grads, P * 4));
+    CUDA_CHECK(cudaMalloc(&m->adam_m, P * 4));
+    CUDA_CHECK(cudaMalloc(&m->adam_v, P * 4));
+    CUDA_CHECK(cudaMemsetAsync(m->grads, 0, P * 4, m->stream));
+    CUDA_CHECK(cudaMemsetAsync(m->adam_m, 0, P * 4, m->stream));
+    CUDA_CHECK(cudaMemsetAsync(m->adam_v, 0, P * 4, m->stream));
+
+    Arena kept = {NULL, 0, 0}, scratch = {NULL, 0, 0};
+    activations_layout(&m->act, &kept, &scratch, cfg, B, T, m->loss_chunk, recompute);  // measure
+    m->bytes_activations = kept.used;
+    m->bytes_scratch = scratch.used;
+    CUDA_CHECK(cudaMalloc(&kept.base, kept.used));
+    CUDA_CHECK(cudaMalloc(&scratch.base, scratch.used));
+    m->activation_memory = kept.base;
+    m->scratch_memory = scratch.base;
+    kept.used = scratch.used = 0;
+    activations_layout(&m->act, &kept, &scratch, cfg, B, T, m->loss_chunk, recompute);  // carve
+
+    int D = cfg->head_dim;
+    size_t rope_n = (size_t)T * (D / 2);
+    float* host_rope = (float*)malloc(2 * rope_n * sizeof(float));
+    rope_tables(host_rope, host_rope + rope_n, T, D, cfg->rope_theta);
+    CUDA_CHECK(cudaMalloc(&m->rope_cos, 2 * rope_n * sizeof(float)));
+    m->rope_sin = m->rope_cos + rope_n;
+    CUDA_CHECK(cudaMemcpy(m->rope_cos, host_rope, 2 * rope_n * sizeof(float), cudaMemcpyHostToDevice));
+    free(host_rope);
+}
+
+static void gpt_free(GPT* m) {
+    CUDA_CHECK(cudaFree(m->master));
+    CUDA_CHECK(cudaFree(m->params));
+    CUDA_CHECK(cudaFree(m->grads));
+    CUDA_CHECK(cudaFree(m->adam_m));
+    CUDA_CHECK(cudaFree(m->adam_v));
+    CUDA_CHECK(cudaFree(m->activation_memory));
+    CUDA_CHECK(cudaFree(m->scratch_memory));
+    CUDA_CHECK(cudaFree(m->rope_cos));
+    CUDA_CHECK(cudaStreamDestroy(m->stream));
+    matmul_free();
+    free(m->table.tensors);
+}
+
+static size_t gpt_bytes_total(const GPT* m) {
+    return m->bytes_params + m->bytes_grads + m->bytes_optimizer + m->bytes_activations + m->bytes_scratch +
+           CUBLASLT_WORKSPACE_BYTES;
+}
+
+// Initialization as in GPT-2 and torch_baseline.py: matrices N(0, 0.02), norm weights 1.
+// Each tensor draws from its own seed (seed + tensor index), so its values do not depend on the
+// layout of the flat buffer.
+static void gpt_init(GPT* m, uint64_t seed) {
+    CUDA_CHECK(cudaMemsetAsync(m->master, 0, m->table.n_elements * 4, m->stream));
+    for (int i = 0; i < m->table.n_tensors; i++) {
+        const ParamTensor* t = &m->table.tensors[i];
+        size_t n = (size_t)(t->rows * t->cols);
+        if (PARAM_KINDS[t->kind].decay) init_normal(m->master + t->offset, n, 0.0f, 0.02f, seed * 1000003 + i, m->stream);
+        else init_normal(m->master + t->offset, n, 1.0f, 0.0f, 0, m->stream);
+    }
+    cast_to_bf16(m->params, m->master, m->table.n_elements, m->stream);
+}
+
+static void print_memory_plan(const GPT* m) {
+    const ModelConfig* c = &m->cfg;
+    printf("model: vocab %d, d_model %d, %d layers, %d query heads, %d kv heads, head_dim %d, ffn %d, seq %d\n",
+           c->vocab_size, c->d_model, c->n_layer, c->n_head, c->n_kv_head, c->head_dim, c->ffn_dim, c->seq_len);
+    printf("parameters: %.2fM\n", param_count(&m->table) / 1e6);
+    printf("memory plan (GiB): params %.2f (fp32 master + bf16) | grads %.2f | optimizer %.2f | "
+           "activations %.2f%s | scratch %.2f (logits chunk %d rows) | cuBLASLt workspace %.2f | total %.2f\n",
+           gib(m->bytes_params), gib(m->bytes_grads), gib(m->bytes_optimizer), gib(m->bytes_activations),
+           m->recompute ? " (recompute on)" : "", gib(m->bytes_scratch), m->loss_chunk,
+           gib(CUBLASLT_WORKSPACE_BYTES), gib(gpt_bytes_total(m)));
+}
+
+// ----------------------------------------------------------------------------------------------
+// Uploading a micro-batch. The host splits the B x (T+1) window into inputs and targets and
+// counting-sorts the positions by token for the embedding backward; one copy moves it all.
+
+typedef struct {
+    int* host;            // pinned, [2][5N + 1] (double-buffered, so the host can prepare the next
+    cudaEvent_t done[2];  //  micro-batch while the previous copy may still be queued)
+    int* counts;          // [V] the counting sort's scratch: occurrences of each token
+    int* cursor;          // [V] and the next free slot of each token's bucket (-1: none yet)
+    int next;
+} Uploader;
+
+static void uploader_create(Uploader* u, int N, int V) {
+    CUDA_CHECK(cudaMallocHost(&u->host, 2 * (5 * (size_t)N + 1) * sizeof(int)));
+    for (int i = 0; i < 2; i++) CUDA_CHECK(cudaEventCreateWithFlags(&u->done[i], cudaEventDisableTiming));
+    u->counts = (int*)calloc(V, sizeof(int));
+    u->cursor = (int*)malloc(V * sizeof(int));
+    for (int v = 0; v < V; v++) u->cursor[v] = -1;
+    u->next = 0;
+}
+
+static void uploader_free(Uploader* u) {
+    CUDA_CHECK(cudaFreeHost(u->host));
+    for (int i = 0; i < 2; i++) CUDA_CHECK(cudaEventDestroy(u->done[i]));
+    free(u->counts);
+    free(u->cursor);
+}
+
+// Takes B rows of T+1 tokens; returns the batch's device layout.
+static Batch upload_batch(Uploader* u, GPT* m, const uint16_t* window) {
+    int B = m->B, T = m->T, N = m->N;
+    int* host = u->host + (size_t)u->next * (5 * (size_t)N + 1);
+    CUDA_CHECK(cudaEventSynchronize(u->done[u->next]));  // its previous copy has left
+    Batch h;
+    batch_layout(&h, host, N);
+    for (int b = 0; b < B; b++)
+        for (int t = 0; t < T; t++) {
+            h.inputs[b * T + t] = window[(size_t)b * (T + 1) + t];
+            h.targets[b * T + t] = window[(size_t)b * (T + 1) + t + 1];
+        }
+    // Counting sort by token: count each token, then walk the positions in order, opening a bucket
+    // at a token's first appearance; cursor[tok] is the next free slot of its bucket.
+    for (int n = 0; n < N; n++) u->counts[h.inputs[n]]++;
+    int n_buckets = 0, start = 0;
+    for (int n = 0; n < N; n++) {
+        int tok = h.inputs[n];
+        if (u->cursor[tok] < 0) {
+            h.bucket_token[n_buckets] = tok;
+            h.bucket_start[n_buckets++] = start;
+            u->cursor[tok] = start;
+            start += u->counts[tok];
+        }
+        h.bucket_pos[u->cursor[tok]++] = n;
+    }
+    h.bucket_start[n_buckets] = N;
+    for (int n = 0; n < N; n++) {
+        u->counts[h.inputs[n]] = 0;
+        u->cursor[h.inputs[n]] = -1;
+    }
+    h.n_buckets = n_buckets;
+    CUDA_CHECK(cudaMemcpyAsync(m->act.tokens, host, (5 * (size_t)N + 1) * sizeof(int), cudaMemcpyHostToDevice,
+                               m->stream));
+    CUDA_CHECK(cudaEventRecord(u->done[u->next], m->stream));
+    u->next ^= 1;
+    Batch d;
+    batch_layout(&d, m->act.tokens, N);
+    d.n_buckets = n_buckets;
+    return d;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Forward
+
+// The parts of layer l's forward that recompute mode runs again in the backward.
+static void attention_block_inputs(GPT* m, int l) {
+    const ModelConfig* c = &m->cfg;
+    Activations* a = &m->act;
+    rmsnorm_forward(a->xnorm_attn[l], a->rstd_attn[l], a->residual[l], P(m, P_ATTN_NORM, l), m->N, c->d_model,
+                    c->norm_eps, m->stream);
+}
+
+static void attention_rotary(GPT* m, int l) {
+    const ModelConfig* c = &m->cfg;
+    Activations* a = &m->act;
+    qk_norm_rope_forward(a->qkv_rot[l], a->rstd_qk[l], a->qkv[l], P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos,
+                         m->rope_sin, m->N, m->T, c->n_head, c->n_kv_head, c->head_dim, c->norm_eps, m->stream);
+}
+
+static void mlp_block_inputs(GPT* m, int l) {
+    const ModelConfig* c = &m->cfg;
+    Activations* a = &m->act;
+    rmsnorm_forward(a->xnorm_mlp[l], a->rstd_mlp[l], a->residual_mid[l], P(m, P_MLP_NORM, l), m->N, c->d_model,
+                    c->norm_eps, m->stream);
+}
+
+static void mlp_activation(GPT* m, int l) {
+    swiglu_forward(m->act.mlp_act[l], m->act.gate_up[l], m->N, m->cfg.ffn_dim, m->stream);
+}
+
+// Runs the layers and the final norm; leaves xnorm_final [N, C] for the output head.
+static void forward_layers(GPT* m, const Batch* batch) {
+    const ModelConfig* c = &m->cfg;
+    Activations* a = &m->act;
+    int N = m->N, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c), A = c->n_head * c->head_dim;
+    int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim;
+    embedding_forward(a->residual[0], batch->inputs, P(m, P_EMBED, 0), N, C, m->stream);
+    for (int l = 0; l < c->n_layer; l++) {
+        // attention block: residual_mid = residual + attention(qk_rope(rmsnorm(residual) W_qkv^T)) W_o^T
+        attention_block_inputs(m, l);
+        linear_forward(a->qkv[l], a->xnorm_attn[l], P(m, P_QKV, l), NULL, N, C, Q, m->stream);
+        attention_rotary(m, l);
+        const bf16* q = a->qkv_rot[l];
+        attention_forward(a->attn_out[l], a->lse[l], q, q + Hq * D, q + (Hq + Hkv) * D, Q, m->B, m->T, Hq, Hkv, D,
+                          m->stream);
+        linear_forward(a->residual_mid[l], a->attn_out[l], P(m, P_ATTN_OUT, l), a->residual[l], N, A, C, m->stream);
+        // MLP block: residual' = residual_mid + swiglu(rmsnorm(residual_mid) W_gate_up^T) W_down^T
+        mlp_block_inputs(m, l);
+        linear_forward(a->gate_up[l], a->xnorm_mlp[l], P(m, P_GATE_UP, l), NULL, N, C, 2 * F, m->stream);
+        mlp_activation(m, l);
+        linear_forward(a->residual[l + 1], a->mlp_act[l], P(m, P_DOWN, l), a->residual_mid[l], N, F, C, m->stream);
+    }
+    rmsnorm_forward(a->xnorm_final, a->rstd_final, a->residual[c->n_layer], P(m, P_FINAL_NORM, 0), N, C,
+                    c->norm_eps, m->stream);
+}
+
+// The output head and the loss, R rows at a time, so that only an R x V chunk of logits exists.
+// Per chunk: logits = xnorm_final E^T; the cross-entropy kernel turns them into per-token losses
+// and, in place, into dL/dlogits (scaled by d_loss); with `backward`, the chunk's gradient flows
+// on at once: d_xnorm = dlogits E and dE += dlogits^T xnorm_final. Adds the chunk losses' sum to
+// loss_sum (or sets it, when accumulate is false).
+static void head_and_loss(GPT* m, const Batch* batch, float d_loss, bool backward, bool accumulate) {
+    const ModelConfig* c = &m->cfg;
+    Activations* a = &m->act;
+    int N = m->N, C = c->d_model, V = c->vocab_size;
+    for (int r0 = 0; r0 < N; r0 += m->loss_chunk) {
+        int rows = N - r0 < m->loss_chunk ? N - r0 : m->loss_chunk;
+        const bf16* x = a->xnorm_final + (size_t)r0 * C;
+        linear_forward(a->logits, x, P(m, P_EMBED, 0), NULL, rows, C, V, m->stream);
+        cross_entropy(a->logits, a->losses + r0, batch->targets + r0, rows, V, d_loss, m->stream);
+        if (backward) {
+            linear_backward_input(a->d_xnorm + (size_t)r0 * C, a->logits, P(m, P_EMBED, 0), rows, C, V, m->stream);
+            linear_backward_weight(G(m, P_EMBED, 0), a->logits, x, rows, C, V, m->stream);
+        }
+    }
+    reduce_sum(a->loss_sum, a->losses, N, false, accumulate, a->partials, m->stream);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Backward: from dL/d(xnorm_final), left in d_xnorm by head_and_loss, down to the embedding.
+// Parameter gradients accumulate (+=); d_residual carries dL/d(residual stream) down the layers.
+
+static void backward(GPT* m, const Batch* batch) {
+    const ModelConfig* c = &m->cfg;
+    Activations* a = &m->act;
+    int N = m->N, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c), A = c->n_head * c->head_dim;
+    int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim, L = c->n_layer;
+    CUDA_CHECK(cudaMemsetAsync(a->d_residual, 0, (size_t)N * C * sizeof(bf16), m->stream));
+    rmsnorm_backward(a->d_residual, G(m, P_FINAL_NORM, 0), a->partials, a->d_xnorm, a->residual[L],
+                     P(m, P_FINAL_NORM, 0), a->rstd_final, N, C, m->stream);
+    for (int l = L - 1; l >= 0; l--) {
+        // MLP block. d_residual = dL/d(residual[l+1]) flows both through the skip connection
+        // (unchanged) and through the block, whose contribution rmsnorm_backward adds to it.
+        if (m->recompute) {
+            mlp_block_inputs(m, l);
+            mlp_activation(m, l);
+        }
+        linear_backward_weight(G(m, P_DOWN, l), a->d_residual, a->mlp_act[l], N, F, C, m->stream);
+        linear_backward_input(a->d_mlp_act, a->d_residual, P(m, P_DOWN, l), N, F, C, m->stream);
+        swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], N, F, m->stream);
+        linear_backward_weight(G(m, P_GATE_UP, l), a->d_gate_up, a->xnorm_mlp[l], N, C, 2 * F, m->stream);
+        linear_backward_input(a->d_xnorm, a->d_gate_up, P(m, P_GATE_UP, l), N, C, 2 * F, m->stream);
+        rmsnorm_backward(a->d_residual, G(m, P_MLP_NORM, l), a->partials, a->d_xnorm, a->residual_mid[l],
+                         P(m, P_MLP_NORM, l), a->rstd_mlp[l], N, C, m->stream);
+        // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
+        if (m->recompute) {
+            attention_block_inputs(m, l);
+            attention_rotary(m, l);
+        }
+        linear_backward_weight(G(m, P_ATTN_OUT, l), a->d_residual, a->attn_out[l], N, A, C, m->stream);
+        linear_backward_input(a->d_attn_out, a->d_residual, P(m, P_ATTN_OUT, l), N, A, C, m->stream);
+        const bf16* q = a->qkv_rot[l];
+        attention_backward(a->d_qkv, a->d_qkv + Hq * D, a->d_qkv + (Hq + Hkv) * D, a->attn_delta, a->d_attn_out,
+                           a->attn_out[l], a->lse[l], q, q + Hq * D, q + (Hq + Hkv) * D, Q, Q, m->B, m->T, Hq, Hkv, D,
+                           m->stream);
+        qk_norm_rope_backward(a->d_qkv, G(m, P_Q_NORM, l), G(m, P_K_NORM, l), a->partials, a->qkv[l], a->rstd_qk[l],
+                              P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos, m->rope_sin, N, m->T, Hq, Hkv, D,
+                              m->stream);
+        linear_backward_weight(G(m, P_QKV, l), a->d_qkv, a->xnorm_attn[l], N, C, Q, m->stream);
+        linear_backward_input(a->d_xnorm, a->d_qkv, P(m, P_QKV, l), N, C, Q, m->stream);
+        rmsnorm_backward(a->d_residual, G(m, P_ATTN_NORM, l), a->partials, a->d_xnorm, a->residual[l],
+                         P(m, P_ATTN_NORM, l), a->rstd_attn[l], N, C, m->stream);
+    }
+    embedding_backward(G(m, P_EMBED, 0), a->d_residual, batch->bucket_start, batch->bucket_pos, batch->bucket_token,
+                       batch->n_buckets, C, m->stream);
+}
+
+// ----------------------------------------------------------------------------------------------
+// The optimizer step and the learning-rate schedule
+
+typedef struct {
+    float lr, min_lr_frac, weight_decay, beta1, beta2, eps, grad_clip;
+    int warmup_steps, total_steps;
+    int wsd;            // 0: warmup then cosine to min_lr; 1: warmup, stable, then linear decay (WSD)
+    float decay_frac;   // WSD: the last fraction of the steps that decays
+} OptimConfig;
+
+// Warmup: linear from lr/warmup to lr. Then cosine: from lr down to min_lr at the last step;
+// or WSD: lr until the last decay_frac of the steps, then linear down to min_lr.
+static float learning_rate(const OptimConfig* o, int step) {
+    float min_lr = o->lr * o->min_lr_frac;
+    if (step < o->warmup_steps) return o->lr * (step + 1) / o->warmup_steps;
+    if (o->total_steps <= o->warmup_steps) return o->lr;
+    if (o->wsd) {
+        int decay_start = o->total_steps - (int)(o->decay_frac * o->total_steps);
+        if (decay_start < o->warmup_steps) decay_start = o->warmup_steps;
+        if (step < decay_start) return o->lr;
+        float progress = (float)(step - decay_start + 1) / (float)(o->total_steps - decay_start);
+        return o->lr + (min_lr - o->lr) * progress;
+    }
+    int cosine_steps = o->total_steps - 1 - o->warmup_steps;  // the last step reaches min_lr
+    float progress = cosine_steps > 0 ? (float)(step - o->warmup_steps) / cosine_steps : 1.0f;
+    if (progress > 1.0f) progress = 1.0f;
+    return min_lr + 0.5f * (o->lr - min_lr) * (1.0f + cosf((float)M_PI * progress));
+}
+
+// The global gradient norm (kept on the device for the clip inside AdamW), then AdamW.
+static void optimizer_step(GPT* m, const OptimConfig* o, int step, float lr) {
+    Activations* a = &m->act;
+    reduce_sum(a->grad_norm_sq, m->grads, m->table.n_elements, true, false, a->partials, m->stream);
+    float bias_corr1 = 1.0f - powf(o->beta1, (float)(step + 1));
+    float bias_corr2 = 1.0f - powf(o->beta2, (float)(step + 1));
+    adamw_kernel<<<1024, 256, 0, m->stream>>>(m->master, m->params, m->grads, m->adam_m, m->adam_v, 0,
+                                              m->table.n_elements, m->table.decay_end, lr, o->beta1, o->beta2, o->eps,
+                                              o->weight_decay, bias_corr1, bias_corr2, a->grad_norm_sq, o->grad_clip);
+    LAUNCH_CHECK();
+}
+
+// One micro-batch's forward and backward; gradients accumulate.
+static void forward_backward(GPT* m, const Batch* batch, float d_loss, bool first_micro) {
+    forward_layers(m, batch);
+    head_and_loss(m, batch, d_loss, true, !first_micro);
+    backward(m, batch);
+}
+
+// The mean loss of one micro-batch, forward only (validation). Leaves the logits' gradient
+// buffer dirty, which nothing reads.
+static float forward_loss(GPT* m, const Batch* batch) {
+    forward_layers(m, batch);
+    head_and_loss(m, batch, 0.0f, false, false);
+    float loss_sum;
+    CUDA_CHECK(cudaMemcpyAsync(&loss_sum, m->act.loss_sum, sizeof(float), cudaMemcpyDeviceToHost, m->stream));
+    CUDA_CHECK(cudaStreamSynchronize(m->stream));
+    return loss_sum / m->N;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Hugging Face export: transformers' Qwen3 names. Our fused qkv and gate_up matrices are row
+// blocks [q; k; v] and [gate; up], so each HF tensor is a contiguous range of rows of ours.
+
+typedef struct {
+    char name[80];
+    size_t offset;       // into the flat buffer
+    int64_t rows, cols;  // rows == 1 for vectors (written as 1-d tensors)
+} HfTensor;
+
+static int hf_tensors(const GPT* m, HfTensor* out) {
+    const ModelConfig* c = &m->cfg;
+    int n = 0;
+    size_t D = c->head_dim, F = c->ffn_dim, C = c->d_model;
+#define ADD(nm, off, r, cl)                                                   \
+    do {                                                                      \
+        if (out) {                                                            \
+            snprintf(out[n].name, sizeof(out[n].name), "%s", nm);            \
+            out[n].offset = (off);                                            \
+            out[n].rows = (r);                                                \
+            out[n].cols = (cl);                                               \
+        }                                                                     \
+        n++;                                                                  \
+    } while (0)
+    char name[80];
+    ADD("model.embed_tokens.weight", param(&m->table, P_EMBED, 0)->offset, c->vocab_size, C);
+    ADD("model.norm.weight", param(&m->table, P_FINAL_NORM, 0)->offset, 1, C);
+    for (int l = 0; l < c->n_layer; l++) {
+        size_t qkv = param(&m->table, P_QKV, l)->offset, gate_up = param(&m->table, P_GATE_UP, l)->offset;
+        size_t q_rows = c->n_head * D, kv_rows = c->n_kv_head * D;
+#define LAYER(suffix, off, r, cl)                                            \
+        snprintf(name, sizeof(name), "model.layers.%d.%s", l, suffix);        \
+        ADD(name, off, r, cl)
+        LAYER("input_layernorm.weight", param(&m->table, P_ATTN_NORM, l)->offset, 1, C);
+        LAYER("self_attn.q_proj.weight", qkv, q_rows, C);
+        LAYER("self_attn.k_proj.weight", qkv + q_rows * C, kv_rows, C);
+        LAYER("self_attn.v_proj.weight", qkv + (q_rows + kv_rows) * C, kv_rows, C);
+        LAYER("self_attn.q_norm.weight", param(&m->table, P_Q_NORM, l)->offset, 1, D);
+        LAYER("self_attn.k_norm.weight", param(&m->table, P_K_NORM, l)->offset, 1, D);
+        LAYER("self_attn.o_proj.weight", param(&m->table, P_ATTN_OUT, l)->offset, C, q_rows);
+        LAYER("post_attention_layernorm.weight", param(&m->table, P_MLP_NORM, l)->offset, 1, C);
+        LAYER("mlp.gate_proj.weight", gate_up, F, C);
+        LAYER("mlp.up_proj.weight", gate_up + F * C, F, C);
+        LAYER("mlp.down_proj.weight", param(&m->table, P_DOWN, l)->offset, C, F);
+#undef LAYER
+    }
+#undef ADD
+    return n;
+}
+
+// config.json as transformers' Qwen3Config reads it, every field that matters written explicitly.
+static bool write_hf_config(const ModelConfig* c, const char* path, char* err, size_t err_len) {
+    char json[2048];
+    snprintf(json, sizeof(json),
+             "{\n  \"architectures\": [\"Qwen3ForCausalLM\"],\n  \"model_type\": \"qwen3\",\n"
+             "  \"vocab_size\": %d,\n  \"hidden_size\": %d,\n  \"intermediate_size\": %d,\n"
+             "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"num_key_value_heads\": %d,\n"
+             "  \"head_dim\": %d,\n  \"hidden_act\": \"silu\",\n  \"max_position_embeddings\": %d,\n"
+             "  \"rms_norm_eps\": %.9g,\n  \"rope_theta\": %.9g,\n  \"rope_scaling\": null,\n"
+             "  \"tie_word_embeddings\": true,\n  \"attention_bias\": false,\n  \"attention_dropout\": 0.0,\n"
+             "  \"use_sliding_window\": false,\n  \"sliding_window\": null,\n  \"max_window_layers\": %d,\n"
+             "  \"initializer_range\": 0.02,\n  \"bos_token_id\": 50256,\n  \"eos_token_id\": 50256,\n"
+             "  \"torch_dtype\": \"float32\"\n}\n",
+             c->vocab_size, c->d_model, c->ffn_dim, c->n_layer, c->n_head, c->n_kv_head, c->head_dim,
+             c->seq_len > 4096 ? c->seq_len : 4096, c->norm_eps, c->rope_theta, c->n_layer);
+    return ck_write_file_atomic(path, json, strlen(json), err, err_len) == 0;
+}
+
+// Writes dir/config.json and dir/model.safetensors (fp32). `weights` is a host copy of a flat
+// parameter buffer in fp32: the master weights for an export, or the bf16 compute weights
+// widened to fp32 when comparing computations (so that both sides see the same numbers).
+static bool export_hf(const GPT* m, const float* weights, const char* dir, char* err, size_t err_len) {
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
+        snprintf(err, err_len, "cannot create export directory %s: %s", dir, strerror(errno));
+        return false;
+    }
+    int n = hf_tensors(m, NULL);
+    HfTensor* hf = (HfTensor*)malloc(n * sizeof(HfTensor));
+    StTensor* st = (StTensor*)calloc(n, sizeof(StTensor));
+    hf_tensors(m, hf);
+    for (int i = 0; i < n; i++) {
+        st[i].name = hf[i].name;
+        st[i].dtype = ST_F32;
+        st[i].ndim = hf[i].rows == 1 ? 1 : 2;
+        st[i].shape[0] = hf[i].rows == 1 ? hf[i].cols : hf[i].rows;
+        st[i].shape[1] = hf[i].cols;
+        st[i].data = weights + hf[i].offset;
+    }
+    char path[1024];
+    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+    const char* meta[] = {"format", "pt"};
+    bool ok = st_write(path, st, n, meta, 1, err, err_len) == 0;
+    snprintf(path, sizeof(path), "%s/config.json", dir);
+    ok = ok && write_hf_config(&m->cfg, path, err, err_len);
+    free(hf);
+    free(st);
+    return ok;
+}
+
+// A host copy of a device buffer of the flat layout, widened to fp32.
+static float* download_flat(const GPT* m, const void* device, bool is_bf16) {
+    size_t n = m->table.n_elements;
+    float* host = (float*)malloc(n * sizeof(float));
+    if (is_bf16) {
+        bf16* tmp = (bf16*)malloc(n * sizeof(bf16));
+        CUDA_CHECK(cudaMemcpy(tmp, device, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < n; i++) host[i] = __bfloat162float(tmp[i]);
+        free(tmp);
+    } else {
+        CUDA_CHECK(cudaMemcpy(host, device, n * sizeof(float), cudaMemcpyDeviceToHost));
+    }
+    return host;
+}
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+#ifndef TRAIN_GPT_NO_MAIN
+// ----------------------------------------------------------------------------------------------
+// The command line
+
+typedef struct {
+    ModelConfig model;
+    OptimConfig optim;
+    int batch_size;          // B: sequences per micro-batch
+    int total_batch_tokens;  // tokens per optimizer step; a multiple of B*T (gradient accumulation)
+    int recompute;
+    int loss_chunk;
+    uint64_t seed;
+    const char* train_data;
+    const char* val_data;
+    int val_every, val_batches;
+    const char* out_dir;
+    const char* export_dir;
+    const char* dump_grads_dir;
+    int bench, bench_steps;
+    float peak_tflops;
+} Options;
+
+typedef enum { OPT_INT, OPT_FLOAT, OPT_STR, OPT_U64, OPT_FLAG } OptType;
+typedef struct {
+    const char* name;
+    OptType type;
+    void* value;
+    const char* help;
+} OptionSpec;
+
+static int option_specs(Options* o, OptionSpec* specs) {
+    OptionSpec all[] = {
+        {"--vocab", OPT_INT, &o->model.vocab_size, "vocabulary size (rows of the tied embedding)"},
+        {"--d-model", OPT_INT, &o->model.d_model, "model width"},
+        {"--layers", OPT_INT, &o->model.n_layer, "number of transformer layers"},
+        {"--heads", OPT_INT, &o->model.n_head, "query heads"},
+        {"--kv-heads", OPT_INT, &o->model.n_kv_head, "key/value heads (1: MQA, = heads: MHA)"},
+        {"--head-dim", OPT_INT, &o->model.head_dim, "channels per head (64 or 128)"},
+        {"--ffn", OPT_INT, &o->model.ffn_dim, "SwiGLU hidden width"},
+        {"--seq", OPT_INT, &o->model.seq_len, "sequence length T"},
+        {"--rope-theta", OPT_FLOAT, &o->model.rope_theta, "RoPE base"},
+        {"--norm-eps", OPT_FLOAT, &o->model.norm_eps, "RMSNorm epsilon"},
+        {"--batch", OPT_INT, &o->batch_size, "sequences per micro-batch B"},
+        {"--total-batch", OPT_INT, &o->total_batch_tokens, "tokens per optimizer step (0: one micro-batch)"},
+        {"--steps", OPT_INT, &o->optim.total_steps, "optimizer steps"},
+        {"--lr", OPT_FLOAT, &o->optim.lr, "peak learning rate"},
+        {"--min-lr-frac", OPT_FLOAT, &o->optim.min_lr_frac, "final learning rate as a fraction of --lr"},
+        {"--warmup", OPT_INT, &o->optim.warmup_steps, "linear warmup steps"},
+        {"--wsd", OPT_INT, &o->optim.wsd, "1: warmup-stable-decay schedule; 0: cosine"},
+        {"--decay-frac", OPT_FLOAT, &o->optim.decay_frac, "WSD: fraction of the steps spent decaying"},
+        {"--weight-decay", OPT_FLOAT, &o->optim.weight_decay, "AdamW decoupled weight decay (matrices only)"},
+        {"--beta1", OPT_FLOAT, &o->optim.beta1, "AdamW beta1"},
+        {"--beta2", OPT_FLOAT, &o->optim.beta2, "AdamW beta2"},
+        {"--adam-eps", OPT_FLOAT, &o->optim.eps, "AdamW epsilon"},
+        {"--grad-clip", OPT_FLOAT, &o->optim.grad_clip, "clip the global gradient norm to this (0: off)"},
+        {"--recompute", OPT_INT, &o->recompute, "1: recompute norms, QK rope and SwiGLU in the backward"},
+        {"--loss-chunk", OPT_INT, &o->loss_chunk, "rows of logits materialized at once"},
+        {"--seed", OPT_U64, &o->seed, "seed of the initialization (and of the data order)"},
+        {"--train-data", OPT_STR, &o->train_data, "glob of training shards"},
+        {"--val-data", OPT_STR, &o->val_data, "glob of validation shards"},
+        {"--val-every", OPT_INT, &o->val_every, "validate every N steps (0: only at the end)"},
+        {"--val-batches", OPT_INT, &o->val_batches, "micro-batches per validation (at most the split)"},
+        {"--out", OPT_STR, &o->out_dir, "output directory (log.jsonl, exports)"},
+        {"--export", OPT_STR, &o->export_dir, "after training, export transformers' Qwen3 format to DIR"},
+        {"--dump-grads", OPT_STR, &o->dump_grads_dir,
+         "after training, write one batch's loss, tokens and gradient norms with the weights to DIR"},
+        {"--bench", OPT_FLAG, &o->bench, "benchmark on synthetic tokens; print one JSON line"},
+        {"--bench-steps", OPT_INT, &o->bench_steps, "timed steps of --bench"},
+        {"--peak-tflops", OPT_FLOAT, &o->peak_tflops, "the GPU's dense bf16 TFLOP/s, for MFU"},
+    };
+    int n = (int)(sizeof(all) / sizeof(all[0]));
+    if (specs) memcpy(specs, all, sizeof(all));
+    return n;
+}
+
+static void options_default(Options* o) {
+    memset(o, 0, sizeof(*o));
+    o->model = DEFAULT_CONFIG;
+    o->optim = (OptimConfig){6e-4f, 0.1f, 0.1f, 0.9f, 0.95f, 1e-8f, 1.0f, 100, 2000, 0, 0.2f};
+    o->batch_size = 32;
+    o->recompute = 1;
+    o->loss_chunk = 4096;
+    o->seed = 1337;
+    o->train_data = "data/default/train_*.bin";
+    o->val_data = "data/default/val_*.bin";
+    o->val_every = 250;
+    o->val_batches = 20;
+    o->out_dir = "out";
+    o->bench_steps = 30;
+    o->peak_tflops = 989.0f;
+}
+
+static void print_help(void) {
+    Options defaults;
+    options_default(&defaults);
+    OptionSpec specs[64];
+    int n = option_specs(&defaults, specs);
+    printf("usage: ./train_gpt [flags]\n\nTrains a Qwen3-architecture GQA transformer on one GPU. Flags (default):\n");
+    for (int i = 0; i < n; i++) {
+        char value[96];
+        switch (specs[i].type) {
+        case OPT_INT: snprintf(value, sizeof(value), "%d", *(int*)specs[i].value); break;
+        case OPT_FLOAT: snprintf(value, sizeof(value), "%g", *(float*)specs[i].value); break;
+        case OPT_U64: snprintf(value, sizeof(value), "%llu", (unsigned long long)*(uint64_t*)specs[i].value); break;
+        case OPT_STR: snprintf(value, sizeof(value), "%s", *(const char**)specs[i].value ? *(const char**)specs[i].value : "none"); break;
+        case OPT_FLAG: snprintf(value, sizeof(value), "off"); break;
+        }
+        printf("  %-15s %-56s (%s)\n", specs[i].name, specs[i].help, value);
+    }
+}
+
+// Exits with code 2 and one line on an unknown flag or a bad value.
+static void parse_args(Options* o, int argc, char** argv) {
+    OptionSpec specs[64];
+    int n = option_specs(o, specs);
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            print_help();
+            exit(0);
+        }
+        const OptionSpec* spec = NULL;
+        for (int j = 0; j < n; j++)
+            if (!strcmp(argv[i], specs[j].name)) spec = &specs[j];
+        if (!spec) {
+            fprintf(stderr, "train_gpt: unknown flag '%s' (see --help)\n", argv[i]);
+            exit(2);
+        }
+        if (spec->type == OPT_FLAG) {
+            *(int*)spec->value = 1;
+            continue;
+        }
+        if (i + 1 >= argc) {
+            fprintf(stderr, "train_gpt: flag %s needs a value (see --help)\n", argv[i]);
+            exit(2);
+        }
+        const char* v = argv[++i];
+        char* end = NULL;
+        errno = 0;
+        switch (spec->type) {
+        case OPT_INT: {
+            long x = strtol(v, &end, 10);
+            if (x < -2147483647L || x > 2147483647L) errno = ERANGE;
+            *(int*)spec->value = (int)x;
+            break;
+        }
+        case OPT_U64: *(uint64_t*)spec->value = strtoull(v, &end, 10); break;
+        case OPT_FLOAT: *(float*)spec->value = strtof(v, &end); break;
+        default: *(const char**)spec->value = v; end = (char*)v + strlen(v); break;
+        }
+        if (errno != 0 || end == v || *end != '\0' ||
+            (spec->type == OPT_FLOAT && !isfinite(*(float*)spec->value))) {
+            fprintf(stderr, "train_gpt: bad value '%s' for %s\n", v, spec->name);
+            exit(2);
+        }
+    }
+}
+
+// The checks that need no GPU; exits 2 with one line naming the problem.
+static void check_options(const Options* o) {
+    char err[256];
+    if (!config_check(&o->model, err, sizeof(err))) {
+        fprintf(stderr, "train_gpt: bad model config: %s\n", err);
+        exit(2);
+    }
+    const OptimConfig* p = &o->optim;
+    const char* problem = NULL;
+    long tokens = (long)o->batch_size * o->model.seq_len;
+    if (o->batch_size < 1) problem = "--batch must be at least 1";
+    else if (tokens > (1L << 30)) problem = "--batch x --seq is too large";
+    else if (o->total_batch_tokens < 0 || (o->total_batch_tokens > 0 && o->total_batch_tokens % tokens != 0))
+        problem = "--total-batch must be a positive multiple of --batch x --seq";
+    else if (p->total_steps < 0) problem = "--steps must be at least 0";
+    else if (!(p->lr >= 0.0f) || !(p->min_lr_frac >= 0.0f && p->min_lr_frac <= 1.0f))
+        problem = "--lr must be >= 0 and --min-lr-frac in [0, 1]";
+    else if (p->warmup_steps < 0) problem = "--warmup must be at least 0";
+    else if (!(p->beta1 >= 0.0f && p->beta1 < 1.0f && p->beta2 >= 0.0f && p->beta2 < 1.0f))
+        problem = "--beta1 and --beta2 must be in [0, 1)";
+    else if (!(p->eps > 0.0f) || p->grad_clip < 0.0f || p->weight_decay < 0.0f)
+        problem = "--adam-eps must be > 0, --grad-clip and --weight-decay >= 0";
+    else if (!(p->decay_frac >= 0.0f && p->decay_frac <= 1.0f)) problem = "--decay-frac must be in [0, 1]";
+    else if (o->loss_chunk < 1) problem = "--loss-chunk must be at least 1";
+    else if (o->val_every < 0 || o->val_batches < 0) problem = "--val-every and --val-batches must be >= 0";
+    else if (o->bench_steps < 1) problem = "--bench-steps must be at least 1";
+    if (problem) {
+        fprintf(stderr, "train_gpt: %s\n", problem);
+        exit(2);
+    }
+}
+
+// Synthetic tokens for --bench: uniform over the vocabulary from a seeded xorshift generator.
+static void synthetic_batch(uint16_t* window, size_t n, int vocab, uint64_t* state) {
+    for (size_t i = 0; i < n; i++) {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        window[i] = (uint16_t)(*state % vocab);
+    }
+}
+
+// The mean loss over up to max_batches micro-batches of the validation split.
+static float validate(GPT* m, Uploader* up, DataLoader* val, int max_batches) {
+    loader_rewind(val);
+    size_t n = loader_batches_per_epoch(val);
+    if (max_batches > 0 && (size_t)max_batches < n) n = max_batches;
+    double sum = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        Batch b = upload_batch(up, m, loader_next(val));
+        sum += forward_loss(m, &b);
+    }
+    return (float)(sum / n);
+}
+
+// Writes one batch's loss, tokens and per-tensor gradient norms (HF names), plus the weights the
+// GPU computed with, for scripts/hf_check.py to recompute in transformers.
+static void dump_grads(GPT* m, Uploader* up, const uint16_t* window, const char* dir) {
+    Batch b = upload_batch(up, m, window);
+    CUDA_CHECK(cudaMemsetAsync(m->grads, 0, m->table.n_elements * 4, m->stream));
+    forward_backward(m, &b, 1.0f / m->N, true);
+    float loss_sum;
+    CUDA_CHECK(cudaMemcpyAsync(&loss_sum, m->act.loss_sum, 4, cudaMemcpyDeviceToHost, m->stream));
+    CUDA_CHECK(cudaStreamSynchronize(m->stream));
+    char err[512];
+    float* weights = download_flat(m, m->params, true);
+    float* grads = download_flat(m, m->grads, false);
+    if (!export_hf(m, weights, dir, err, sizeof(err))) {
+        fprintf(stderr, "train_gpt: --dump-grads: %s\n", err);
+        exit(1);
+    }
+    int n = hf_tensors(m, NULL);
+    HfTensor* hf = (HfTensor*)malloc(n * sizeof(HfTensor));
+    hf_tensors(m, hf);
+    size_t cap = 64 + (size_t)m->N * 12 + (size_t)n * 128, len = 0;
+    char* json = (char*)malloc(cap);
+    len += snprintf(json + len, cap - len, "{\"loss\": %.9g, \"B\": %d, \"T\": %d, \"tokens\": [", loss_sum / m->N,
+                    m->B, m->T);
+    for (int i = 0; i < m->B * (m->T + 1); i++) len += snprintf(json + len, cap - len, i ? ",%d" : "%d", window[i]);
+    len += snprintf(json + len, cap - len, "], \"grad_norms\": {");
+    double total = 0.0;
+    for (int i = 0; i < n; i++) {
+        double sq = 0.0;
+        for (int64_t j = 0; j < hf[i].rows * hf[i].cols; j++) sq += (double)grads[hf[i].offset + j] * grads[hf[i].offset + j];
+        total += sq;
+        len += snprintf(json + len, cap - len, "%s\"%s\": %.9g", i ? ", " : "", hf[i].name, sqrt(sq));
+    }
+    len += snprintf(json + len, cap - len, "}, \"grad_norm\": %.9g}\n", sqrt(total));
+    char path[1024];
+    snprintf(path, sizeof(path), "%s/grads.json", dir);
+    if (ck_write_file_atomic(path, json, len, err, sizeof(err)) != 0) {
+        fprintf(stderr, "train_gpt: --dump-grads: %s\n", err);
+        exit(1);
+    }
+    printf("wrote %s (loss %.6f) and the weights it used\n", path, loss_sum / m->N);
+    free(json);
+    free(hf);
+    free(weights);
+    free(grads);
+}
+
+int main(int argc, char** argv) {
+    double t_start = now_seconds();
+    Options o;
+    options_default(&o);
+    parse_args(&o, argc, argv);
+    check_options(&o);
+
+    int n_devices = 0;
+    cudaError_t cuda_status = cudaGetDeviceCount(&n_devices);
+    if (cuda_status != cudaSuccess || n_devices == 0) {
+        fprintf(stderr, "train_gpt: no CUDA GPU found (%s); train_gpt needs an NVIDIA GPU\n",
+                cuda_status != cudaSuccess ? cudaGetErrorString(cuda_status) : "0 devices");
+        return 1;
+    }
+    cudaDeviceProp prop;
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+
+    const ModelConfig* cfg = &o.model;
+    int B = o.batch_size, T = cfg->seq_len, N = B * T;
+    int accum = o.total_batch_tokens > 0 ? o.total_batch_tokens / N : 1;
+    o.optim.total_steps = o.bench ? 5 + o.bench_steps : o.optim.total_steps;
+
+    // Data: shards, or synthetic tokens for the benchmark.
+    DataLoader train_loader, val_loader;
+    bool have_val = false;
+    char err[1024];
+    if (!o.bench) {
+        if (loader_open(&train_loader, o.train_data, B, T, 0, 1, 1, o.seed, err, sizeof(err)) != 0) {
+            fprintf(stderr, "train_gpt: %s%s\n", err,
+                    strstr(o.train_data, "data/default/") ? " (run `make data` to prepare the default corpus)" : "");
+            return 1;
+        }
+        have_val = o.val_data && o.val_data[0];
+        if (have_val && loader_open(&val_loader, o.val_data, B, T, 0, 1, 0, 0, err, sizeof(err)) != 0) {
+            fprintf(stderr, "train_gpt: %s\n", err);
+            return 1;
+        }
+    }
+    if (mkdir(o.out_dir, 0755) != 0 && errno != EEXIST) {
+        fprintf(stderr, "train_gpt: cannot create output directory %s: %s\n", o.out_dir, strerror(errno));
+        return 1;
+    }
+    char log_path[1024];
+    snprintf(log_path, sizeof(log_path), "%s/log.jsonl", o.out_dir);
+    FILE* log = fopen(log_path, "a");
+    if (!log) {
+        fprintf(stderr, "train_gpt: cannot open %s: %s\n", log_path, strerror(errno));
+        return 1;
+    }
+
+    GPT model;
+    gpt_create(&model, cfg, B, T, o.recompute != 0, o.loss_chunk);
+    gpt_init(&model, o.seed);
+    printf("device: %s, %d SMs, %.1f GiB\n", prop.name, prop.multiProcessorCount, gib(prop.totalGlobalMem));
+    print_memory_plan(&model);
+    printf("batch: %d x %d tokens, %d micro-batches per step (%d tokens); %d steps\n", B, T, accum, N * accum,
+           o.optim.total_steps);
+    double flops_token = flops_per_token(cfg);
+
+    Uploader up;
+    uploader_create(&up, N, cfg->vocab_size);
+    uint16_t* synthetic = (uint16_t*)malloc((size_t)B * (T + 1) * sizeof(uint16_t));
+    uint64_t rng = o.seed * 0x9E3779B97F4A7C15ull + 1;
+    cudaEvent_t ev_start, ev_end;
+    CUDA_CHECK(cudaEventCreate(&ev_start));
+    CUDA_CHECK(cudaEventCreate(&ev_end));
+    double bench_ms = 0.0, first_step_s = 0.0;
+    int bench_timed = 0;
+    float loss = 0.0f, norm = 0.0f;
+
+    for (int step = 0; step < o.optim.total_steps; step++) {
+        float lr = learning_rate(&o.optim, step);
+        CUDA_CHECK(cudaEventRecord(ev_start, model.stream));
+        CUDA_CHECK(cudaMemsetAsync(model.grads, 0, model.table.n_elements * 4, model.stream));
+        for (int micro = 0; micro < accum; micro++) {
+            const uint16_t* window;
+            if (o.bench) {
+                synthetic_batch(synthetic, (size_t)B * (T + 1), cfg->vocab_size, &rng);
+                window = synthetic;
+            } else {
+                window = loader_next(&train_loader);
+            }
+            Batch batch = upload_batch(&up, &model, window);
+            forward_backward(&model, &batch, 1.0f / ((float)N * accum), micro == 0);
+        }
+        optimizer_step(&model, &o.optim, step, lr);
+        CUDA_CHECK(cudaEventRecord(ev_end, model.stream));
+        float scalars[2];
+        CUDA_CHECK(cudaMemcpyAsync(&scalars[0], model.act.loss_sum, 4, cudaMemcpyDeviceToHost, model.stream));
+        CUDA_CHECK(cudaMemcpyAsync(&scalars[1], model.act.grad_norm_sq, 4, cudaMemcpyDeviceToHost, model.stream));
+        CUDA_CHECK(cudaStreamSynchronize(model.stream));
+        float ms;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, ev_start, ev_end));
+        loss = scalars[0] / ((float)N * accum);
+        norm = sqrtf(scalars[1]);
+        if (step == 0) first_step_s = now_seconds() - t_start;
+        if (o.bench && step >= 5) {
+            bench_ms += ms;
+            bench_timed++;
+        }
+        double tok_s = (double)N * accum / (ms / 1e3);
+        double mfu = tok_s * flops_token / (o.peak_tflops * 1e12);
+        printf("step %5d/%d | loss %8.4f | norm %7.4f | lr %.2e | %8.2f ms | %9.0f tok/s | MFU %5.1f%% | mem %.2f GiB\n",
+               step + 1, o.optim.total_steps, loss, norm, lr, ms, tok_s, 100 * mfu, gib(gpt_bytes_total(&model)));
+        fprintf(log, "{\"step\": %d, \"loss\": %.6f, \"grad_norm\": %.6f, \"lr\": %.6e, \"ms\": %.3f, "
+                     "\"tokens_per_s\": %.1f, \"mfu\": %.5f, \"mem_gib\": %.3f}\n",
+                step + 1, loss, norm, lr, ms, tok_s, mfu, gib(gpt_bytes_total(&model)));
+        fflush(log);
+        if (!isfinite(loss)) {
+            fprintf(stderr, "train_gpt: loss is %f at step %d; stopping\n", loss, step + 1);
+            return 1;
+        }
+        bool last = step + 1 == o.optim.total_steps;
+        if (have_val && ((o.val_every > 0 && (step + 1) % o.val_every == 0) || last)) {
+            float val_loss = validate(&model, &up, &val_loader, o.val_batches);
+            printf("step %5d/%d | val loss %8.4f\n", step + 1, o.optim.total_steps, val_loss);
+            fprintf(log, "{\"step\": %d, \"val_loss\": %.6f}\n", step + 1, val_loss);
+            fflush(log);
+        }
+    }
+
+    if (o.bench) {
+        double ms = bench_ms / bench_timed, tok_s = (double)N * accum / (ms / 1e3);
+        printf("{\"bench\": \"train_gpt\", \"device\": \"%s\", \"B\": %d, \"T\": %d, \"d_model\": %d, \"layers\": %d, "
+               "\"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"ffn\": %d, \"recompute\": %d, "
+               "\"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, \"mfu\": %.4f, \"flops_per_token\": %.6g, "
+               "\"peak_mem_gib\": %.3f, \"first_step_s\": %.2f, \"final_loss\": %.4f}\n",
+               prop.name, B, T, cfg->d_model, cfg->n_layer, cfg->n_head, cfg->n_kv_head, cfg->head_dim, cfg->ffn_dim,
+               o.recompute, ms, tok_s, tok_s * flops_token / (o.peak_tflops * 1e12), flops_token,
+               gib(gpt_bytes_total(&model)), first_step_s, loss);
+    }
+    if (o.export_dir) {
+        float* master = download_flat(&model, model.master, false);
+        if (!export_hf(&model, master, o.export_dir, err, sizeof(err))) {
+            fprintf(stderr, "train_gpt: --export: %s\n", err);
+            return 1;
+        }
+        printf("exported transformers' Qwen3 checkpoint to %s\n", o.export_dir);
+        free(master);
+    }
+    if (o.dump_grads_dir) {
+        const uint16_t* window;
+        if (o.bench) {
+            synthetic_batch(synthetic, (size_t)B * (T + 1), cfg->vocab_size, &rng);
+            window = synthetic;
+        } else {
+            window = loader_next(&train_loader);
+        }
+        dump_grads(&model, &up, window, o.dump_grads_dir);
+    }
+    fclose(log);
+    free(synthetic);
+    uploader_free(&up);
+    gpt_free(&model);
+    if (!o.bench) {
+        loader_close(&train_loader);
+        if (have_val) loader_close(&val_loader);
+    }
+    return 0;
+}
+#endif
