@@ -245,10 +245,15 @@ static void add_input(Prepro* p, const char* path) {
 
 static void make_shards(const char* out, const char* tokenizer_dir, int val_every, long shard_tokens,
                         char** inputs, int n_inputs) {
-    static Prepro p;
+    Prepro p;
+    memset(&p, 0, sizeof(p));
     char err[8192];
     if (tokenizer_load(&p.tk, tokenizer_dir, err, sizeof(err)) < 0) die("%s", err);
     if (p.tk.eot < 0) die("tokenizer %s has no %s token to separate documents", tokenizer_dir, EOT_TEXT);
+    for (int i = 0; i < n_inputs; i++) {  // before anything is made
+        struct stat st;
+        if (stat(inputs[i], &st) != 0) die("%s: %s", inputs[i], strerror(errno));
+    }
     if (mkdir(out, 0777) != 0 && errno != EEXIST) die("%s: cannot create: %s", out, strerror(errno));
     const char* names[2] = {"train", "val"};
     for (int s = 0; s < 2; s++) {
@@ -267,8 +272,8 @@ static void make_shards(const char* out, const char* tokenizer_dir, int val_ever
         if (shard_writer_finish(&p.split[s], err, sizeof(err)) < 0) die("%s", err);
     double seconds = now_seconds() - t0;
     uint64_t docs = p.docs[TRAIN] + p.docs[VAL];
-    printf("prepro: %llu documents, %.1f MB of text, tokenized at %.1f MB/s; %.1f s in all\n",
-           (unsigned long long)docs, (double)p.text_bytes / 1e6,
+    printf("prepro: %llu document%s, %.1f MB of text, tokenized at %.1f MB/s; %.1f s in all\n",
+           (unsigned long long)docs, docs == 1 ? "" : "s", (double)p.text_bytes / 1e6,
            (double)p.text_bytes / 1e6 / (p.encode_seconds > 0 ? p.encode_seconds : 1e-9), seconds);
     for (int s = 0; s < 2; s++) {
         printf("  %-5s %8llu documents %12llu tokens  %d shard%s in %s/%s_*.bin\n", names[s],
@@ -325,11 +330,14 @@ static void decode_stdin(const char* tokenizer_dir) {
         const char* start = s;
         long id = 0;
         while (*s >= '0' && *s <= '9' && id < 1000000000) id = id * 10 + (*s++ - '0');
-        if (s == start || !(*s == '\0' || *s == ' ' || *s == '\t' || *s == '\n' || *s == '\r' || *s == ',' || *s == ']'))
-            die("--decode: input %zu, '%.20s', is not a token id", count, start);
+        if (s == start || !(*s == '\0' || *s == ' ' || *s == '\t' || *s == '\n' || *s == '\r' || *s == ',' || *s == ']')) {
+            size_t len = strcspn(start, " \t\r\n,[]");
+            die("--decode: value %zu of the input, '%.*s', is not a token id", count + 1, (int)(len < 40 ? len : 40), start);
+        }
         int one = (int)id;
         if (tokenizer_decode(&tk, &one, 1, &out, err, sizeof(err)) < 0)
-            die("--decode: input %zu: token id %ld is not in the vocabulary (0..%d)", count, id, tk.vocab_size - 1);
+            die("--decode: value %zu of the input, token id %ld, is not in the vocabulary (0..%d)", count + 1, id,
+                tk.vocab_size - 1);
     }
     if (out.len && fwrite(out.data, 1, out.len, stdout) != out.len) die("standard output: write error");
     free(in.data);

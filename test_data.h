@@ -467,7 +467,23 @@ static void td_spell(ByteBuf* out, const char* bytes, size_t n) {
 // (so a merge can rank below the merges that make its parts, which real files never do).
 typedef struct { char str[64][16]; int n; int rank_left[64], rank_right[64]; int n_merges; } TdToyVocab;
 
-static int td_toy_tokenizer(Tokenizer* tk, TdToyVocab* v, char* err, size_t err_len) {
+// Appends the encoder.json entry of token id with these bytes.
+static void td_json_entry(ByteBuf* json, int id, const char* bytes, size_t n) {
+    ByteBuf spelled = {NULL, 0, 0};
+    td_spell(&spelled, bytes, n);
+    byte_buf_append(json, id ? ", \"" : "\"", id ? 3 : 1);
+    for (size_t i = 0; i < spelled.len; i++) {
+        if (spelled.data[i] == '"' || spelled.data[i] == '\\') byte_buf_push(json, '\\');
+        byte_buf_push(json, spelled.data[i]);
+    }
+    free(spelled.data);
+    char num[32];
+    snprintf(num, sizeof(num), "\": %d", id);
+    byte_buf_append(json, num, strlen(num));
+}
+
+// Makes a random toy vocabulary and loads it; its encoder.json is left in *json.
+static int td_toy_tokenizer(Tokenizer* tk, TdToyVocab* v, ByteBuf* json, char* err, size_t err_len) {
     v->n = 0;
     for (int c = 'a'; c <= 'd'; c++) { v->str[v->n][0] = (char)c; v->str[v->n][1] = 0; v->n++; }
     v->n_merges = 0;
@@ -487,37 +503,23 @@ static int td_toy_tokenizer(Tokenizer* tk, TdToyVocab* v, char* err, size_t err_
         for (int k = 0; k < v->n; k++) exists |= strcmp(v->str[k], joined) == 0;
         if (!exists) memcpy(v->str[v->n++], joined, sizeof(joined));
     }
-    ByteBuf json = {NULL, 0, 0}, bpe = {NULL, 0, 0};
-    byte_buf_append(&json, "{", 1);
+    ByteBuf bpe = {NULL, 0, 0};
+    json->len = 0;
+    byte_buf_append(json, "{", 1);
     int id = 0;
     for (int b = 0; b < 256; b++) {  // the byte tokens, then the merged ones
         char c = (char)b;
-        byte_buf_append(&json, id ? ", \"" : "\"", id ? 3 : 1);
-        ByteBuf spelled = {NULL, 0, 0};
-        td_spell(&spelled, &c, 1);
-        for (size_t i = 0; i < spelled.len; i++) {
-            if (spelled.data[i] == '"' || spelled.data[i] == '\\') byte_buf_push(&json, '\\');
-            byte_buf_push(&json, spelled.data[i]);
-        }
-        free(spelled.data);
-        char num[32];
-        snprintf(num, sizeof(num), "\": %d", id++);
-        byte_buf_append(&json, num, strlen(num));
+        td_json_entry(json, id++, &c, 1);
     }
-    for (int k = 4; k < v->n; k++) {
-        char num[64];
-        snprintf(num, sizeof(num), ", \"%s\": %d", v->str[k], id++);
-        byte_buf_append(&json, num, strlen(num));
-    }
-    byte_buf_append(&json, "}", 1);
+    for (int k = 4; k < v->n; k++) td_json_entry(json, id++, v->str[k], strlen(v->str[k]));
+    byte_buf_append(json, "}", 1);
     byte_buf_append(&bpe, "#version: 0.2\n", 14);
     for (int k = 0; k < v->n_merges; k++) {
         char line[64];
         snprintf(line, sizeof(line), "%s %s\n", v->str[v->rank_left[k]], v->str[v->rank_right[k]]);
         byte_buf_append(&bpe, line, strlen(line));
     }
-    int rc = tokenizer_load_from_memory(tk, "toy.json", json.data, json.len, "toy.bpe", bpe.data, bpe.len, err, err_len);
-    free(json.data);
+    int rc = tokenizer_load_from_memory(tk, "toy.json", json->data, json->len, "toy.bpe", bpe.data, bpe.len, err, err_len);
     free(bpe.data);
     return rc;
 }
@@ -560,8 +562,11 @@ static int test_bpe_matches_naive_loop(void) {
     for (int vocab = 0; vocab < 50; vocab++) {
         Tokenizer tk;
         TdToyVocab v;
+        ByteBuf json = {NULL, 0, 0};
         char err[256];
-        if (td_toy_tokenizer(&tk, &v, err, sizeof(err)) < 0) { EXPECT(0, "toy vocabulary: %s", err); break; }
+        int rc = td_toy_tokenizer(&tk, &v, &json, err, sizeof(err));
+        free(json.data);
+        if (rc < 0) { EXPECT(0, "toy vocabulary: %s", err); break; }
         for (int w = 0; w < 200; w++) {
             char word[64];
             int len = 1 + (int)td_below(40);
@@ -614,27 +619,14 @@ static int test_tokenizer_rejects_bad_files(void) {
     // vocab.bpe problems, on a toy vocabulary's valid encoder.json plus a bad merge list
     TdToyVocab v;
     Tokenizer tk;
+    ByteBuf json = {NULL, 0, 0};
     char err[512];
     td_rng = 5;
-    if (td_toy_tokenizer(&tk, &v, err, sizeof(err)) < 0) { EXPECT(0, "toy vocabulary: %s", err); return TEST_RESULT; }
-    ByteBuf json = {NULL, 0, 0};
-    byte_buf_append(&json, "{", 1);
-    for (int id = 0; id < tk.vocab_size; id++) {
-        size_t n;
-        const char* t = tokenizer_token(&tk, id, &n);
-        byte_buf_append(&json, id ? ", \"" : "\"", id ? 3 : 1);
-        ByteBuf spelled = {NULL, 0, 0};
-        td_spell(&spelled, t, n);
-        for (size_t i = 0; i < spelled.len; i++) {
-            if (spelled.data[i] == '"' || spelled.data[i] == '\\') byte_buf_push(&json, '\\');
-            byte_buf_push(&json, spelled.data[i]);
-        }
-        free(spelled.data);
-        char num[32];
-        snprintf(num, sizeof(num), "\": %d", id);
-        byte_buf_append(&json, num, strlen(num));
+    if (td_toy_tokenizer(&tk, &v, &json, err, sizeof(err)) < 0) {
+        EXPECT(0, "toy vocabulary: %s", err);
+        free(json.data);
+        return TEST_RESULT;
     }
-    byte_buf_append(&json, "}", 1);
     tokenizer_free(&tk);
     struct { const char* bpe; const char* expect; } bad_bpe[] = {
         {"#v\na b c\n", "v.bpe line 2: expected two tokens separated by a space, found 3"},
@@ -693,6 +685,15 @@ static void td_make_shard_set(TdShardSet* s, const char* dir, int T) {
     }
 }
 
+// A temporary directory holding td_make_shard_set's shards (T = 16), and the glob of them; NULL on failure.
+static char* td_shard_set_dir(TdShardSet* s, char* pattern, size_t len) {
+    char* dir = td_make_temp_dir();
+    if (!dir) return NULL;
+    td_make_shard_set(s, dir, 16);
+    snprintf(pattern, len, "%s/train_*.bin", dir);
+    return dir;
+}
+
 // The global window number of a batch row, or -1 if the row is not a whole window.
 static int td_row_window(const TdShardSet* s, const uint16_t* row) {
     for (int j = 0; j < s->T; j++)
@@ -736,12 +737,10 @@ static int td_epochs_are_permutations(const int* stream, int n, int windows) {
 
 static int test_loader_every_window_once_per_epoch(void) {
     int failed = 0;
-    char* dir = td_make_temp_dir();
-    if (!dir) return TEST_FAIL;
     TdShardSet s;
-    td_make_shard_set(&s, dir, 16);
     char pattern[256], err[512];
-    snprintf(pattern, sizeof(pattern), "%s/train_*.bin", dir);
+    char* dir = td_shard_set_dir(&s, pattern, sizeof(pattern));
+    if (!dir) return TEST_FAIL;
     int steps = 3 * s.total_windows / 4 + 7;  // three epochs and a bit, B = 4
     int* stream = (int*)xcalloc((size_t)steps * 4, sizeof(int));
     for (int shuffle = 0; shuffle <= 1; shuffle++) {
@@ -776,12 +775,10 @@ static int test_loader_every_window_once_per_epoch(void) {
 
 static int test_loader_ranks_disjoint_and_complete(void) {
     int failed = 0;
-    char* dir = td_make_temp_dir();
-    if (!dir) return TEST_FAIL;
     TdShardSet s;
-    td_make_shard_set(&s, dir, 16);
     char pattern[256], err[512];
-    snprintf(pattern, sizeof(pattern), "%s/train_*.bin", dir);
+    char* dir = td_shard_set_dir(&s, pattern, sizeof(pattern));
+    if (!dir) return TEST_FAIL;
     enum { WORLD = 3, B = 4 };
     int steps = 2 * s.total_windows / (WORLD * B) + 3;
     int* all = (int*)xcalloc((size_t)steps * WORLD * B, sizeof(int));
@@ -817,12 +814,10 @@ static int test_loader_ranks_disjoint_and_complete(void) {
 
 static int test_loader_state_restores_exactly(void) {
     int failed = 0;
-    char* dir = td_make_temp_dir();
-    if (!dir) return TEST_FAIL;
     TdShardSet s;
-    td_make_shard_set(&s, dir, 16);
     char pattern[256], err[512];
-    snprintf(pattern, sizeof(pattern), "%s/train_*.bin", dir);
+    char* dir = td_shard_set_dir(&s, pattern, sizeof(pattern));
+    if (!dir) return TEST_FAIL;
     const size_t batch = 4 * 17;
     enum { AHEAD = 60 };
     DataLoader L, M, R[2];

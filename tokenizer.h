@@ -37,6 +37,7 @@
 // Shared helpers
 
 // Formats one error line into err (if any) and returns -1, so a failing function can `return fail(...)`.
+static inline int fail(char* err, size_t err_len, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
 static inline int fail(char* err, size_t err_len, const char* fmt, ...) {
     if (err && err_len) {
         va_list ap;
