@@ -1135,7 +1135,7 @@ static int test_prepro_end_to_end(void) {
     EXPECT(td_run("echo '[15496, 995]' | ./prepro --decode", &out) == 0 && out.len == 11 && memcmp(out.data, "Hello world", 11) == 0,
            "--decode of a pasted list");
     out.len = 0;
-    EXPECT(td_run("echo '15496 99999' | ./prepro --decode 2>&1", &out) != 0 && strstr(byte_buf_cstr(&out), "99999 is not in the vocabulary"),
+    EXPECT(td_run("echo '15496 99999' | ./prepro --decode 2>&1", &out) != 0 && strstr(byte_buf_cstr(&out), "token id 99999, is not in the vocabulary"),
            "--decode of a bad id: '%s'", out.data);
     free(out.data);
     free(want.data);
