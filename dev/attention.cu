@@ -8,11 +8,14 @@
  *   2  FlashAttention-2 style (attention_fa2.cuh): tiles in shared memory by cp.async, mma.sync
  *      m16n8k16 on tensor cores, online softmax, causal tiles skipped; deterministic backward in
  *      three kernels (delta, dK/dV over KV tiles, dQ over query tiles). This is the trainer's kernel.
+ *   3  Hopper wgmma (attention_wgmma.cuh), first step: version 2's algorithm with every product a
+ *      warpgroup wgmma chain (operands straight from shared memory, P and dS from registers), two
+ *      warpgroups per block, cp.async loads; no TMA, warp specialization or softmax overlap yet.
  * Measured figures and the tile choices behind version 2 are in doc/attention.md.
  *
  * Usage: ./dev/attention          check every version, then time every version
  *        ./dev/attention N        check and time version N only
- *        ./dev/attention tune     check, then time each tile configuration of version 2's kernels
+ *        ./dev/attention tune     check, then time each tile configuration (tune2: version 2's only)
  *        a second argument `check` skips the timing (./dev/attention 2 check)
  * Each run first checks on small shapes with fresh random inputs (outputs poisoned with NaN; max
  * abs and relative-L2 error of out, lse, dq, dk, dv; the backward run twice and compared bitwise),
@@ -25,6 +28,7 @@
 #include "common.h"
 #include "attention_naive.cuh"
 #include "attention_fa2.cuh"
+#include "attention_wgmma.cuh"
 
 typedef void (*FwdFn)(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int qkv_stride, int B,
                       int T, int Hq, int Hkv, int D, cudaStream_t stream);
@@ -41,11 +45,11 @@ typedef void (*DqFn)(bf16* dq, const bf16* dout, const float* lse, const float* 
 // ----------------------------------------------------------------------------------------------
 // Version 2's tile configurations, as functions of the common signature (dispatching on D).
 
-template <int BM, int BN, int W, int MINB>
+template <int BM, int BN, int W, int MINB, int KV_BUFS = 2>
 static void fwd_cfg(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int stride, int B, int T,
                     int Hq, int Hkv, int D, cudaStream_t st) {
-    if (D == 64) fa2_forward_launch<64, BM, BN, W, MINB>(out, lse, q, k, v, stride, B, T, Hq, Hkv, st);
-    else fa2_forward_launch<128, BM, BN, W, MINB>(out, lse, q, k, v, stride, B, T, Hq, Hkv, st);
+    if (D == 64) fa2_forward_launch<64, BM, BN, W, MINB, KV_BUFS>(out, lse, q, k, v, stride, B, T, Hq, Hkv, st);
+    else fa2_forward_launch<128, BM, BN, W, MINB, KV_BUFS>(out, lse, q, k, v, stride, B, T, Hq, Hkv, st);
 }
 template <int BM, int W, int MINB>
 static void dkdv_cfg(bf16* dk, bf16* dv, const bf16* dout, const float* lse, const float* delta, const bf16* q,
@@ -78,10 +82,45 @@ typedef struct {
 static const Impl VERSIONS[] = {
     {1, "naive", 3, naive_attention_forward, naive_attention_backward, nullptr, nullptr},
     {2, "fa2", 3, attention_forward, attention_backward, nullptr, nullptr},
+    {3, "wgmma", 3, attention_forward_wgmma, attention_backward_wgmma, nullptr, nullptr},
 };
 // Tuning candidates; the default backward pieces are the first of each list.
+template <int BN>
+static void wg_cfg(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int stride, int B, int T,
+                   int Hq, int Hkv, int D, cudaStream_t st) {
+    if (D == 64) wg_forward_launch<64, BN>(out, lse, q, k, v, stride, B, T, Hq, Hkv, st);
+    else wg_forward_launch<128, BN>(out, lse, q, k, v, stride, B, T, Hq, Hkv, st);
+}
+
+template <int BM, int MINB = 1>
+static void wg_dkdv_cfg(bf16* dk, bf16* dv, const bf16* dout, const float* lse, const float* delta, const bf16* q,
+                        const bf16* k, const bf16* v, int stride, int dstride, int B, int T, int Hq, int Hkv, int D,
+                        cudaStream_t st) {
+    if (D == 64) wg_backward_dkdv_launch<64, BM, MINB>(dk, dv, dout, lse, delta, q, k, v, stride, dstride, B, T, Hq, Hkv, st);
+    else wg_backward_dkdv_launch<128, BM, MINB>(dk, dv, dout, lse, delta, q, k, v, stride, dstride, B, T, Hq, Hkv, st);
+}
+template <int BN, int MINB = 1>
+static void wg_dq_cfg(bf16* dq, const bf16* dout, const float* lse, const float* delta, const bf16* q, const bf16* k,
+                      const bf16* v, int stride, int dstride, int B, int T, int Hq, int Hkv, int D, cudaStream_t st) {
+    if (D == 64) wg_backward_dq_launch<64, BN, MINB>(dq, dout, lse, delta, q, k, v, stride, dstride, B, T, Hq, Hkv, st);
+    else wg_backward_dq_launch<128, BN, MINB>(dq, dout, lse, delta, q, k, v, stride, dstride, B, T, Hq, Hkv, st);
+}
+
 static const Impl TUNE[] = {
     {2, "fwd BM128 BN64 4w", 3, fwd_cfg<128, 64, 4, 2>, nullptr, dkdv_cfg<64, 4, 2>, dq_cfg<64, 4, 2>},
+    {2, "fwd 128x64 4w 1buf", 3, fwd_cfg<128, 64, 4, 2, 1>, nullptr, dkdv_cfg<64, 4, 2>, dq_cfg<64, 4, 2>},
+    {2, "fwd 128x128 4w 1buf", 1, fwd_cfg<128, 128, 4, 2, 1>, nullptr, dkdv_cfg<64, 4, 2>, dq_cfg<64, 4, 2>},
+    {3, "wgmma fwd BN128", 3, wg_cfg<128>, nullptr, dkdv_cfg<64, 4, 2>, dq_cfg<64, 4, 2>},
+    {3, "wgmma fwd BN64", 3, wg_cfg<64>, nullptr, dkdv_cfg<64, 4, 2>, dq_cfg<64, 4, 2>},
+    {3, "wgmma dkdv BM64", 3, wg_cfg<128>, nullptr, wg_dkdv_cfg<64>, dq_cfg<64, 4, 2>},
+    {3, "wgmma dkdv BM32", 3, wg_cfg<128>, nullptr, wg_dkdv_cfg<32>, dq_cfg<64, 4, 2>},
+    {3, "wgmma dq BN64", 3, wg_cfg<128>, nullptr, dkdv_cfg<64, 4, 2>, wg_dq_cfg<64>},
+    {3, "wgmma dq BN128", 3, wg_cfg<128>, nullptr, dkdv_cfg<64, 4, 2>, wg_dq_cfg<128>},
+    {3, "wgmma dq BN32", 3, wg_cfg<128>, nullptr, dkdv_cfg<64, 4, 2>, wg_dq_cfg<32>},
+    {3, "wgmma dkdv BM32 2blk", 1, wg_cfg<128>, nullptr, wg_dkdv_cfg<32, 2>, dq_cfg<64, 4, 2>},
+    {3, "wgmma dkdv BM64 2blk", 1, wg_cfg<128>, nullptr, wg_dkdv_cfg<64, 2>, dq_cfg<64, 4, 2>},
+    {3, "wgmma dkdv BM128", 1, wg_cfg<128>, nullptr, wg_dkdv_cfg<128>, dq_cfg<64, 4, 2>},
+    {3, "wgmma dq BN64 2blk", 1, wg_cfg<128>, nullptr, dkdv_cfg<64, 4, 2>, wg_dq_cfg<64, 2>},
     {2, "fwd BM64 BN64 4w", 3, fwd_cfg<64, 64, 4, 3>, nullptr, dkdv_cfg<64, 4, 2>, dq_cfg<64, 4, 2>},
     {2, "fwd BM128 BN64 8w", 3, fwd_cfg<128, 64, 8, 1>, nullptr, dkdv_cfg<64, 4, 2>, dq_cfg<64, 4, 2>},
     {2, "fwd BM128 BN64 8w2", 3, fwd_cfg<128, 64, 8, 2>, nullptr, dkdv_cfg<64, 4, 2>, dq_cfg<64, 4, 2>},
@@ -297,15 +336,17 @@ int main(int argc, char** argv) {
     printf("device: %s, %d SMs, %.0f MiB L2\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0);
     std::vector<Impl> impls;
     bool tune = false;
-    if (argc > 1 && strcmp(argv[1], "tune") == 0) {
+    if (argc > 1 && strncmp(argv[1], "tune", 4) == 0) {  // "tune": all; "tune2": version 2's only
         tune = true;
-        for (const Impl& im : TUNE) impls.push_back(im);
+        const int only = atoi(argv[1] + 4);
+        for (const Impl& im : TUNE)
+            if (only == 0 || im.version == only) impls.push_back(im);
     } else {
         const int want = argc > 1 ? atoi(argv[1]) : 0;
         for (const Impl& im : VERSIONS)
             if (want == 0 || im.version == want) impls.push_back(im);
         if (impls.empty()) {
-            fprintf(stderr, "usage: %s [version | tune]; version %s is not built (versions: 1 naive, 2 fa2)\n", argv[0],
+            fprintf(stderr, "usage: %s [version | tune]; version %s is not built (versions: 1 naive, 2 fa2, 3 wgmma)\n", argv[0],
                     argv[1]);
             return 1;
         }

@@ -208,23 +208,84 @@ static __device__ __forceinline__ void fa2_store_rows(bf16* g, long stride, int 
 // ----------------------------------------------------------------------------------------------
 // Forward: one thread block per (BM query rows, b, query head); WARPS warps, each owning
 // MT = BM/(16*WARPS) m16 tiles. The block walks the KV tiles of BN keys from the diagonal down to
-// key 0 (so masking happens first), with one K and one V buffer: V_j loads while S = Q K_j^T runs,
-// K_{j-1} loads while the softmax and O += P V_j run. Online softmax in base 2 on scores scaled by
-// scale*log2(e); lse = ln2 * (m + log2 l). Tiles wholly above the diagonal are never visited.
-// Shared memory: Q [BM][D], K [BN][D], V [BN][D] bf16.
+// key 0 (so masking happens first); tiles wholly above the diagonal are never visited. Online
+// softmax in base 2 on scores scaled by scale*log2(e); lse = ln2 * (m + log2 l).
+// KV_BUFS = 2 (the default): two K and V buffers, one barrier per tile; K_{j-1} and V_{j-1} load
+// while tile j computes. KV_BUFS = 1 (run 1): one K and one V buffer, two barriers per tile; V_j
+// loads while S = Q K_j^T runs, K_{j-1} while the softmax and O += P V_j run.
+// Shared memory: Q [BM][D], K [KV_BUFS][BN][D], V [KV_BUFS][BN][D] bf16.
 
-template <int D, int BM, int BN, int WARPS, int MINB>
+// S = Q K^T for a warp's rows, with key > query masked to -inf where the tile crosses the diagonal.
+template <int D, int MT, int NT>
+static __device__ __forceinline__ void fa2_fwd_scores(float (&s)[MT][NT][4], uint32_t qs, uint32_t ks, int m0,
+                                                      int wrow, int n0, int lane) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) fa2_zero(s[mt]);
+    fa2_mma_abt<D, MT, NT>(s, qs, wrow, ks, lane);
+    if (n0 + NT * 8 - 1 > m0 + wrow) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const int row = m0 + wrow + mt * 16 + (lane >> 2) + 8 * (i >> 1);
+                    const int col = n0 + nt * 8 + 2 * (lane & 3) + (i & 1);
+                    if (col > row) s[mt][nt][i] = -INFINITY;
+                }
+    }
+}
+
+// Online softmax of one tile of scores, in place (s becomes P, unnormalized); the running row
+// sums and O are rescaled by 2^(m_old - m_new). The caller then adds P V to O.
+template <int D, int MT, int NT>
+static __device__ __forceinline__ void fa2_fwd_softmax(float (&o)[MT][D / 8][4], float (&s)[MT][NT][4],
+                                                       float (&row_max)[MT][2], float (&row_sum)[MT][2],
+                                                       float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float m_new = fmaxf(row_max[mt][r], mx * scale_log2);
+            const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no visible key yet
+            const float alpha = fa2_exp2(row_max[mt][r] - m_use);  // rescales the old sums and O
+            row_max[mt][r] = m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = fa2_exp2(fmaf(s[mt][nt][2 * r + e], scale_log2, -m_use));
+                    s[mt][nt][2 * r + e] = p;
+                    sum += p;
+                }
+            row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                o[mt][dt][2 * r] *= alpha;
+                o[mt][dt][2 * r + 1] *= alpha;
+            }
+        }
+}
+
+template <int D, int BM, int BN, int WARPS, int MINB, int KV_BUFS = 2>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
     fa2_forward_kernel(bf16* __restrict__ out, float* __restrict__ lse, const bf16* __restrict__ q,
                        const bf16* __restrict__ k, const bf16* __restrict__ v, int stride, int T,
                        int Hq, int Hkv, float scale_log2) {
     constexpr int THREADS = WARPS * 32, MT = BM / (16 * WARPS), NT = BN / 8, DT = D / 8;
     static_assert(BM % (16 * WARPS) == 0 && BN % 16 == 0, "bad tile sizes");
+    static_assert(KV_BUFS == 1 || KV_BUFS == 2, "one or two K/V buffers");
     extern __shared__ __align__(1024) unsigned char fa2_smem[];  // 256-byte alignment: see fa2_lane_a
     bf16* Qs = reinterpret_cast<bf16*>(fa2_smem);
-    bf16* Ks = Qs + BM * D;
-    bf16* Vs = Ks + BN * D;
-    const uint32_t qs = fa2_smem_u32(Qs), ks = fa2_smem_u32(Ks), vs = fa2_smem_u32(Vs);
+    bf16* Ks = Qs + BM * D;            // [KV_BUFS][BN * D]
+    bf16* Vs = Ks + KV_BUFS * BN * D;  // [KV_BUFS][BN * D]
+    const uint32_t qs = fa2_smem_u32(Qs);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int q_tile = gridDim.x - 1 - blockIdx.x;  // the longest rows first
@@ -236,10 +297,6 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     const bf16* vg = v + (long)b * T * stride + hk * D;
     const int n_tiles = (min(T, m0 + BM) + BN - 1) / BN;
 
-    fa2_load_tile<D, BM, THREADS>(Qs, qg, stride, m0, T);
-    fa2_load_tile<D, BN, THREADS>(Ks, kg, stride, (n_tiles - 1) * BN, T);
-    fa2_cp_async_commit();
-
     float o[MT][DT][4];
     float row_max[MT][2], row_sum[MT][2];  // row_max in units of scale*log2(e); row_sum per thread
 #pragma unroll
@@ -249,72 +306,46 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
     }
 
+    fa2_load_tile<D, BM, THREADS>(Qs, qg, stride, m0, T);
+    fa2_load_tile<D, BN, THREADS>(Ks, kg, stride, (n_tiles - 1) * BN, T);
+    if constexpr (KV_BUFS == 2) fa2_load_tile<D, BN, THREADS>(Vs, vg, stride, (n_tiles - 1) * BN, T);
+    fa2_cp_async_commit();
+
     for (int j = n_tiles - 1; j >= 0; --j) {
         const int n0 = j * BN;
-        fa2_cp_async_wait<0>();  // K_j (and Q)
-        __syncthreads();         // ... visible to all; every warp is done with V_{j+1}
-        fa2_load_tile<D, BN, THREADS>(Vs, vg, stride, n0, T);
-        fa2_cp_async_commit();
-
-        const bool active = n0 <= m0 + wrow + MT * 16 - 1;  // some key of the tile is visible
+        const bool active = n0 <= m0 + wrow + MT * 16 - 1;  // some key of the tile is visible to the warp
         float s[MT][NT][4];
-        if (active) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) fa2_zero(s[mt]);
-            fa2_mma_abt<D, MT, NT>(s, qs, wrow, ks, lane);
-            if (n0 + BN - 1 > m0 + wrow) {  // the tile crosses this warp's diagonal: mask key > query
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const int row = m0 + wrow + mt * 16 + (lane >> 2) + 8 * (i >> 1);
-                            const int col = n0 + nt * 8 + 2 * (lane & 3) + (i & 1);
-                            if (col > row) s[mt][nt][i] = -INFINITY;
-                        }
+        if constexpr (KV_BUFS == 2) {
+            const int buf = (n_tiles - 1 - j) & 1;
+            fa2_cp_async_wait<0>();  // tile j (and Q)
+            __syncthreads();         // ... visible to all; every warp is done with tile j+1's buffer
+            if (j > 0) {
+                fa2_load_tile<D, BN, THREADS>(Ks + (buf ^ 1) * BN * D, kg, stride, n0 - BN, T);
+                fa2_load_tile<D, BN, THREADS>(Vs + (buf ^ 1) * BN * D, vg, stride, n0 - BN, T);
+                fa2_cp_async_commit();
             }
-        }
-
-        fa2_cp_async_wait<0>();  // V_j
-        __syncthreads();         // ... visible to all; every warp is done with K_j
-        if (j > 0) {
-            fa2_load_tile<D, BN, THREADS>(Ks, kg, stride, n0 - BN, T);
+            if (active) {
+                fa2_fwd_scores<D, MT, NT>(s, qs, fa2_smem_u32(Ks + buf * BN * D), m0, wrow, n0, lane);
+                fa2_fwd_softmax<D, MT, NT>(o, s, row_max, row_sum, scale_log2);
+                fa2_mma_pv<D, MT, NT>(o, s, fa2_smem_u32(Vs + buf * BN * D), lane);
+            }
+        } else {
+            fa2_cp_async_wait<0>();  // K_j (and Q)
+            __syncthreads();         // ... visible to all; every warp is done with V_{j+1}
+            fa2_load_tile<D, BN, THREADS>(Vs, vg, stride, n0, T);
             fa2_cp_async_commit();
-        }
-        if (!active) continue;
-
-        // online softmax: rescale the running sums and O by 2^(m_old - m_new)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float mx = -INFINITY;
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-                const float m_new = fmaxf(row_max[mt][r], mx * scale_log2);
-                const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no visible key yet
-                const float alpha = fa2_exp2(row_max[mt][r] - m_use);
-                row_max[mt][r] = m_new;
-                float sum = 0.f;
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const float p = fa2_exp2(fmaf(s[mt][nt][2 * r + e], scale_log2, -m_use));
-                        s[mt][nt][2 * r + e] = p;
-                        sum += p;
-                    }
-                row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-#pragma unroll
-                for (int dt = 0; dt < DT; ++dt) {
-                    o[mt][dt][2 * r] *= alpha;
-                    o[mt][dt][2 * r + 1] *= alpha;
-                }
+            if (active) fa2_fwd_scores<D, MT, NT>(s, qs, fa2_smem_u32(Ks), m0, wrow, n0, lane);
+            fa2_cp_async_wait<0>();  // V_j
+            __syncthreads();         // ... visible to all; every warp is done with K_j
+            if (j > 0) {
+                fa2_load_tile<D, BN, THREADS>(Ks, kg, stride, n0 - BN, T);
+                fa2_cp_async_commit();
             }
-        fa2_mma_pv<D, MT, NT>(o, s, vs, lane);
+            if (active) {
+                fa2_fwd_softmax<D, MT, NT>(o, s, row_max, row_sum, scale_log2);
+                fa2_mma_pv<D, MT, NT>(o, s, fa2_smem_u32(Vs), lane);
+            }
+        }
     }
 
     // O /= l, and the logsumexp of the row in natural log
@@ -570,11 +601,11 @@ static void fa2_allow_smem(Kernel kernel, int bytes) {
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
-template <int D, int BM, int BN, int WARPS, int MINB>
+template <int D, int BM, int BN, int WARPS, int MINB, int KV_BUFS = 2>
 static void fa2_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
                                int stride, int B, int T, int Hq, int Hkv, cudaStream_t stream) {
-    auto kernel = fa2_forward_kernel<D, BM, BN, WARPS, MINB>;
-    const int smem = (BM + 2 * BN) * D * (int)sizeof(bf16);
+    auto kernel = fa2_forward_kernel<D, BM, BN, WARPS, MINB, KV_BUFS>;
+    const int smem = (BM + 2 * KV_BUFS * BN) * D * (int)sizeof(bf16);
     static bool configured = false;
     if (!configured) { fa2_allow_smem(kernel, smem); configured = true; }
     const float scale_log2 = 1.44269504089f / sqrtf((float)D);
