@@ -7,10 +7,10 @@
 NVCC      ?= nvcc
 CC        ?= gcc
 GPU_ARCH  ?= -gencode=arch=compute_90a,code=sm_90a
-NVFLAGS   ?= -O3 -std=c++17 $(GPU_ARCH) --use_fast_math -Xcompiler -Wall,-Wno-unused-function
-CFLAGS    ?= -O2 -std=c11 -Wall -Wextra -Wno-unused-function
+NVFLAGS   ?= -O3 -std=c++17 $(GPU_ARCH) --use_fast_math -Xcompiler -Wall,-Wno-unused-function,-Wno-format-truncation
+CFLAGS    ?= -O2 -std=c11 -Wall -Wextra -Wno-unused-function -Wno-format-truncation
 LIBS      := -lcublasLt -lpthread
-HEADERS   := cuda_common.h kernels.cuh data.h ckpt.h
+HEADERS   := cuda_common.h kernels.cuh data.h tokenizer.h unicode_classes.h ckpt.h
 
 .PHONY: all test data train bench dev clean
 all: train_gpt test_gpt prepro dev
@@ -21,7 +21,7 @@ train_gpt: train_gpt.cu $(HEADERS)
 test_gpt: test_gpt.cu train_gpt.cu reference.h testing.h test_data.h test_ckpt.h $(HEADERS)
 	$(NVCC) $(NVFLAGS) $< -o $@ $(LIBS)
 
-prepro: prepro.c data.h
+prepro: prepro.c data.h tokenizer.h unicode_classes.h
 	$(CC) $(CFLAGS) $< -o $@ -lpthread
 
 dev: dev/attention

@@ -588,7 +588,8 @@ static int test_kernel_cross_entropy(void) {
         double *losses = (double*)malloc(N * 8), *dz = (double*)malloc(n * 8);
         ref_cross_entropy(losses, dz, z, targets, N, V, d_loss);
         double *gl = from_device_f32(d_losses, N), *gdz = from_device_bf16(d_z, n);
-        CHECK_CLOSE("cross-entropy losses", gl, losses, N, 1e-5);
+        // fp32 with fast-math exponentials summed over up to 50K logits: ~1e-5 relative is normal
+        CHECK_CLOSE("cross-entropy losses", gl, losses, N, 1e-4);
         CHECK_CLOSE("cross-entropy dlogits", gdz, dz, n, 4e-3);
         free(z); free(targets); free(losses); free(dz); free(gl); free(gdz);
         CUDA_CHECK(cudaFree(d_targets)); CUDA_CHECK(cudaFree(d_z)); CUDA_CHECK(cudaFree(d_losses));
@@ -762,10 +763,12 @@ static double gpu_forward_backward(GPT* m, Uploader* up, double* p, const uint16
 
 // Loss and every gradient tensor against the fp64 CPU reference, on configs that cover GQA, MQA,
 // MHA, both head dims, odd layer counts and a sequence length that is no multiple of a tile.
-// Tolerance: the GPU rounds every activation to bf16 (relative 2^-9 per rounding) through
-// several layers, and the small gradients (norm weights) are sums of many such terms; 3e-2
-// relative L2 per tensor is about ten times what a correct bf16 pipeline shows, while a wrong
-// formula or index shows errors of order 1.
+// Tolerances: the GPU rounds every activation to bf16 (relative 2^-9 per rounding) through
+// several layers. A matrix's gradient is a sum of products of such values and lands near 1e-2
+// relative L2: we allow 3e-2. A norm weight's gradient is a sum over every token (and head) of
+// terms of both signs that mostly cancel, so the same absolute rounding errors are large next to
+// the small total: we measured up to 2.5e-2 and allow 8e-2. A wrong formula or index shows errors
+// of order 1 in either.
 static int test_model_matches_reference(void) {
     REQUIRE_GPU();
     int failed = 0;
@@ -795,19 +798,21 @@ static int test_model_matches_reference(void) {
         loss_ref /= tc.accum;
         for (size_t i = 0; i < m.table.n_elements; i++) g_ref[i] /= tc.accum;
         EXPECT(fabs(loss_gpu - loss_ref) < 5e-3 * loss_ref, "loss %.6f vs reference %.6f", loss_gpu, loss_ref);
-        double worst = 0.0;
-        const char* worst_name = "";
+        double worst[2] = {0.0, 0.0};  // matrices, norm weights
+        const char* worst_name[2] = {"", ""};
         for (int i = 0; i < m.table.n_tensors; i++) {
             const ParamTensor* t = &m.table.tensors[i];
             double err = rel_l2(g_gpu + t->offset, g_ref + t->offset, (size_t)(t->rows * t->cols));
-            if (err > worst) {
-                worst = err;
-                worst_name = t->name;
+            int is_norm = !PARAM_KINDS[t->kind].decay;
+            if (err > worst[is_norm]) {
+                worst[is_norm] = err;
+                worst_name[is_norm] = t->name;
             }
-            EXPECT(err < 3e-2, "gradient of %s: relative L2 error %.3g", t->name, err);
+            EXPECT(err < (is_norm ? 8e-2 : 3e-2), "gradient of %s: relative L2 error %.3g", t->name, err);
         }
-        printf("    L%d Hq%d Hkv%d D%d T%d: loss %.5f vs %.5f, worst gradient %s %.2e\n", c->n_layer, c->n_head,
-               c->n_kv_head, c->head_dim, c->seq_len, loss_gpu, loss_ref, worst_name, worst);
+        printf("    L%d Hq%d Hkv%d D%d T%d: loss %.5f vs %.5f; worst gradients: %s %.2e, %s %.2e\n", c->n_layer,
+               c->n_head, c->n_kv_head, c->head_dim, c->seq_len, loss_gpu, loss_ref, worst_name[0], worst[0],
+               worst_name[1], worst[1]);
         free(p); free(window); free(g_gpu); free(g_ref);
         uploader_free(&up);
         gpt_free(&m);
@@ -879,6 +884,150 @@ static int test_model_trains(void) {
     return TEST_RESULT;
 }
 
+// ----------------------------------------------------------------------------------------------
+// The trainer as a user runs it: checkpoints, resume, export and init-from (GPU; they run the
+// ./train_gpt binary on a small model and a generated shard).
+
+// A temporary directory with train_000000.bin of n random tokens < vocab; returns false on error.
+static bool make_shard_dir(char* dir, size_t n, int vocab) {
+    strcpy(dir, "/tmp/test_gpt_run_XXXXXX");
+    if (!mkdtemp(dir)) return false;
+    uint16_t* tokens = (uint16_t*)malloc(n * sizeof(uint16_t));
+    for (size_t i = 0; i < n; i++) tokens[i] = (uint16_t)(rand_uniform() * vocab);
+    char path[256], err[512];
+    snprintf(path, sizeof(path), "%s/train_000000.bin", dir);
+    bool ok = shard_write(path, tokens, n, err, sizeof(err)) == 0;
+    if (!ok) printf("    %s\n", err);
+    free(tokens);
+    return ok;
+}
+
+// The JSON log's text for one step's loss and grad norm (printed with 9 significant digits,
+// which round-trips a float exactly), or "" when the step is not logged.
+static void logged_step(const char* log_path, int step, char* out, size_t len) {
+    out[0] = '\0';
+    FILE* f = fopen(log_path, "r");
+    if (!f) return;
+    char line[1024], key[32];
+    snprintf(key, sizeof(key), "{\"step\": %d, \"loss\"", step);
+    while (fgets(line, sizeof(line), f))
+        if (!strncmp(line, key, strlen(key))) {
+            const char* end = strstr(line, ", \"lr\"");
+            snprintf(out, len, "%.*s", end ? (int)(end - line) : 0, line);
+        }
+    fclose(f);
+}
+
+#define SMALL_RUN                                                                                        \
+    "./train_gpt --vocab 512 --d-model 128 --layers 2 --heads 4 --kv-heads 2 --head-dim 64 --ffn 256 " \
+    "--seq 64 --batch 4 --total-batch 512 --warmup 2 --lr 3e-3 --val-data '' --sample-every 0 "
+
+// Train 10 steps straight; train 5 (checkpoint, stop), resume, train 5 more: steps 6..10 must log
+// bit-identical losses and gradient norms, with gradient accumulation on and mid-epoch.
+static int test_resume_is_bit_exact(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    char dir[64], cmd[2048], a[512], b[512], path[256];
+    EXPECT(make_shard_dir(dir, 60000, 512), "shard");
+    const char* quiet = "> /dev/null";
+    snprintf(cmd, sizeof(cmd), SMALL_RUN "--train-data '%s/train_*.bin' --steps 10 --ckpt-every 0 --out %s/straight %s",
+             dir, dir, quiet);
+    EXPECT(system(cmd) == 0, "straight run failed: %s", cmd);
+    snprintf(cmd, sizeof(cmd), SMALL_RUN "--train-data '%s/train_*.bin' --steps 10 --ckpt-every 3 --stop-at 5 --out %s/split %s",
+             dir, dir, quiet);
+    EXPECT(system(cmd) == 0, "first half failed: %s", cmd);
+    snprintf(cmd, sizeof(cmd), SMALL_RUN "--train-data '%s/train_*.bin' --steps 10 --ckpt-every 3 --resume latest --out %s/split %s",
+             dir, dir, quiet);
+    EXPECT(system(cmd) == 0, "resumed half failed: %s", cmd);
+    for (int step = 1; step <= 10; step++) {
+        snprintf(path, sizeof(path), "%s/straight/log.jsonl", dir);
+        logged_step(path, step, a, sizeof(a));
+        snprintf(path, sizeof(path), "%s/split/log.jsonl", dir);
+        logged_step(path, step, b, sizeof(b));
+        EXPECT(a[0] && !strcmp(a, b), "step %d: straight '%s' vs split '%s'", step, a, b);
+    }
+    // keep-last 2: checkpoints 10 and 9 remain (3, 5 and 6 were deleted), latest names 10
+    snprintf(path, sizeof(path), "%s/split/ckpt_3", dir);
+    EXPECT(access(path, F_OK) != 0, "ckpt_3 should have been pruned");
+    snprintf(path, sizeof(path), "%s/split/ckpt_10/manifest.json", dir);
+    EXPECT(access(path, F_OK) == 0, "ckpt_10 missing");
+    // a damaged checkpoint is one clear error naming the file, never a silent fresh start
+    snprintf(path, sizeof(path), "%s/split/ckpt_10/optimizer.safetensors", dir);
+    FILE* f = fopen(path, "r+b");
+    EXPECT(f != NULL, "open %s", path);
+    if (f) {
+        fseek(f, 1000, SEEK_SET);
+        fputc(0x5A ^ fgetc(f), f);
+        fclose(f);
+    }
+    snprintf(cmd, sizeof(cmd), SMALL_RUN "--train-data '%s/train_*.bin' --steps 12 --resume latest --out %s/split", dir, dir);
+    char line[512];
+    int code = run_command(cmd, line, sizeof(line));
+    EXPECT(code == 1 && strstr(line, "optimizer.safetensors"), "damaged checkpoint: exit %d, '%s'", code, line);
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    EXPECT(system(cmd) == 0, "cleanup");
+    return TEST_RESULT;
+}
+
+// kill -9 at an arbitrary moment while checkpoints are being written asynchronously every step:
+// the run resumes from `latest`, which must be complete and verify.
+static int test_kill_during_checkpoint_then_resume(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    char dir[64], cmd[2048], line[512];
+    EXPECT(make_shard_dir(dir, 400000, 8192), "shard");
+    const char* model = "./train_gpt --vocab 8192 --d-model 512 --layers 4 --heads 4 --kv-heads 2 --head-dim 128 "
+                        "--ffn 1024 --seq 128 --batch 8 --val-data '' --sample-every 0 ";
+    for (int attempt = 0; attempt < 3; attempt++) {
+        snprintf(cmd, sizeof(cmd), "rm -rf %s/out; %s --train-data '%s/train_*.bin' --steps 100000 --ckpt-every 1 "
+                 "--out %s/out > %s/log.txt 2>&1 & pid=$!; sleep %d.%d; kill -9 $pid; wait $pid 2>/dev/null; true",
+                 dir, model, dir, dir, dir, 4 + attempt, (int)(rand_uniform() * 10));
+        EXPECT(system(cmd) == 0, "background run");
+        // resume from what `latest` names and run two more steps
+        char latest_path[256], latest[64] = "";
+        snprintf(latest_path, sizeof(latest_path), "%s/out/latest", dir);
+        FILE* f = fopen(latest_path, "r");
+        if (f) {
+            if (!fgets(latest, sizeof(latest), f)) latest[0] = '\0';
+            fclose(f);
+        }
+        int step = 0;
+        if (sscanf(latest, "ckpt_%d", &step) != 1) {
+            EXPECT(false, "no checkpoint written before the kill (latest: '%s')", latest);
+            continue;
+        }
+        snprintf(cmd, sizeof(cmd), "%s --train-data '%s/train_*.bin' --steps 100000 --stop-at %d --ckpt-every 1 "
+                 "--resume latest --out %s/out", model, dir, step + 2, dir);
+        int code = run_command(cmd, line, sizeof(line));
+        EXPECT(code == 0, "resume after kill -9 at checkpoint %d: exit %d, '%s'", step, code, line);
+        snprintf(cmd, sizeof(cmd), "ls -d %s/out/*.tmp 2>/dev/null | grep -q .", dir);
+        EXPECT(system(cmd) != 0, "a .tmp directory survived the resume");
+        printf("    killed after checkpoint %d, resumed to %d\n", step, step + 2);
+    }
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    EXPECT(system(cmd) == 0, "cleanup");
+    return TEST_RESULT;
+}
+
+// Export, then start a new run from the export: it must hold exactly the same weights.
+static int test_export_then_init_from(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    char dir[64], cmd[2048];
+    EXPECT(make_shard_dir(dir, 20000, 512), "shard");
+    snprintf(cmd, sizeof(cmd), SMALL_RUN "--train-data '%s/train_*.bin' --steps 3 --ckpt-every 0 --out %s/a --export %s/a/hf > /dev/null",
+             dir, dir, dir);
+    EXPECT(system(cmd) == 0, "train and export: %s", cmd);
+    snprintf(cmd, sizeof(cmd), "./train_gpt --seq 64 --batch 4 --val-data '' --sample-every 0 --train-data '%s/train_*.bin' "
+             "--steps 0 --ckpt-every 0 --init-from %s/a/hf --out %s/b --export %s/b/hf > /dev/null", dir, dir, dir, dir);
+    EXPECT(system(cmd) == 0, "init-from and export: %s", cmd);
+    snprintf(cmd, sizeof(cmd), "cmp -s %s/a/hf/model.safetensors %s/b/hf/model.safetensors", dir, dir);
+    EXPECT(system(cmd) == 0, "init-from did not reproduce the exported weights");
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    EXPECT(system(cmd) == 0, "cleanup");
+    return TEST_RESULT;
+}
+
 static const TestCase model_tests[] = {
     {"config_accepts_sane_configs", test_config_accepts_sane_configs},
     {"config_rejects_bad_configs", test_config_rejects_bad_configs},
@@ -900,6 +1049,9 @@ static const TestCase model_tests[] = {
     {"gpu_model_matches_reference", test_model_matches_reference},
     {"gpu_model_deterministic", test_model_deterministic},
     {"gpu_model_trains", test_model_trains},
+    {"gpu_resume_is_bit_exact", test_resume_is_bit_exact},
+    {"gpu_kill_during_checkpoint_then_resume", test_kill_during_checkpoint_then_resume},
+    {"gpu_export_then_init_from", test_export_then_init_from},
 };
 
 int main(int argc, char** argv) {

@@ -31,6 +31,8 @@
 #include <time.h>
 #include <errno.h>
 #include <sys/stat.h>
+#include <pthread.h>
+#include <cuda_fp16.h>
 #include "cuda_common.h"
 #include "kernels.cuh"
 #include "data.h"
@@ -756,9 +758,8 @@ static int hf_tensors(const GPT* m, HfTensor* out) {
 }
 
 // config.json as transformers' Qwen3Config reads it, every field that matters written explicitly.
-static bool write_hf_config(const ModelConfig* c, const char* path, char* err, size_t err_len) {
-    char json[2048];
-    snprintf(json, sizeof(json),
+static void hf_config_text(const ModelConfig* c, char* json, size_t len) {
+    snprintf(json, len,
              "{\n  \"architectures\": [\"Qwen3ForCausalLM\"],\n  \"model_type\": \"qwen3\",\n"
              "  \"vocab_size\": %d,\n  \"hidden_size\": %d,\n  \"intermediate_size\": %d,\n"
              "  \"num_hidden_layers\": %d,\n  \"num_attention_heads\": %d,\n  \"num_key_value_heads\": %d,\n"
@@ -770,7 +771,74 @@ static bool write_hf_config(const ModelConfig* c, const char* path, char* err, s
              "  \"torch_dtype\": \"float32\"\n}\n",
              c->vocab_size, c->d_model, c->ffn_dim, c->n_layer, c->n_head, c->n_kv_head, c->head_dim,
              c->seq_len > 4096 ? c->seq_len : 4096, c->norm_eps, c->rope_theta, c->n_layer);
-    return ck_write_file_atomic(path, json, strlen(json), err, err_len) == 0;
+}
+
+// The safetensors entries of a flat fp32 buffer under HF names, each name prefixed (e.g.
+// "exp_avg."). names must hold n * 96 bytes; returns n.
+static int hf_st_tensors(const GPT* m, const float* flat, const char* prefix, StTensor* st, char* names) {
+    int n = hf_tensors(m, NULL);
+    HfTensor* hf = (HfTensor*)malloc(n * sizeof(HfTensor));
+    hf_tensors(m, hf);
+    for (int i = 0; i < n; i++) {
+        snprintf(names + i * 96, 96, "%s%s", prefix, hf[i].name);
+        st[i].name = names + i * 96;
+        st[i].dtype = ST_F32;
+        st[i].ndim = hf[i].rows == 1 ? 1 : 2;
+        st[i].shape[0] = hf[i].rows == 1 ? hf[i].cols : hf[i].rows;
+        st[i].shape[1] = hf[i].cols;
+        st[i].data = flat + hf[i].offset;
+    }
+    free(hf);
+    return n;
+}
+
+// Fills a flat fp32 buffer from a safetensors file in HF names (with `prefix`), converting bf16
+// and fp16 to fp32. Every tensor must be there with the right shape.
+static bool hf_st_load(const GPT* m, const StFile* f, const char* prefix, float* flat, char* err, size_t err_len) {
+    int n = hf_tensors(m, NULL);
+    HfTensor* hf = (HfTensor*)malloc(n * sizeof(HfTensor));
+    hf_tensors(m, hf);
+    bool ok = true;
+    for (int i = 0; i < n && ok; i++) {
+        char name[128];
+        snprintf(name, sizeof(name), "%s%s", prefix, hf[i].name);
+        const StTensor* t = st_find(f, name);
+        int64_t count = hf[i].rows * hf[i].cols;
+        bool shape_ok = t && (hf[i].rows == 1 ? t->ndim == 1 && t->shape[0] == hf[i].cols
+                                             : t->ndim == 2 && t->shape[0] == hf[i].rows && t->shape[1] == hf[i].cols);
+        if (!t) {
+            snprintf(err, err_len, "%s: tensor %s is missing", f->path, name);
+            ok = false;
+        } else if (!shape_ok) {
+            snprintf(err, err_len, "%s: tensor %s has the wrong shape for this model config", f->path, name);
+            ok = false;
+        } else if (t->dtype != ST_F32 && t->dtype != ST_BF16 && t->dtype != ST_F16) {
+            snprintf(err, err_len, "%s: tensor %s is %s; F32, BF16 or F16 expected", f->path, name,
+                     st_dtype_name(t->dtype));
+            ok = false;
+        } else {
+            float* dst = flat + hf[i].offset;
+            const uint8_t* src = (const uint8_t*)t->data;  // may be unaligned in files of other writers
+            for (int64_t j = 0; j < count; j++) {
+                if (t->dtype == ST_F32) {
+                    memcpy(&dst[j], src + 4 * j, 4);
+                } else {
+                    uint16_t bits;
+                    memcpy(&bits, src + 2 * j, 2);
+                    if (t->dtype == ST_BF16) {
+                        uint32_t wide = (uint32_t)bits << 16;
+                        memcpy(&dst[j], &wide, 4);
+                    } else {
+                        __half_raw raw;
+                        raw.x = bits;
+                        dst[j] = __half2float(__half(raw));
+                    }
+                }
+            }
+        }
+    }
+    free(hf);
+    return ok;
 }
 
 // Writes dir/config.json and dir/model.safetensors (fp32). `weights` is a host copy of a flat
@@ -782,25 +850,18 @@ static bool export_hf(const GPT* m, const float* weights, const char* dir, char*
         return false;
     }
     int n = hf_tensors(m, NULL);
-    HfTensor* hf = (HfTensor*)malloc(n * sizeof(HfTensor));
     StTensor* st = (StTensor*)calloc(n, sizeof(StTensor));
-    hf_tensors(m, hf);
-    for (int i = 0; i < n; i++) {
-        st[i].name = hf[i].name;
-        st[i].dtype = ST_F32;
-        st[i].ndim = hf[i].rows == 1 ? 1 : 2;
-        st[i].shape[0] = hf[i].rows == 1 ? hf[i].cols : hf[i].rows;
-        st[i].shape[1] = hf[i].cols;
-        st[i].data = weights + hf[i].offset;
-    }
-    char path[1024];
+    char* names = (char*)malloc((size_t)n * 96);
+    hf_st_tensors(m, weights, "", st, names);
+    char path[1024], config[2048];
     snprintf(path, sizeof(path), "%s/model.safetensors", dir);
     const char* meta[] = {"format", "pt"};
     bool ok = st_write(path, st, n, meta, 1, err, err_len) == 0;
     snprintf(path, sizeof(path), "%s/config.json", dir);
-    ok = ok && write_hf_config(&m->cfg, path, err, err_len);
-    free(hf);
+    hf_config_text(&m->cfg, config, sizeof(config));
+    ok = ok && ck_write_file_atomic(path, config, strlen(config), err, err_len) == 0;
     free(st);
+    free(names);
     return ok;
 }
 
@@ -817,6 +878,199 @@ static float* download_flat(const GPT* m, const void* device, bool is_bf16) {
         CUDA_CHECK(cudaMemcpy(host, device, n * sizeof(float), cudaMemcpyDeviceToHost));
     }
     return host;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Checkpoints: everything needed to continue a run as if it had never stopped.
+//
+// ckpt.h writes each checkpoint as a directory <out>/ckpt_<step>/ (files go into
+// ckpt_<step>.tmp/, are fsynced, the directory is renamed, then `latest` is updated atomically;
+// a manifest records every file's size and CRC32C). Ours holds:
+//   model.safetensors      fp32 master weights under transformers' Qwen3 names
+//   config.json            transformers' config: the directory also loads as a Qwen3 model
+//   optimizer.safetensors  AdamW's moments, exp_avg.<name> and exp_avg_sq.<name>
+//   trainer_state.bin      the step count, the data loader's state and the trainer's RNGs
+// and the manifest's config object is the ModelConfig, which a resume must match exactly.
+// The learning rate is a function of the step, so the step restores the schedule's position.
+
+#define TRAINER_STATE_MAGIC 0x54475054u  // "TGPT"
+#define TRAINER_STATE_VERSION 1
+typedef struct {
+    uint32_t magic, version;
+    int64_t step;            // optimizer steps completed
+    uint64_t bench_rng;      // the synthetic-token generator of --bench
+    uint64_t sample_rng;     // the text sampler's
+    int32_t has_loader;
+    LoaderState loader;      // the training loader, positioned at the next step's first batch
+} TrainerState;
+
+static void model_config_json(const ModelConfig* c, JsonWriter* w) {
+    jw_object_begin(w);
+    const char* keys[] = {"vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "ffn_dim", "seq_len"};
+    const int values[] = {c->vocab_size, c->d_model, c->n_layer, c->n_head, c->n_kv_head, c->head_dim, c->ffn_dim,
+                          c->seq_len};
+    for (int i = 0; i < 8; i++) {
+        jw_key(w, keys[i]);
+        jw_int(w, values[i]);
+    }
+    jw_key(w, "rope_theta");
+    jw_float(w, c->rope_theta);
+    jw_key(w, "norm_eps");
+    jw_float(w, c->norm_eps);
+    jw_object_end(w);
+}
+
+// Says which field of the checkpoint's config differs from `c`, if any.
+static bool model_config_matches(const ModelConfig* c, const JsonDoc* doc, const JsonNode* node, char* err,
+                                 size_t err_len) {
+    const char* keys[] = {"vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "ffn_dim", "seq_len"};
+    const int values[] = {c->vocab_size, c->d_model, c->n_layer, c->n_head, c->n_kv_head, c->head_dim, c->ffn_dim,
+                          c->seq_len};
+    for (int i = 0; i < 8; i++) {
+        int64_t v;
+        if (!node || json_get_int(doc, node, keys[i], &v) != 0 || v != values[i]) {
+            snprintf(err, err_len, "the checkpoint's %s differs from this run's (%d)", keys[i], values[i]);
+            return false;
+        }
+    }
+    double theta, eps;
+    if (json_get_double(doc, node, "rope_theta", &theta) != 0 || (float)theta != c->rope_theta ||
+        json_get_double(doc, node, "norm_eps", &eps) != 0 || (float)eps != c->norm_eps) {
+        snprintf(err, err_len, "the checkpoint's rope_theta or norm_eps differs from this run's");
+        return false;
+    }
+    return true;
+}
+
+// Writes one checkpoint from host copies of the master weights and moments. Returns false with a
+// message on any failure, leaving the previous checkpoints as they were.
+static bool checkpoint_write(const GPT* m, const float* master, const float* adam_m, const float* adam_v,
+                             const TrainerState* state, const char* out_dir, int keep_last, char* err,
+                             size_t err_len) {
+    int n = hf_tensors(m, NULL);
+    StTensor* st = (StTensor*)calloc(3 * n, sizeof(StTensor));
+    char* names = (char*)malloc((size_t)3 * n * 96);
+    hf_st_tensors(m, master, "", st, names);
+    hf_st_tensors(m, adam_m, "exp_avg.", st + n, names + n * 96);
+    hf_st_tensors(m, adam_v, "exp_avg_sq.", st + 2 * n, names + 2 * n * 96);
+    char hf_config[2048];
+    hf_config_text(&m->cfg, hf_config, sizeof(hf_config));
+    JsonWriter config;
+    jw_init(&config, 0);
+    model_config_json(&m->cfg, &config);
+    CkptWriter w;
+    bool ok = ckpt_begin(&w, out_dir, state->step, err, err_len) == 0 &&
+              ckpt_add_safetensors(&w, "model.safetensors", st, n, NULL, 0, err, err_len) == 0 &&
+              ckpt_add_file(&w, "config.json", hf_config, strlen(hf_config), err, err_len) == 0 &&
+              ckpt_add_safetensors(&w, "optimizer.safetensors", st + n, 2 * n, NULL, 0, err, err_len) == 0 &&
+              ckpt_add_file(&w, "trainer_state.bin", state, sizeof(*state), err, err_len) == 0 &&
+              ckpt_commit(&w, jw_text(&config), keep_last, err, err_len) == 0;
+    if (!ok) ckpt_abort(&w);
+    jw_free(&config);
+    free(st);
+    free(names);
+    return ok;
+}
+
+// Reads and verifies (checksums, config) a checkpoint directory into host buffers of the flat
+// layout (zeroed padding) and the trainer state.
+static bool checkpoint_read(const GPT* m, const char* dir, float* master, float* adam_m, float* adam_v,
+                            TrainerState* state, char* err, size_t err_len) {
+    CkptReader r;
+    if (ckpt_open(&r, dir, err, err_len) != 0) return false;
+    bool ok = model_config_matches(&m->cfg, &r.manifest, r.config, err, err_len);
+    StFile model, optim;
+    size_t n_elements = m->table.n_elements;
+    memset(master, 0, n_elements * 4);
+    memset(adam_m, 0, n_elements * 4);
+    memset(adam_v, 0, n_elements * 4);
+    if (ok && ckpt_open_safetensors(&r, "model.safetensors", &model, err, err_len) == 0) {
+        ok = hf_st_load(m, &model, "", master, err, err_len);
+        st_close(&model);
+    } else {
+        ok = false;
+    }
+    if (ok && ckpt_open_safetensors(&r, "optimizer.safetensors", &optim, err, err_len) == 0) {
+        ok = hf_st_load(m, &optim, "exp_avg.", adam_m, err, err_len) &&
+             hf_st_load(m, &optim, "exp_avg_sq.", adam_v, err, err_len);
+        st_close(&optim);
+    } else {
+        ok = false;
+    }
+    void* bytes = NULL;
+    size_t len = 0;
+    if (ok && ckpt_read_file(&r, "trainer_state.bin", &bytes, &len, err, err_len) == 0) {
+        const TrainerState* s = (const TrainerState*)bytes;
+        if (len != sizeof(TrainerState) || s->magic != TRAINER_STATE_MAGIC || s->version != TRAINER_STATE_VERSION) {
+            snprintf(err, err_len, "%s/trainer_state.bin: not a trainer state of this version of train_gpt", dir);
+            ok = false;
+        } else {
+            *state = *s;
+        }
+        free(bytes);
+    } else {
+        ok = false;
+    }
+    ckpt_close(&r);
+    return ok;
+}
+
+// Puts host copies of the master weights and moments on the GPU, and the bf16 weights with them.
+static void gpt_upload_state(GPT* m, const float* master, const float* adam_m, const float* adam_v) {
+    size_t bytes = m->table.n_elements * 4;
+    CUDA_CHECK(cudaMemcpy(m->master, master, bytes, cudaMemcpyHostToDevice));
+    if (adam_m) CUDA_CHECK(cudaMemcpy(m->adam_m, adam_m, bytes, cudaMemcpyHostToDevice));
+    if (adam_v) CUDA_CHECK(cudaMemcpy(m->adam_v, adam_v, bytes, cudaMemcpyHostToDevice));
+    cast_to_bf16(m->params, m->master, m->table.n_elements, m->stream);
+    CUDA_CHECK(cudaStreamSynchronize(m->stream));
+}
+
+// The model config of a transformers Qwen3 checkpoint directory (config.json), for --init-from.
+static bool hf_config_read(const char* dir, ModelConfig* c, char* err, size_t err_len) {
+    char path[1024];
+    snprintf(path, sizeof(path), "%s/config.json", dir);
+    FILE* f = fopen(path, "rb");
+    if (!f) {
+        snprintf(err, err_len, "%s: %s", path, strerror(errno));
+        return false;
+    }
+    char* text = (char*)malloc(1 << 20);
+    size_t len = fread(text, 1, (1 << 20) - 1, f);
+    fclose(f);
+    JsonDoc doc;
+    bool ok = json_parse(&doc, text, len, err, err_len) == 0;
+    free(text);
+    if (!ok) return false;
+    const JsonNode* root = json_root(&doc);
+    const char* keys[] = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "head_dim", "intermediate_size"};
+    int* fields[] = {&c->vocab_size, &c->d_model, &c->n_layer, &c->n_head, &c->n_kv_head, &c->head_dim, &c->ffn_dim};
+    for (int i = 0; i < 7 && ok; i++) {
+        int64_t v;
+        if (json_get_int(&doc, root, keys[i], &v) != 0) {
+            snprintf(err, err_len, "%s: no integer \"%s\"", path, keys[i]);
+            ok = false;
+        }
+        *fields[i] = (int)v;
+    }
+    double theta = c->rope_theta, eps = c->norm_eps;
+    int tied = 1;
+    json_get_double(&doc, root, "rope_theta", &theta);
+    json_get_double(&doc, root, "rms_norm_eps", &eps);
+    json_get_bool(&doc, root, "tie_word_embeddings", &tied);
+    const char* type = NULL;
+    if (ok && (json_get_string(&doc, root, "model_type", &type) != 0 || strcmp(type, "qwen3") != 0)) {
+        snprintf(err, err_len, "%s: model_type is not \"qwen3\"", path);
+        ok = false;
+    }
+    if (ok && !tied) {
+        snprintf(err, err_len, "%s: tie_word_embeddings is false; train_gpt's output head is the embedding", path);
+        ok = false;
+    }
+    c->rope_theta = (float)theta;
+    c->norm_eps = (float)eps;
+    json_free(&doc);
+    return ok;
 }
 
 static double now_seconds(void) {
@@ -845,6 +1099,14 @@ typedef struct {
     const char* dump_grads_dir;
     int bench, bench_steps;
     float peak_tflops;
+    int sample_every, sample_len;
+    const char* prompt;
+    float temperature;
+    const char* tokenizer_dir;
+    int ckpt_every, keep_last, ckpt_keep_going;
+    int stop_at;
+    const char* resume;
+    const char* init_from;
 } Options;
 
 typedef enum { OPT_INT, OPT_FLOAT, OPT_STR, OPT_U64, OPT_FLAG } OptType;
@@ -894,6 +1156,20 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--bench", OPT_FLAG, &o->bench, "benchmark on synthetic tokens; print one JSON line"},
         {"--bench-steps", OPT_INT, &o->bench_steps, "timed steps of --bench"},
         {"--peak-tflops", OPT_FLOAT, &o->peak_tflops, "the GPU's dense bf16 TFLOP/s, for MFU"},
+        {"--sample-every", OPT_INT, &o->sample_every, "print text generated by the model every N steps (0: never)"},
+        {"--sample-len", OPT_INT, &o->sample_len, "tokens generated per sample"},
+        {"--prompt", OPT_STR, &o->prompt, "text the samples continue (empty: start of a document)"},
+        {"--temperature", OPT_FLOAT, &o->temperature, "sampling temperature (0: greedy)"},
+        {"--tokenizer", OPT_STR, &o->tokenizer_dir, "directory with GPT-2's encoder.json and vocab.bpe"},
+        {"--ckpt-every", OPT_INT, &o->ckpt_every, "write a checkpoint to OUT/ckpt_<step> every N steps (0: never)"},
+        {"--keep-last", OPT_INT, &o->keep_last, "checkpoints kept (older ones are deleted)"},
+        {"--ckpt-keep-going", OPT_INT, &o->ckpt_keep_going,
+         "1: a failed checkpoint write is reported and retried at the next interval; 0: it stops training"},
+        {"--stop-at", OPT_INT, &o->stop_at,
+         "stop after this step as if preempted (checkpointing it), to be resumed later (0: run to --steps)"},
+        {"--resume", OPT_STR, &o->resume, "continue from a checkpoint: 'latest' (in --out) or its directory"},
+        {"--init-from", OPT_STR, &o->init_from,
+         "start from a transformers Qwen3 checkpoint directory (its config.json sets the model)"},
     };
     int n = (int)(sizeof(all) / sizeof(all[0]));
     if (specs) memcpy(specs, all, sizeof(all));
@@ -903,18 +1179,25 @@ static int option_specs(Options* o, OptionSpec* specs) {
 static void options_default(Options* o) {
     memset(o, 0, sizeof(*o));
     o->model = DEFAULT_CONFIG;
-    o->optim = (OptimConfig){6e-4f, 0.1f, 0.1f, 0.9f, 0.95f, 1e-8f, 1.0f, 100, 2000, 0, 0.2f};
+    o->optim = (OptimConfig){6e-4f, 0.1f, 0.1f, 0.9f, 0.95f, 1e-8f, 1.0f, 30, 300, 0, 0.2f};
     o->batch_size = 32;
     o->recompute = 1;
     o->loss_chunk = 4096;
     o->seed = 1337;
     o->train_data = "data/default/train_*.bin";
     o->val_data = "data/default/val_*.bin";
-    o->val_every = 250;
+    o->val_every = 50;
     o->val_batches = 20;
     o->out_dir = "out";
     o->bench_steps = 30;
     o->peak_tflops = 989.0f;
+    o->sample_every = 100;
+    o->sample_len = 64;
+    o->prompt = "";
+    o->temperature = 0.8f;
+    o->tokenizer_dir = "data/tokenizer";
+    o->ckpt_every = 100;
+    o->keep_last = 2;
 }
 
 static void print_help(void) {
@@ -932,7 +1215,7 @@ static void print_help(void) {
         case OPT_STR: snprintf(value, sizeof(value), "%s", *(const char**)specs[i].value ? *(const char**)specs[i].value : "none"); break;
         case OPT_FLAG: snprintf(value, sizeof(value), "off"); break;
         }
-        printf("  %-15s %-56s (%s)\n", specs[i].name, specs[i].help, value);
+        printf("  %-17s %s (%s)\n", specs[i].name, specs[i].help, value);
     }
 }
 
@@ -972,7 +1255,7 @@ static void parse_args(Options* o, int argc, char** argv) {
         }
         case OPT_U64: *(uint64_t*)spec->value = strtoull(v, &end, 10); break;
         case OPT_FLOAT: *(float*)spec->value = strtof(v, &end); break;
-        default: *(const char**)spec->value = v; end = (char*)v + strlen(v); break;
+        default: *(const char**)spec->value = v; continue;  // any string, the empty one included
         }
         if (errno != 0 || end == v || *end != '\0' ||
             (spec->type == OPT_FLOAT && !isfinite(*(float*)spec->value))) {
@@ -1008,6 +1291,11 @@ static void check_options(const Options* o) {
     else if (o->loss_chunk < 1) problem = "--loss-chunk must be at least 1";
     else if (o->val_every < 0 || o->val_batches < 0) problem = "--val-every and --val-batches must be >= 0";
     else if (o->bench_steps < 1) problem = "--bench-steps must be at least 1";
+    else if (o->sample_every < 0 || o->sample_len < 1) problem = "--sample-every must be >= 0, --sample-len >= 1";
+    else if (!(o->temperature >= 0.0f)) problem = "--temperature must be >= 0";
+    else if (o->ckpt_every < 0 || o->keep_last < 1) problem = "--ckpt-every must be >= 0 and --keep-last >= 1";
+    else if (o->stop_at < 0) problem = "--stop-at must be >= 0";
+    else if (o->resume && o->init_from) problem = "--resume and --init-from exclude each other";
     if (problem) {
         fprintf(stderr, "train_gpt: %s\n", problem);
         exit(2);
@@ -1035,6 +1323,59 @@ static float validate(GPT* m, Uploader* up, DataLoader* val, int max_batches) {
         sum += forward_loss(m, &b);
     }
     return (float)(sum / n);
+}
+
+// Text from the model: extends the prompt by up to n_new tokens, each drawn from the softmax of
+// the last position's logits at `temperature` (0: the most likely token). It reuses the training
+// buffers: the prompt sits in row 0 of a B x T batch (the other rows and the tail hold
+// end-of-text, which causal attention keeps from mattering), the layers run forward, and only the
+// one row of logits needed is computed. Each token costs a forward pass over the whole batch,
+// which is fine for a few dozen tokens every few hundred steps. Tokens are drawn from the
+// tokenizer's vocabulary only (the padding rows of the embedding are never sampled).
+static void sample_text(GPT* m, Uploader* up, const Tokenizer* tk, const TokenList* prompt, int n_new,
+                        float temperature, uint64_t* rng, ByteBuf* text) {
+    const int T = m->T, V = m->cfg.vocab_size, C = m->cfg.d_model, EOT = 50256;
+    const int n_vocab = tk->vocab_size < V ? tk->vocab_size : V;
+    uint16_t* window = (uint16_t*)malloc((size_t)m->B * (T + 1) * sizeof(uint16_t));
+    bf16* logits = (bf16*)malloc(V * sizeof(bf16));
+    float* probs = (float*)malloc(V * sizeof(float));
+    int* ids = (int*)malloc((T + 1) * sizeof(int));
+    int len = 0;
+    if (prompt->len == 0) ids[len++] = EOT;
+    for (size_t i = 0; i < prompt->len && len < T; i++) ids[len++] = prompt->data[i];
+    int first_new = len;
+    while (len < T && len - first_new < n_new) {
+        for (size_t i = 0; i < (size_t)m->B * (T + 1); i++) window[i] = EOT;
+        for (int i = 0; i < len; i++) window[i] = (uint16_t)ids[i];
+        Batch b = upload_batch(up, m, window);
+        forward_layers(m, &b);
+        linear_forward(m->act.logits, m->act.xnorm_final + (size_t)(len - 1) * C, P(m, P_EMBED, 0), NULL, 1, C, V,
+                       m->stream);
+        CUDA_CHECK(cudaMemcpyAsync(logits, m->act.logits, V * sizeof(bf16), cudaMemcpyDeviceToHost, m->stream));
+        CUDA_CHECK(cudaStreamSynchronize(m->stream));
+        int next = 0;
+        for (int v = 1; v < n_vocab; v++)
+            if (__bfloat162float(logits[v]) > __bfloat162float(logits[next])) next = v;
+        if (temperature > 0.0f) {  // sample: p_v ~ exp((z_v - z_max) / temperature)
+            float z_max = __bfloat162float(logits[next]), sum = 0.0f;
+            for (int v = 0; v < n_vocab; v++) sum += probs[v] = expf((__bfloat162float(logits[v]) - z_max) / temperature);
+            *rng ^= *rng << 13;
+            *rng ^= *rng >> 7;
+            *rng ^= *rng << 17;
+            float r = (float)((*rng >> 40) * (1.0 / 16777216.0)) * sum, acc = 0.0f;
+            for (next = 0; next < n_vocab - 1; next++)
+                if ((acc += probs[next]) > r) break;
+        }
+        ids[len++] = next;
+        if (next == EOT) break;
+    }
+    char err[256];
+    if (tokenizer_decode(tk, ids + first_new, len - first_new, text, err, sizeof(err)) != 0)
+        byte_buf_append(text, err, strlen(err));
+    free(window);
+    free(logits);
+    free(probs);
+    free(ids);
 }
 
 // Writes one batch's loss, tokens and per-tensor gradient norms (HF names), plus the weights the
@@ -1083,11 +1424,97 @@ static void dump_grads(GPT* m, Uploader* up, const uint16_t* window, const char*
     free(grads);
 }
 
+// Asynchronous checkpoints. At a checkpoint step the master weights and both moments are copied
+// to pinned host memory on a side stream, after the step's optimizer update; the next optimizer
+// update waits for that copy (forward and backward need not: they read only the bf16 weights).
+// A host thread then writes the files while training goes on. Before the next snapshot, or at
+// the end, the trainer waits for the write in flight and learns whether it succeeded.
+typedef struct {
+    const GPT* model;
+    float* host;             // pinned: master | adam_m | adam_v, n_elements each
+    cudaStream_t stream;
+    cudaEvent_t ready;       // the optimizer update to snapshot is done
+    cudaEvent_t copied;      // the snapshot is in host memory
+    pthread_t thread;
+    bool writing;            // a writer thread was started and not yet joined
+    TrainerState state;
+    const char* out_dir;
+    int keep_last;
+    bool failed;
+    char err[1024];
+} Checkpointer;
+
+static void checkpointer_create(Checkpointer* c, const GPT* m, const char* out_dir, int keep_last) {
+    memset(c, 0, sizeof(*c));
+    c->model = m;
+    c->out_dir = out_dir;
+    c->keep_last = keep_last;
+    CUDA_CHECK(cudaMallocHost(&c->host, 3 * m->table.n_elements * sizeof(float)));
+    CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&c->copied, cudaEventDisableTiming));
+}
+
+static void* checkpoint_thread(void* arg) {
+    Checkpointer* c = (Checkpointer*)arg;
+    CUDA_CHECK(cudaEventSynchronize(c->copied));
+    size_t n = c->model->table.n_elements;
+    c->failed = !checkpoint_write(c->model, c->host, c->host + n, c->host + 2 * n, &c->state, c->out_dir,
+                                  c->keep_last, c->err, sizeof(c->err));
+    return NULL;
+}
+
+// Waits for the write in flight, if any. Returns false if it failed (the reason in c->err).
+static bool checkpoint_wait(Checkpointer* c) {
+    if (!c->writing) return true;
+    pthread_join(c->thread, NULL);
+    c->writing = false;
+    return !c->failed;
+}
+
+// Snapshots the state after the optimizer update just queued on the model's stream.
+static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state) {
+    size_t n = m->table.n_elements;
+    CUDA_CHECK(cudaEventRecord(c->ready, m->stream));
+    CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ready, 0));
+    CUDA_CHECK(cudaMemcpyAsync(c->host, m->master, n * 4, cudaMemcpyDeviceToHost, c->stream));
+    CUDA_CHECK(cudaMemcpyAsync(c->host + n, m->adam_m, n * 4, cudaMemcpyDeviceToHost, c->stream));
+    CUDA_CHECK(cudaMemcpyAsync(c->host + 2 * n, m->adam_v, n * 4, cudaMemcpyDeviceToHost, c->stream));
+    CUDA_CHECK(cudaEventRecord(c->copied, c->stream));
+    c->state = *state;
+    c->failed = false;
+    if (pthread_create(&c->thread, NULL, checkpoint_thread, c) != 0) {
+        fprintf(stderr, "train_gpt: cannot start the checkpoint writer thread\n");
+        exit(1);
+    }
+    c->writing = true;
+}
+
+static void checkpointer_free(Checkpointer* c) {
+    checkpoint_wait(c);
+    CUDA_CHECK(cudaFreeHost(c->host));
+    CUDA_CHECK(cudaStreamDestroy(c->stream));
+    CUDA_CHECK(cudaEventDestroy(c->ready));
+    CUDA_CHECK(cudaEventDestroy(c->copied));
+}
+
+// After a failed checkpoint: stop (exit 1), or say so and carry on, per --ckpt-on-error.
+static void checkpoint_failed(const Checkpointer* c, bool keep_going) {
+    fprintf(stderr, "train_gpt: checkpoint of step %lld failed: %s; the previous checkpoint is intact%s\n",
+            (long long)c->state.step, c->err, keep_going ? "; carrying on, retrying at the next interval" : "");
+    if (!keep_going) exit(1);
+}
+
 int main(int argc, char** argv) {
     double t_start = now_seconds();
     Options o;
     options_default(&o);
     parse_args(&o, argc, argv);
+    char err[1024];
+    if (o.init_from && !hf_config_read(o.init_from, &o.model, err, sizeof(err))) {
+        fprintf(stderr, "train_gpt: --init-from: %s\n", err);
+        return 1;
+    }
     check_options(&o);
 
     int n_devices = 0;
@@ -1108,7 +1535,6 @@ int main(int argc, char** argv) {
     // Data: shards, or synthetic tokens for the benchmark.
     DataLoader train_loader, val_loader;
     bool have_val = false;
-    char err[1024];
     if (!o.bench) {
         if (loader_open(&train_loader, o.train_data, B, T, 0, 1, 1, o.seed, err, sizeof(err)) != 0) {
             fprintf(stderr, "train_gpt: %s%s\n", err,
@@ -1120,6 +1546,16 @@ int main(int argc, char** argv) {
             fprintf(stderr, "train_gpt: %s\n", err);
             return 1;
         }
+    }
+    Tokenizer tokenizer;
+    TokenList prompt = {NULL, 0, 0};
+    bool sampling = o.sample_every > 0 && !o.bench;
+    if (sampling) {
+        if (tokenizer_load(&tokenizer, o.tokenizer_dir, err, sizeof(err)) != 0) {
+            fprintf(stderr, "train_gpt: %s (run `make data`, or --sample-every 0)\n", err);
+            return 1;
+        }
+        tokenizer_encode(&tokenizer, o.prompt, strlen(o.prompt), &prompt);
     }
     if (mkdir(o.out_dir, 0755) != 0 && errno != EEXIST) {
         fprintf(stderr, "train_gpt: cannot create output directory %s: %s\n", o.out_dir, strerror(errno));
@@ -1133,9 +1569,62 @@ int main(int argc, char** argv) {
         return 1;
     }
 
+    uint64_t resumed_bench_rng = 0, resumed_sample_rng = 0;
     GPT model;
     gpt_create(&model, cfg, B, T, o.recompute != 0, o.loss_chunk);
     gpt_init(&model, o.seed);
+    int start_step = 0;
+    if (o.init_from) {
+        char path[1024];
+        snprintf(path, sizeof(path), "%s/model.safetensors", o.init_from);
+        StFile weights;
+        float* master = (float*)calloc(model.table.n_elements, sizeof(float));
+        if (st_open(&weights, path, err, sizeof(err)) != 0 || !hf_st_load(&model, &weights, "", master, err, sizeof(err))) {
+            fprintf(stderr, "train_gpt: --init-from: %s\n", err);
+            return 1;
+        }
+        st_close(&weights);
+        gpt_upload_state(&model, master, NULL, NULL);
+        free(master);
+        printf("initialized from %s\n", o.init_from);
+    }
+    if (o.resume) {
+        char dir[1024];
+        if (!strcmp(o.resume, "latest")) {
+            if (ckpt_resolve_latest(o.out_dir, dir, sizeof(dir), err, sizeof(err)) < 0) {
+                fprintf(stderr, "train_gpt: --resume latest: %s\n", err);
+                return 1;
+            }
+        } else {
+            snprintf(dir, sizeof(dir), "%s", o.resume);
+        }
+        size_t n = model.table.n_elements;
+        float* host = (float*)malloc(3 * n * sizeof(float));
+        TrainerState state;
+        if (!checkpoint_read(&model, dir, host, host + n, host + 2 * n, &state, err, sizeof(err))) {
+            fprintf(stderr, "train_gpt: --resume: %s\n", err);
+            return 1;
+        }
+        gpt_upload_state(&model, host, host + n, host + 2 * n);
+        free(host);
+        if (state.has_loader && !o.bench && loader_set_state(&train_loader, &state.loader, err, sizeof(err)) != 0) {
+            fprintf(stderr, "train_gpt: --resume: %s/trainer_state.bin: %s\n", dir, err);
+            return 1;
+        }
+        start_step = (int)state.step;
+        resumed_bench_rng = state.bench_rng;
+        resumed_sample_rng = state.sample_rng;
+        printf("resumed from %s at step %d\n", dir, start_step);
+    }
+    Checkpointer ckpt;
+    bool checkpointing = o.ckpt_every > 0 && !o.bench;
+    if (checkpointing) {
+        if (ckpt_cleanup(o.out_dir, err, sizeof(err)) < 0) {
+            fprintf(stderr, "train_gpt: %s\n", err);
+            return 1;
+        }
+        checkpointer_create(&ckpt, &model, o.out_dir, o.keep_last);
+    }
     printf("device: %s, %d SMs, %.1f GiB\n", prop.name, prop.multiProcessorCount, gib(prop.totalGlobalMem));
     print_memory_plan(&model);
     printf("batch: %d x %d tokens, %d micro-batches per step (%d tokens); %d steps\n", B, T, accum, N * accum,
@@ -1145,7 +1634,8 @@ int main(int argc, char** argv) {
     Uploader up;
     uploader_create(&up, N, cfg->vocab_size);
     uint16_t* synthetic = (uint16_t*)malloc((size_t)B * (T + 1) * sizeof(uint16_t));
-    uint64_t rng = o.seed * 0x9E3779B97F4A7C15ull + 1;
+    uint64_t rng = o.resume ? resumed_bench_rng : o.seed * 0x9E3779B97F4A7C15ull + 1;  // --bench's tokens
+    uint64_t sample_rng = o.resume ? resumed_sample_rng : o.seed ^ 0x5DEECE66Dull;
     cudaEvent_t ev_start, ev_end;
     CUDA_CHECK(cudaEventCreate(&ev_start));
     CUDA_CHECK(cudaEventCreate(&ev_end));
@@ -1153,7 +1643,7 @@ int main(int argc, char** argv) {
     int bench_timed = 0;
     float loss = 0.0f, norm = 0.0f;
 
-    for (int step = 0; step < o.optim.total_steps; step++) {
+    for (int step = start_step; step < o.optim.total_steps; step++) {
         float lr = learning_rate(&o.optim, step);
         CUDA_CHECK(cudaEventRecord(ev_start, model.stream));
         CUDA_CHECK(cudaMemsetAsync(model.grads, 0, model.table.n_elements * 4, model.stream));
@@ -1168,8 +1658,16 @@ int main(int argc, char** argv) {
             Batch batch = upload_batch(&up, &model, window);
             forward_backward(&model, &batch, 1.0f / ((float)N * accum), micro == 0);
         }
+        if (checkpointing) CUDA_CHECK(cudaStreamWaitEvent(model.stream, ckpt.copied, 0));  // snapshot taken
         optimizer_step(&model, &o.optim, step, lr);
         CUDA_CHECK(cudaEventRecord(ev_end, model.stream));
+        bool last = step + 1 == o.optim.total_steps || step + 1 == o.stop_at;
+        if (checkpointing && ((step + 1) % o.ckpt_every == 0 || last)) {
+            if (!checkpoint_wait(&ckpt)) checkpoint_failed(&ckpt, o.ckpt_keep_going != 0);
+            TrainerState state = {TRAINER_STATE_MAGIC, TRAINER_STATE_VERSION, step + 1, rng, sample_rng, 1, {}};
+            loader_get_state(&train_loader, &state.loader);
+            checkpoint_start(&ckpt, &model, &state);
+        }
         float scalars[2];
         CUDA_CHECK(cudaMemcpyAsync(&scalars[0], model.act.loss_sum, 4, cudaMemcpyDeviceToHost, model.stream));
         CUDA_CHECK(cudaMemcpyAsync(&scalars[1], model.act.grad_norm_sq, 4, cudaMemcpyDeviceToHost, model.stream));
@@ -1178,8 +1676,8 @@ int main(int argc, char** argv) {
         CUDA_CHECK(cudaEventElapsedTime(&ms, ev_start, ev_end));
         loss = scalars[0] / ((float)N * accum);
         norm = sqrtf(scalars[1]);
-        if (step == 0) first_step_s = now_seconds() - t_start;
-        if (o.bench && step >= 5) {
+        if (step == start_step) first_step_s = now_seconds() - t_start;
+        if (o.bench && step >= start_step + 5) {
             bench_ms += ms;
             bench_timed++;
         }
@@ -1187,20 +1685,29 @@ int main(int argc, char** argv) {
         double mfu = tok_s * flops_token / (o.peak_tflops * 1e12);
         printf("step %5d/%d | loss %8.4f | norm %7.4f | lr %.2e | %8.2f ms | %9.0f tok/s | MFU %5.1f%% | mem %.2f GiB\n",
                step + 1, o.optim.total_steps, loss, norm, lr, ms, tok_s, 100 * mfu, gib(gpt_bytes_total(&model)));
-        fprintf(log, "{\"step\": %d, \"loss\": %.6f, \"grad_norm\": %.6f, \"lr\": %.6e, \"ms\": %.3f, "
-                     "\"tokens_per_s\": %.1f, \"mfu\": %.5f, \"mem_gib\": %.3f}\n",
-                step + 1, loss, norm, lr, ms, tok_s, mfu, gib(gpt_bytes_total(&model)));
+        fprintf(log, "{\"step\": %d, \"loss\": %.9g, \"grad_norm\": %.9g, \"lr\": %.9g, \"ms\": %.3f, "
+                     "\"tokens_per_s\": %.1f, \"mfu\": %.5f, \"mem_gib\": %.3f, \"elapsed_s\": %.3f}\n",
+                step + 1, loss, norm, lr, ms, tok_s, mfu, gib(gpt_bytes_total(&model)), now_seconds() - t_start);
         fflush(log);
         if (!isfinite(loss)) {
             fprintf(stderr, "train_gpt: loss is %f at step %d; stopping\n", loss, step + 1);
             return 1;
         }
-        bool last = step + 1 == o.optim.total_steps;
         if (have_val && ((o.val_every > 0 && (step + 1) % o.val_every == 0) || last)) {
             float val_loss = validate(&model, &up, &val_loader, o.val_batches);
             printf("step %5d/%d | val loss %8.4f\n", step + 1, o.optim.total_steps, val_loss);
             fprintf(log, "{\"step\": %d, \"val_loss\": %.6f}\n", step + 1, val_loss);
             fflush(log);
+        }
+        if (sampling && ((step + 1) % o.sample_every == 0 || last)) {
+            ByteBuf text = {NULL, 0, 0};
+            sample_text(&model, &up, &tokenizer, &prompt, o.sample_len, o.temperature, &sample_rng, &text);
+            printf("step %5d/%d | sample: %s%s\n", step + 1, o.optim.total_steps, o.prompt, byte_buf_cstr(&text));
+            free(text.data);
+        }
+        if (step + 1 == o.stop_at) {
+            printf("stopping after step %d (--stop-at)\n", step + 1);
+            break;
         }
     }
 
@@ -1233,7 +1740,15 @@ int main(int argc, char** argv) {
         }
         dump_grads(&model, &up, window, o.dump_grads_dir);
     }
+    if (checkpointing) {
+        if (!checkpoint_wait(&ckpt)) checkpoint_failed(&ckpt, false);
+        checkpointer_free(&ckpt);
+    }
     fclose(log);
+    if (sampling) {
+        tokenizer_free(&tokenizer);
+        free(prompt.data);
+    }
     free(synthetic);
     uploader_free(&up);
     gpt_free(&model);

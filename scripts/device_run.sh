@@ -11,7 +11,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 for step in $steps; do
   echo "=== $step"
   case $step in
-    build) make -j16 train_gpt test_gpt dev 2>&1 | grep -E "error|warning" | head -30; ls -la train_gpt test_gpt ;;
+    build) make -j16 all 2>&1 | grep -E "error|warning" | head -30; ls -la train_gpt test_gpt ;;
     test) ./test_gpt 2>&1 | tee "$OUT/test.log" | grep -vE "^\S+ +ok \(" ;;
     bench)
       for rc in 1 0; do
@@ -20,6 +20,20 @@ for step in $steps; do
     torch)
       PYTHONUNBUFFERED=1 python3 .bench/torch_baseline.py --model-size small --n-head 6 --n-kv-head 2 --head-dim 128 \
         --compile default --rope-theta 10000 2>&1 | tee "$OUT/torch_small.log" | tail -2 ;;
+    train)
+      ./train_gpt --steps 120 --val-every 40 --sample-every 60 --ckpt-every 0 --out /tmp/train_out 2>&1 \
+        | tee "$OUT/train.log" | grep -aE "step +(1|20|40|60|80|100|120)/|val|sample|error|memory plan" ;;
+    ckpt)
+      # The cost of asynchronous checkpoints at the default config: the same 150 steps with a
+      # checkpoint every 50 steps and without, wall clock from the first step's end to the last's.
+      for every in 0 50; do
+        rm -rf /tmp/ckpt_out; ./train_gpt --steps 151 --val-every 0 --val-data '' --sample-every 0 --ckpt-every $every \
+          --out /tmp/ckpt_out > "$OUT/ckpt_every$every.log" 2>&1
+        python3 -c "import json,sys; r=[json.loads(l) for l in open('/tmp/ckpt_out/log.jsonl') if 'loss' in l]; \
+          print('ckpt-every $every: steps 2..151: %.2f ms/step wall clock, %.2f ms/step GPU events' % \
+          (1e3*(r[-1]['elapsed_s']-r[0]['elapsed_s'])/(len(r)-1), sum(x['ms'] for x in r[1:])/len(r[1:])))"
+        ls /tmp/ckpt_out | tr '\n' ' '; echo
+      done ;;
     hf)
       rm -rf /tmp/hf && ./train_gpt --bench --bench-steps 20 --batch 4 --seq 256 --out /tmp/hf_out --dump-grads /tmp/hf \
         > "$OUT/hf_dump.log" 2>&1; tail -1 "$OUT/hf_dump.log"
