@@ -554,7 +554,7 @@ static void wg_backward_dq_launch(bf16* dq, const bf16* dout, const float* lse, 
 // Version 3's entry points, with the API of attention_forward / attention_backward. Tiles, the best
 // of those timed by `./dev/attention tune` on an H100 (doc/attention.md):
 //   D = 128: forward 128 queries x 128 keys; dK/dV 128 keys x 64 queries; dQ 128 queries x 128 keys.
-//   D = 64:  forward 128 x 64;               dK/dV 128 x 64;             dQ 128 x 64, 2 blocks/SM.
+//   D = 64:  forward 128 x 64;               dK/dV 128 x 128;            dQ 128 x 64, 2 blocks/SM.
 static void attention_forward_wgmma(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
                                     int qkv_stride, int B, int T, int Hq, int Hkv, int D, cudaStream_t stream) {
     const void* ptrs[] = {out, q, k, v};
@@ -575,7 +575,7 @@ static void attention_backward_wgmma(bf16* dq, bf16* dk, bf16* dv, float* delta,
     }
     fa2_delta_launch(delta, dout, out, B, T, Hq, D, stream);
     if (D == 64) {
-        wg_backward_dkdv_launch<64, 64, 1>(dk, dv, dout, lse, delta, q, k, v, qkv_stride, dqkv_stride, B, T, Hq, Hkv,
+        wg_backward_dkdv_launch<64, 128, 1>(dk, dv, dout, lse, delta, q, k, v, qkv_stride, dqkv_stride, B, T, Hq, Hkv,
                                            stream);
         wg_backward_dq_launch<64, 64, 2>(dq, dout, lse, delta, q, k, v, qkv_stride, dqkv_stride, B, T, Hq, Hkv, stream);
     } else {
