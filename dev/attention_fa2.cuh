@@ -21,6 +21,12 @@
  * chunk c ^ (r & 7), so the 8 rows that one ldmatrix phase reads hit 8 different bank groups.
  * Fragment layouts are those of mma.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16"):
  * lane = 4*g + i; an fp32 accumulator tile holds rows g and g+8, columns 2i and 2i+1.
+ *
+ * Measured (H100 SXM, B*T = 16K tokens, causal FLOPs counted once; doc/attention.md): D=128,
+ * T = 512/1024/2048/4096: forward 198/251/290/323 TFLOP/s, backward 141/172/197/205; D=64 (Hq 32):
+ * forward 193/237/282/312, backward 120/156/181/199. Errors vs FP64: rel-L2 <= 3.5e-3.
+ * dev/attention_wgmma.cuh has the same API on Hopper's wgmma: at D=128, 6-30% faster forward and
+ * 16-40% faster backward (more at long T).
  */
 
 // ----------------------------------------------------------------------------------------------

@@ -16,6 +16,11 @@
  * panel 1024-byte aligned. A K-major descriptor advances 32 bytes per 16-element k-step inside a
  * panel; an MN-major one advances 16 rows (2048 bytes) per step, and each of those wgmma covers one
  * 64-column panel of its output, so the leading-byte offset never comes into play.
+ *
+ * Measured (H100 SXM, B*T = 16K tokens, causal FLOPs counted once; doc/attention.md): D=128,
+ * T = 512/1024/2048/4096: forward 209/289/358/419 TFLOP/s, backward 164/217/266/287 (version 2:
+ * 198/251/290/323 and 141/172/197/205); D=64: forward 200/257/300/325, backward 148/194/228/252.
+ * Same errors as version 2 (rel-L2 <= 3.5e-3), the backward as deterministic.
  */
 
 
