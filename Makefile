@@ -26,7 +26,7 @@ prepro: prepro.c data.h tokenizer.h unicode_classes.h
 
 dev: dev/attention
 
-dev/attention: dev/attention.cu dev/common.h $(wildcard dev/*.cuh) cuda_common.h
+dev/attention: dev/attention.cu dev/common.h $(wildcard dev/*.cuh) kernels.cuh cuda_common.h
 	$(NVCC) $(NVFLAGS) -lineinfo $< -o $@ $(LIBS)
 
 test: all

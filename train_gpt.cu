@@ -1442,6 +1442,7 @@ typedef struct {
     int keep_last;
     bool failed;
     char err[1024];
+    double write_seconds;    // how long the last write took, from the snapshot's landing
 } Checkpointer;
 
 static void checkpointer_create(Checkpointer* c, const GPT* m, const char* out_dir, int keep_last) {
@@ -1458,9 +1459,11 @@ static void checkpointer_create(Checkpointer* c, const GPT* m, const char* out_d
 static void* checkpoint_thread(void* arg) {
     Checkpointer* c = (Checkpointer*)arg;
     CUDA_CHECK(cudaEventSynchronize(c->copied));
+    double t0 = now_seconds();
     size_t n = c->model->table.n_elements;
     c->failed = !checkpoint_write(c->model, c->host, c->host + n, c->host + 2 * n, &c->state, c->out_dir,
                                   c->keep_last, c->err, sizeof(c->err));
+    c->write_seconds = now_seconds() - t0;
     return NULL;
 }
 
@@ -1469,6 +1472,9 @@ static bool checkpoint_wait(Checkpointer* c) {
     if (!c->writing) return true;
     pthread_join(c->thread, NULL);
     c->writing = false;
+    if (!c->failed)
+        printf("checkpoint of step %lld written to %s/ckpt_%lld in %.2f s\n", (long long)c->state.step, c->out_dir,
+               (long long)c->state.step, c->write_seconds);
     return !c->failed;
 }
 

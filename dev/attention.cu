@@ -9,8 +9,8 @@
  *      m16n8k16 on tensor cores, online softmax, causal tiles skipped; deterministic backward in
  *      three kernels (delta, dK/dV over KV tiles, dQ over query tiles). H100, D=128, T=1024..4096:
  *      forward 251-323 TFLOP/s, backward 172-205.
- *   3  Hopper wgmma (attention_wgmma.cuh), first step: version 2's algorithm with every product a
- *      warpgroup wgmma chain (operands straight from shared memory, P and dS from registers), two
+ *   3  Hopper wgmma (kernels.cuh: the trainer's kernels), first step: version 2's algorithm with
+ *      every product a warpgroup wgmma chain (operands straight from shared memory, P and dS from registers), two
  *      warpgroups per block, cp.async loads; no TMA, warp specialization or softmax overlap yet.
  *      H100, D=128, T=1024..4096: forward 289-419 TFLOP/s, backward 217-287.
  * The full tables, the tile tuning behind each version and the PyTorch SDPA figures of the same
@@ -27,11 +27,10 @@
  * unmasked half only: forward 4*B*Hq*T^2*D/2, backward 2.5x that. Inputs (>= 128 MiB per shape)
  * exceed the 50 MiB L2, so no rotation is needed.
  */
-#include "../cuda_common.h"
+#include "../kernels.cuh"  // version 3 (the trainer's) and the helpers version 2 shares with it
 #include "common.h"
 #include "attention_naive.cuh"
 #include "attention_fa2.cuh"
-#include "attention_wgmma.cuh"
 
 typedef void (*FwdFn)(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int qkv_stride, int B,
                       int T, int Hq, int Hkv, int D, cudaStream_t stream);
@@ -84,8 +83,8 @@ typedef struct {
 
 static const Impl VERSIONS[] = {
     {1, "naive", 3, naive_attention_forward, naive_attention_backward, nullptr, nullptr},
-    {2, "fa2", 3, attention_forward, attention_backward, nullptr, nullptr},
-    {3, "wgmma", 3, attention_forward_wgmma, attention_backward_wgmma, nullptr, nullptr},
+    {2, "fa2", 3, attention_forward_fa2, attention_backward_fa2, nullptr, nullptr},
+    {3, "wgmma", 3, attention_forward, attention_backward, nullptr, nullptr},
 };
 // Tuning candidates; the default backward pieces are the first of each list.
 template <int BN>
@@ -188,7 +187,7 @@ static void run_bwd(const Impl& im, const Bufs& b) {
         im.bwd(dq, dk, dv, b.delta, b.dout, b.out, b.lse, q_of(b), k_of(b), v_of(b), b.stride, b.dstride, s.B, s.T,
                s.Hq, s.Hkv, s.D, 0);
     } else {
-        fa2_delta_launch(b.delta, b.dout, b.out, s.B, s.T, s.Hq, s.D, 0);
+        attn_delta_launch(b.delta, b.dout, b.out, s.B, s.T, s.Hq, s.D, 0);
         im.dkdv(dk, dv, b.dout, b.lse, b.delta, q_of(b), k_of(b), v_of(b), b.stride, b.dstride, s.B, s.T, s.Hq,
                 s.Hkv, s.D, 0);
         im.dq(dq, b.dout, b.lse, b.delta, q_of(b), k_of(b), v_of(b), b.stride, b.dstride, s.B, s.T, s.Hq, s.Hkv,

@@ -10,11 +10,13 @@
  * row stride dqkv_stride; dk and dv sum over the G query heads of their KV head, inside one thread
  * block in a fixed order, so the backward is bitwise deterministic (no floating-point atomics).
  *
- * The including file includes cuda_common.h first (bf16, CUDA_CHECK, ceil_div); this file then
- * needs only cuda_runtime.h, cuda_bf16.h and math.h. Public host API, at the bottom:
- *   attention_forward(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, D, stream)
- *   attention_backward(dq, dk, dv, delta, dout, out, lse, q, k, v, qkv_stride, dqkv_stride,
- *                      B, T, Hq, Hkv, D, stream)
+ * This is version 2 of the ladder: it lost to version 3 (kernels.cuh, on wgmma) and stays here as
+ * the story of how we got there. It builds on kernels.cuh, whose attention helpers (the cp.async
+ * wrappers, exp2, bf16 packing, the online-softmax step, row stores, the delta kernel, argument
+ * checks: attn_*) both versions share; include kernels.cuh first. Public host API, at the bottom:
+ *   attention_forward_fa2(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, D, stream)
+ *   attention_backward_fa2(dq, dk, dv, delta, dout, out, lse, q, k, v, qkv_stride, dqkv_stride,
+ *                          B, T, Hq, Hkv, D, stream)
  * D is 64 or 128 (a template parameter of every kernel); any T >= 1 (the last tile is masked).
  *
  * Shared-memory tiles hold rows of D bf16 (128 or 256 bytes); the 16-byte chunk c of row r sits at
@@ -25,30 +27,10 @@
  * Measured (H100 SXM, B*T = 16K tokens, causal FLOPs counted once; doc/attention.md): D=128,
  * T = 512/1024/2048/4096: forward 198/251/290/323 TFLOP/s, backward 141/172/197/205; D=64 (Hq 32):
  * forward 193/237/282/312, backward 120/156/181/199. Errors vs FP64: rel-L2 <= 3.5e-3.
- * dev/attention_wgmma.cuh has the same API on Hopper's wgmma: at D=128, 6-30% faster forward and
- * 16-40% faster backward (more at long T).
+ * Version 3 (kernels.cuh's attention_forward/backward) has the same API on Hopper's wgmma: at
+ * D=128, 6-30% faster forward and 16-40% faster backward (more at long T).
  */
 
-// ----------------------------------------------------------------------------------------------
-// PTX wrappers
-
-static __device__ __forceinline__ uint32_t fa2_smem_u32(const void* p) {
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-// 16-byte async copy global -> shared; when pred is false nothing is read and 16 zero bytes land.
-static __device__ __forceinline__ void fa2_cp_async16(uint32_t dst, const void* src, bool pred) {
-    int src_bytes = pred ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
-                 : "memory");
-}
-static __device__ __forceinline__ void fa2_cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-static __device__ __forceinline__ void fa2_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 static __device__ __forceinline__ void fa2_ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -70,17 +52,6 @@ static __device__ __forceinline__ void fa2_mma(float (&c)[4], const uint32_t (&a
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-static __device__ __forceinline__ float fa2_exp2(float x) {  // 2^x; 2^-inf = 0
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-static __device__ __forceinline__ uint32_t fa2_pack_bf16(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low 16 bits
-    return *reinterpret_cast<uint32_t*>(&v);
-}
-
 // ----------------------------------------------------------------------------------------------
 // Tiles in shared memory: rows of D bf16, 16-byte chunks XOR-swizzled by the row's low 3 bits.
 
@@ -99,12 +70,12 @@ static __device__ __forceinline__ void fa2_load_tile(bf16* tile, const bf16* g, 
     constexpr int CHUNKS = D / 8, RSTEP = THREADS / CHUNKS;
     static_assert(THREADS % CHUNKS == 0 && RSTEP % 8 == 0 && ROWS % RSTEP == 0, "tile rows must split evenly");
     const int r = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
-    const uint32_t dst = fa2_smem_u32(tile) + 2 * fa2_swz<D>(r, c * 8);
+    const uint32_t dst = attn_smem_u32(tile) + 2 * fa2_swz<D>(r, c * 8);
     const bf16* src = g + (long)(row0 + r) * stride + c * 8;
 #pragma unroll
     for (int it = 0; it < ROWS / RSTEP; ++it) {
         const bool in = row0 + r + it * RSTEP < T;
-        fa2_cp_async16(dst + it * RSTEP * D * 2, in ? src : g, in);
+        attn_cp_async16(dst + it * RSTEP * D * 2, in ? src : g, in);
         src += RSTEP * stride;
     }
 }
@@ -169,10 +140,10 @@ static __device__ __forceinline__ void fa2_mma_pv(float (&acc)[MT][D / 8][4],
         uint32_t a[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            a[mt][0] = fa2_pack_bf16(p[mt][2 * kk][0], p[mt][2 * kk][1]);
-            a[mt][1] = fa2_pack_bf16(p[mt][2 * kk][2], p[mt][2 * kk][3]);
-            a[mt][2] = fa2_pack_bf16(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
-            a[mt][3] = fa2_pack_bf16(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
+            a[mt][0] = attn_pack_bf16(p[mt][2 * kk][0], p[mt][2 * kk][1]);
+            a[mt][1] = attn_pack_bf16(p[mt][2 * kk][2], p[mt][2 * kk][3]);
+            a[mt][2] = attn_pack_bf16(p[mt][2 * kk + 1][0], p[mt][2 * kk + 1][1]);
+            a[mt][3] = attn_pack_bf16(p[mt][2 * kk + 1][2], p[mt][2 * kk + 1][3]);
         }
 #pragma unroll
         for (int dp = 0; dp < D / 16; ++dp) {
@@ -187,29 +158,7 @@ static __device__ __forceinline__ void fa2_mma_pv(float (&acc)[MT][D / 8][4],
     }
 }
 
-template <int N>
-static __device__ __forceinline__ void fa2_zero(float (&x)[N][4]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0.f;
-}
 
-// Writes a warp's 16 x D fp32 accumulator (times mul) as bf16 rows row0+g and row0+g+8 of a
-// token-major tensor; rows at or past T are skipped.
-template <int D>
-static __device__ __forceinline__ void fa2_store_rows(bf16* g, long stride, int row0, int T,
-                                                      const float (&acc)[D / 8][4], float mul0,
-                                                      float mul1, int lane) {
-    const int r0 = row0 + (lane >> 2), c0 = 2 * (lane & 3);
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-        if (r0 < T)
-            *reinterpret_cast<uint32_t*>(g + (long)r0 * stride + dt * 8 + c0) =
-                fa2_pack_bf16(acc[dt][0] * mul0, acc[dt][1] * mul0);
-        if (r0 + 8 < T)
-            *reinterpret_cast<uint32_t*>(g + (long)(r0 + 8) * stride + dt * 8 + c0) =
-                fa2_pack_bf16(acc[dt][2] * mul1, acc[dt][3] * mul1);
-    }
-}
 
 // ----------------------------------------------------------------------------------------------
 // Forward: one thread block per (BM query rows, b, query head); WARPS warps, each owning
@@ -226,7 +175,7 @@ template <int D, int MT, int NT>
 static __device__ __forceinline__ void fa2_fwd_scores(float (&s)[MT][NT][4], uint32_t qs, uint32_t ks, int m0,
                                                       int wrow, int n0, int lane) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) fa2_zero(s[mt]);
+    for (int mt = 0; mt < MT; ++mt) attn_zero(s[mt]);
     fa2_mma_abt<D, MT, NT>(s, qs, wrow, ks, lane);
     if (n0 + NT * 8 - 1 > m0 + wrow) {
 #pragma unroll
@@ -242,42 +191,6 @@ static __device__ __forceinline__ void fa2_fwd_scores(float (&s)[MT][NT][4], uin
     }
 }
 
-// Online softmax of one tile of scores, in place (s becomes P, unnormalized); the running row
-// sums and O are rescaled by 2^(m_old - m_new). The caller then adds P V to O.
-template <int D, int MT, int NT>
-static __device__ __forceinline__ void fa2_fwd_softmax(float (&o)[MT][D / 8][4], float (&s)[MT][NT][4],
-                                                       float (&row_max)[MT][2], float (&row_sum)[MT][2],
-                                                       float scale_log2) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = -INFINITY;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(row_max[mt][r], mx * scale_log2);
-            const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no visible key yet
-            const float alpha = fa2_exp2(row_max[mt][r] - m_use);  // rescales the old sums and O
-            row_max[mt][r] = m_new;
-            float sum = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = fa2_exp2(fmaf(s[mt][nt][2 * r + e], scale_log2, -m_use));
-                    s[mt][nt][2 * r + e] = p;
-                    sum += p;
-                }
-            row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                o[mt][dt][2 * r] *= alpha;
-                o[mt][dt][2 * r + 1] *= alpha;
-            }
-        }
-}
 
 template <int D, int BM, int BN, int WARPS, int MINB, int KV_BUFS = 2>
 __global__ void __launch_bounds__(WARPS * 32, MINB)
@@ -291,7 +204,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     bf16* Qs = reinterpret_cast<bf16*>(fa2_smem);
     bf16* Ks = Qs + BM * D;            // [KV_BUFS][BN * D]
     bf16* Vs = Ks + KV_BUFS * BN * D;  // [KV_BUFS][BN * D]
-    const uint32_t qs = fa2_smem_u32(Qs);
+    const uint32_t qs = attn_smem_u32(Qs);
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int q_tile = gridDim.x - 1 - blockIdx.x;  // the longest rows first
@@ -307,7 +220,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     float row_max[MT][2], row_sum[MT][2];  // row_max in units of scale*log2(e); row_sum per thread
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        fa2_zero(o[mt]);
+        attn_zero(o[mt]);
         row_max[mt][0] = row_max[mt][1] = -INFINITY;
         row_sum[mt][0] = row_sum[mt][1] = 0.f;
     }
@@ -315,7 +228,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     fa2_load_tile<D, BM, THREADS>(Qs, qg, stride, m0, T);
     fa2_load_tile<D, BN, THREADS>(Ks, kg, stride, (n_tiles - 1) * BN, T);
     if constexpr (KV_BUFS == 2) fa2_load_tile<D, BN, THREADS>(Vs, vg, stride, (n_tiles - 1) * BN, T);
-    fa2_cp_async_commit();
+    attn_cp_async_commit();
 
     for (int j = n_tiles - 1; j >= 0; --j) {
         const int n0 = j * BN;
@@ -323,33 +236,33 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
         float s[MT][NT][4];
         if constexpr (KV_BUFS == 2) {
             const int buf = (n_tiles - 1 - j) & 1;
-            fa2_cp_async_wait<0>();  // tile j (and Q)
+            attn_cp_async_wait<0>();  // tile j (and Q)
             __syncthreads();         // ... visible to all; every warp is done with tile j+1's buffer
             if (j > 0) {
                 fa2_load_tile<D, BN, THREADS>(Ks + (buf ^ 1) * BN * D, kg, stride, n0 - BN, T);
                 fa2_load_tile<D, BN, THREADS>(Vs + (buf ^ 1) * BN * D, vg, stride, n0 - BN, T);
-                fa2_cp_async_commit();
+                attn_cp_async_commit();
             }
             if (active) {
-                fa2_fwd_scores<D, MT, NT>(s, qs, fa2_smem_u32(Ks + buf * BN * D), m0, wrow, n0, lane);
-                fa2_fwd_softmax<D, MT, NT>(o, s, row_max, row_sum, scale_log2);
-                fa2_mma_pv<D, MT, NT>(o, s, fa2_smem_u32(Vs + buf * BN * D), lane);
+                fa2_fwd_scores<D, MT, NT>(s, qs, attn_smem_u32(Ks + buf * BN * D), m0, wrow, n0, lane);
+                attn_fwd_softmax<D, MT, NT>(o, s, row_max, row_sum, scale_log2);
+                fa2_mma_pv<D, MT, NT>(o, s, attn_smem_u32(Vs + buf * BN * D), lane);
             }
         } else {
-            fa2_cp_async_wait<0>();  // K_j (and Q)
+            attn_cp_async_wait<0>();  // K_j (and Q)
             __syncthreads();         // ... visible to all; every warp is done with V_{j+1}
             fa2_load_tile<D, BN, THREADS>(Vs, vg, stride, n0, T);
-            fa2_cp_async_commit();
-            if (active) fa2_fwd_scores<D, MT, NT>(s, qs, fa2_smem_u32(Ks), m0, wrow, n0, lane);
-            fa2_cp_async_wait<0>();  // V_j
+            attn_cp_async_commit();
+            if (active) fa2_fwd_scores<D, MT, NT>(s, qs, attn_smem_u32(Ks), m0, wrow, n0, lane);
+            attn_cp_async_wait<0>();  // V_j
             __syncthreads();         // ... visible to all; every warp is done with K_j
             if (j > 0) {
                 fa2_load_tile<D, BN, THREADS>(Ks, kg, stride, n0 - BN, T);
-                fa2_cp_async_commit();
+                attn_cp_async_commit();
             }
             if (active) {
-                fa2_fwd_softmax<D, MT, NT>(o, s, row_max, row_sum, scale_log2);
-                fa2_mma_pv<D, MT, NT>(o, s, fa2_smem_u32(Vs), lane);
+                attn_fwd_softmax<D, MT, NT>(o, s, row_max, row_sum, scale_log2);
+                fa2_mma_pv<D, MT, NT>(o, s, attn_smem_u32(Vs), lane);
             }
         }
     }
@@ -369,40 +282,10 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
             if (t < T && (lane & 3) == 0)
                 lse[((long)b * Hq + h) * T + t] = (row_max[mt][r] + __log2f(l)) * 0.69314718056f;
         }
-        fa2_store_rows<D>(og, (long)Hq * D, m0 + wrow + mt * 16, T, o[mt], inv[0], inv[1], lane);
+        attn_store_rows<D>(og, (long)Hq * D, m0 + wrow + mt * 16, T, o[mt], inv[0], inv[1], lane);
     }
 }
 
-// ----------------------------------------------------------------------------------------------
-// Backward. With s = scale * q.k, P = exp(s - lse), O = P V and dO given:
-//   dV = P^T dO,   dP = dO V^T,   dS = P o (dP - delta),   delta_i = sum_d dO_id O_id = rowsum(P o dP),
-//   dQ = scale * dS K,   dK = scale * dS^T Q   (o: elementwise product).
-// Three kernels: delta; dK,dV over KV tiles (each block loops over the G query heads and every
-// query tile at or below the diagonal, accumulating in registers); dQ over query tiles. dQ's
-// kernel recomputes P and dP (7 matrix products in all instead of FA2's 5 with atomics): the price
-// of determinism.
-
-// delta[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d]; one warp per (b, t, h) row.
-__global__ void fa2_delta_kernel(float* __restrict__ delta, const bf16* __restrict__ dout,
-                                 const bf16* __restrict__ out, int T, int Hq, int D, long rows) {
-    const long row = (long)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= rows) return;
-    const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(dout + row * D);
-    const __nv_bfloat162* c = reinterpret_cast<const __nv_bfloat162*>(out + row * D);
-    float acc = 0.f;
-    for (int i = lane; i < D / 2; i += 32) {
-        const float2 x = __bfloat1622float2(a[i]), y = __bfloat1622float2(c[i]);
-        acc += x.x * y.x + x.y * y.y;
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-    if (lane == 0) {
-        const long bt = row / Hq;
-        const int h = (int)(row % Hq), t = (int)(bt % T), b = (int)(bt / T);
-        delta[((long)b * Hq + h) * T + t] = acc;
-    }
-}
 
 // dK, dV: one thread block per (BN = 16*WARPS keys, b, KV head); warp w owns keys w*16 .. w*16+15
 // and keeps their dK and dV (16 x D fp32 each) in registers. The block loops over the G query heads
@@ -453,39 +336,39 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
         }
     };
     load_query_tile(0, 0);
-    fa2_cp_async_commit();
+    attn_cp_async_commit();
 
     float dk_acc[1][DT][4], dv_acc[1][DT][4];
-    fa2_zero(dk_acc[0]);
-    fa2_zero(dv_acc[0]);
+    attn_zero(dk_acc[0]);
+    attn_zero(dv_acc[0]);
 
     for (int it = 0; it < iters; ++it) {
         const int buf = it & 1;
         if (it + 1 < iters) {
             load_query_tile(it + 1, buf ^ 1);
-            fa2_cp_async_commit();
-            fa2_cp_async_wait<1>();
+            attn_cp_async_commit();
+            attn_cp_async_wait<1>();
         } else {
-            fa2_cp_async_wait<0>();
+            attn_cp_async_wait<0>();
         }
         __syncthreads();
         const int m0 = (qt_first + it % per_head) * BM;
         if (m0 + BM - 1 >= n0 + wrow) {  // some query of the tile sees some key of this warp
-            const uint32_t qs = fa2_smem_u32(Qs + buf * BM * D), dos = fa2_smem_u32(dOs + buf * BM * D);
+            const uint32_t qs = attn_smem_u32(Qs + buf * BM * D), dos = attn_smem_u32(dOs + buf * BM * D);
             const float* lse2 = lse_s + buf * BM;
             const float* dl = dl_s + buf * BM;
             const bool diag = m0 < n0 + wrow + 15;  // some query of the tile precedes some key
 
             float s[1][NT][4];  // S^T, then P^T
-            fa2_zero(s[0]);
-            fa2_mma_abt<D, 1, NT>(s, fa2_smem_u32(Ks), wrow, qs, lane);
+            attn_zero(s[0]);
+            fa2_mma_abt<D, 1, NT>(s, attn_smem_u32(Ks), wrow, qs, lane);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const int c = nt * 8 + 2 * (lane & 3);
                 const float2 l2 = *reinterpret_cast<const float2*>(lse2 + c);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    float p = fa2_exp2(fmaf(s[0][nt][i], scale_log2, -((i & 1) ? l2.y : l2.x)));
+                    float p = attn_exp2(fmaf(s[0][nt][i], scale_log2, -((i & 1) ? l2.y : l2.x)));
                     if (diag && m0 + c + (i & 1) < n0 + wrow + (lane >> 2) + 8 * (i >> 1)) p = 0.f;
                     s[0][nt][i] = p;
                 }
@@ -493,8 +376,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
             fa2_mma_pv<D, 1, NT>(dv_acc, s, dos, lane);
 
             float dp[1][NT][4];  // dP^T, then dS^T
-            fa2_zero(dp[0]);
-            fa2_mma_abt<D, 1, NT>(dp, fa2_smem_u32(Vs), wrow, dos, lane);
+            attn_zero(dp[0]);
+            fa2_mma_abt<D, 1, NT>(dp, attn_smem_u32(Vs), wrow, dos, lane);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 const float2 d2 = *reinterpret_cast<const float2*>(dl + nt * 8 + 2 * (lane & 3));
@@ -506,8 +389,8 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
         __syncthreads();  // every warp is done with buffer buf before it is refilled
     }
 
-    fa2_store_rows<D>(dk + (long)b * T * dstride + hk * D, dstride, n0 + wrow, T, dk_acc[0], scale, scale, lane);
-    fa2_store_rows<D>(dv + (long)b * T * dstride + hk * D, dstride, n0 + wrow, T, dv_acc[0], 1.f, 1.f, lane);
+    attn_store_rows<D>(dk + (long)b * T * dstride + hk * D, dstride, n0 + wrow, T, dk_acc[0], scale, scale, lane);
+    attn_store_rows<D>(dv + (long)b * T * dstride + hk * D, dstride, n0 + wrow, T, dv_acc[0], 1.f, 1.f, lane);
 }
 
 // dQ: one thread block per (BM = 16*WARPS queries, b, query head); warp w owns queries w*16 ..
@@ -544,7 +427,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
     fa2_load_tile<D, BM, THREADS>(dOs, dout + (long)b * T * Hq * D + h * D, (long)Hq * D, m0, T);
     fa2_load_tile<D, BN, THREADS>(Ks, kg, stride, 0, T);
     fa2_load_tile<D, BN, THREADS>(Vs, vg, stride, 0, T);
-    fa2_cp_async_commit();
+    attn_cp_async_commit();
 
     float lse2[2], dl[2];  // of rows g and g+8 of this warp
 #pragma unroll
@@ -554,38 +437,38 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
         dl[r] = t < T ? delta[((long)b * Hq + h) * T + t] : 0.f;
     }
     float dq_acc[1][DT][4];
-    fa2_zero(dq_acc[0]);
+    attn_zero(dq_acc[0]);
 
     for (int j = 0; j < n_tiles; ++j) {
         const int buf = j & 1, n0 = j * BN;
         if (j + 1 < n_tiles) {
             fa2_load_tile<D, BN, THREADS>(Ks + (buf ^ 1) * BN * D, kg, stride, n0 + BN, T);
             fa2_load_tile<D, BN, THREADS>(Vs + (buf ^ 1) * BN * D, vg, stride, n0 + BN, T);
-            fa2_cp_async_commit();
-            fa2_cp_async_wait<1>();
+            attn_cp_async_commit();
+            attn_cp_async_wait<1>();
         } else {
-            fa2_cp_async_wait<0>();
+            attn_cp_async_wait<0>();
         }
         __syncthreads();
         if (n0 <= m0 + wrow + 15) {  // some key of the tile is visible to some query of this warp
-            const uint32_t ks = fa2_smem_u32(Ks + buf * BN * D), vs = fa2_smem_u32(Vs + buf * BN * D);
+            const uint32_t ks = attn_smem_u32(Ks + buf * BN * D), vs = attn_smem_u32(Vs + buf * BN * D);
             const bool diag = n0 + BN - 1 > m0 + wrow;
 
             float s[1][NT][4];  // S, then P
-            fa2_zero(s[0]);
-            fa2_mma_abt<D, 1, NT>(s, fa2_smem_u32(Qs), wrow, ks, lane);
+            attn_zero(s[0]);
+            fa2_mma_abt<D, 1, NT>(s, attn_smem_u32(Qs), wrow, ks, lane);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
-                    float p = fa2_exp2(fmaf(s[0][nt][i], scale_log2, -lse2[i >> 1]));
+                    float p = attn_exp2(fmaf(s[0][nt][i], scale_log2, -lse2[i >> 1]));
                     if (diag && n0 + nt * 8 + 2 * (lane & 3) + (i & 1) > m0 + wrow + (lane >> 2) + 8 * (i >> 1))
                         p = 0.f;
                     s[0][nt][i] = p;
                 }
             float dp[1][NT][4];  // dP, then dS
-            fa2_zero(dp[0]);
-            fa2_mma_abt<D, 1, NT>(dp, fa2_smem_u32(dOs), wrow, vs, lane);
+            attn_zero(dp[0]);
+            fa2_mma_abt<D, 1, NT>(dp, attn_smem_u32(dOs), wrow, vs, lane);
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -594,18 +477,9 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
         }
         __syncthreads();  // every warp is done with buffer buf before it is refilled
     }
-    fa2_store_rows<D>(dq + (long)b * T * dstride + h * D, dstride, m0 + wrow, T, dq_acc[0], scale, scale, lane);
+    attn_store_rows<D>(dq + (long)b * T * dstride + h * D, dstride, m0 + wrow, T, dq_acc[0], scale, scale, lane);
 }
 
-// ----------------------------------------------------------------------------------------------
-// Launchers. The tile configuration of each kernel is a template argument, so the dev/ ladder can
-// time alternatives; attention_forward / attention_backward below pick the measured best.
-
-template <typename Kernel>
-static void fa2_allow_smem(Kernel kernel, int bytes) {
-    if (bytes > 48 * 1024)
-        CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-}
 
 template <int D, int BM, int BN, int WARPS, int MINB, int KV_BUFS = 2>
 static void fa2_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
@@ -613,19 +487,13 @@ static void fa2_forward_launch(bf16* out, float* lse, const bf16* q, const bf16*
     auto kernel = fa2_forward_kernel<D, BM, BN, WARPS, MINB, KV_BUFS>;
     const int smem = (BM + 2 * KV_BUFS * BN) * D * (int)sizeof(bf16);
     static bool configured = false;
-    if (!configured) { fa2_allow_smem(kernel, smem); configured = true; }
+    if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
     const float scale_log2 = 1.44269504089f / sqrtf((float)D);
     kernel<<<dim3(ceil_div(T, BM), B * Hq), WARPS * 32, smem, stream>>>(out, lse, q, k, v, stride, T, Hq, Hkv,
                                                                        scale_log2);
     CUDA_CHECK(cudaGetLastError());
 }
 
-static void fa2_delta_launch(float* delta, const bf16* dout, const bf16* out, int B, int T, int Hq, int D,
-                             cudaStream_t stream) {
-    const long rows = (long)B * T * Hq;
-    fa2_delta_kernel<<<ceil_div(rows, 8), 256, 0, stream>>>(delta, dout, out, T, Hq, D, rows);
-    CUDA_CHECK(cudaGetLastError());
-}
 
 template <int D, int BM, int WARPS, int MINB>
 static void fa2_backward_dkdv_launch(bf16* dk, bf16* dv, const bf16* dout, const float* lse,
@@ -636,7 +504,7 @@ static void fa2_backward_dkdv_launch(bf16* dk, bf16* dv, const bf16* dout, const
     auto kernel = fa2_backward_dkdv_kernel<D, BM, WARPS, MINB>;
     const int smem = (2 * BN + 4 * BM) * D * (int)sizeof(bf16) + 4 * BM * (int)sizeof(float);
     static bool configured = false;
-    if (!configured) { fa2_allow_smem(kernel, smem); configured = true; }
+    if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
     const float scale = 1.f / sqrtf((float)D);
     kernel<<<dim3(ceil_div(T, BN), B * Hkv), WARPS * 32, smem, stream>>>(
         dk, dv, dout, lse, delta, q, k, v, stride, dstride, T, Hq, Hkv, scale, scale * 1.44269504089f);
@@ -651,36 +519,13 @@ static void fa2_backward_dq_launch(bf16* dq, const bf16* dout, const float* lse,
     auto kernel = fa2_backward_dq_kernel<D, BN, WARPS, MINB>;
     const int smem = (2 * BM + 4 * BN) * D * (int)sizeof(bf16);
     static bool configured = false;
-    if (!configured) { fa2_allow_smem(kernel, smem); configured = true; }
+    if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
     const float scale = 1.f / sqrtf((float)D);
     kernel<<<dim3(ceil_div(T, BM), B * Hq), WARPS * 32, smem, stream>>>(
         dq, dout, lse, delta, q, k, v, stride, dstride, T, Hq, Hkv, scale, scale * 1.44269504089f);
     CUDA_CHECK(cudaGetLastError());
 }
 
-// Argument checks shared by both entry points: one line naming the bad value, then exit(1).
-static void fa2_check_args(const char* fn, const void* const* ptrs, int nptrs, int stride, int B, int T,
-                           int Hq, int Hkv, int D) {
-    if (D != 64 && D != 128) {
-        fprintf(stderr, "%s: head_dim %d is not supported; the kernels are built for 64 and 128\n", fn, D);
-        exit(1);
-    }
-    if (B < 1 || T < 1 || Hkv < 1 || Hq % Hkv != 0 || B * Hq > 65535) {
-        fprintf(stderr, "%s: bad shape B=%d T=%d Hq=%d Hkv=%d (need B, T >= 1, Hq a multiple of Hkv, "
-                        "B*Hq <= 65535)\n", fn, B, T, Hq, Hkv);
-        exit(1);
-    }
-    if (stride % 8 != 0 || stride < Hq * D) {
-        fprintf(stderr, "%s: row stride %d must be a multiple of 8 elements and at least Hq*D = %d\n", fn,
-                stride, Hq * D);
-        exit(1);
-    }
-    for (int i = 0; i < nptrs; ++i)
-        if ((uintptr_t)ptrs[i] % 16 != 0) {
-            fprintf(stderr, "%s: pointer argument %d (%p) is not 16-byte aligned\n", fn, i, ptrs[i]);
-            exit(1);
-        }
-}
 
 // ----------------------------------------------------------------------------------------------
 // Public API (see the file's header for layouts). Tile choices per head_dim, the best of those
@@ -690,10 +535,10 @@ static void fa2_check_args(const char* fn, const void* const* ptrs, int nptrs, i
 
 // Causal GQA self-attention, bf16 in/out, fp32 softmax statistics. Scale 1/sqrt(D).
 // out: [B, T, Hq, D] contiguous. lse: [B, Hq, T] fp32, natural-log logsumexp of the scaled scores.
-static void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
+static void attention_forward_fa2(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
                               int qkv_stride, int B, int T, int Hq, int Hkv, int D, cudaStream_t stream) {
     const void* ptrs[] = {out, q, k, v};
-    fa2_check_args("attention_forward", ptrs, 4, qkv_stride, B, T, Hq, Hkv, D);
+    attn_check_args("attention_forward_fa2", ptrs, 4, qkv_stride, B, T, Hq, Hkv, D);
     if (D == 64) fa2_forward_launch<64, 128, 128, 4, 2>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream);
     else fa2_forward_launch<128, 128, 64, 4, 2>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream);
 }
@@ -701,17 +546,17 @@ static void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* 
 // Backward: writes (=) dq, dk, dv with row stride dqkv_stride (indexed like q/k/v); dk, dv sum over
 // the G query heads of a KV head. delta: caller-provided scratch [B, Hq, T] fp32 (rowsum(dout*out)).
 // dout, out: [B, T, Hq, D] contiguous. Deterministic: no atomics, a fixed summation order.
-static void attention_backward(bf16* dq, bf16* dk, bf16* dv, float* delta, const bf16* dout, const bf16* out,
+static void attention_backward_fa2(bf16* dq, bf16* dk, bf16* dv, float* delta, const bf16* dout, const bf16* out,
                                const float* lse, const bf16* q, const bf16* k, const bf16* v, int qkv_stride,
                                int dqkv_stride, int B, int T, int Hq, int Hkv, int D, cudaStream_t stream) {
     const void* ptrs[] = {dq, dk, dv, dout, out, q, k, v};
-    fa2_check_args("attention_backward", ptrs, 8, qkv_stride, B, T, Hq, Hkv, D);
+    attn_check_args("attention_backward_fa2", ptrs, 8, qkv_stride, B, T, Hq, Hkv, D);
     if (dqkv_stride % 8 != 0 || dqkv_stride < Hq * D) {
-        fprintf(stderr, "attention_backward: dqkv_stride %d must be a multiple of 8 and at least Hq*D = %d\n",
+        fprintf(stderr, "attention_backward_fa2: dqkv_stride %d must be a multiple of 8 and at least Hq*D = %d\n",
                 dqkv_stride, Hq * D);
         exit(1);
     }
-    fa2_delta_launch(delta, dout, out, B, T, Hq, D, stream);
+    attn_delta_launch(delta, dout, out, B, T, Hq, D, stream);
     if (D == 64) {
         fa2_backward_dkdv_launch<64, 128, 4, 2>(dk, dv, dout, lse, delta, q, k, v, qkv_stride, dqkv_stride, B, T,
                                                Hq, Hkv, stream);

@@ -7,7 +7,7 @@
  * Convention: references take the bf16 inputs already widened to float (the exact values the GPU
  * sees) and compute in double; the metrics report max |gpu - ref| and ||gpu - ref|| / ||ref||,
  * and count non-finite GPU values, which always fail a check. The including file includes
- * cuda_common.h first.
+ * kernels.cuh first (cuda_common.h's definitions and splitmix64).
  */
 #ifndef DEV_COMMON_H
 #define DEV_COMMON_H
@@ -18,14 +18,8 @@
 #include <vector>
 
 // ----------------------------------------------------------------------------------------------
-// Random numbers: splitmix64, the same generator on host and device.
+// Random numbers: kernels.cuh's splitmix64, the same generator on host and device.
 
-static __host__ __device__ inline uint64_t splitmix64(uint64_t x) {
-    x += 0x9E3779B97F4A7C15ull;
-    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-    return x ^ (x >> 31);
-}
 // Uniform in [-scale, scale); scale = sqrt(3) gives unit variance.
 static __host__ __device__ inline float uniform_at(uint64_t seed, uint64_t i, float scale) {
     const uint64_t r = splitmix64(seed * 0x100000001B3ull + i);
