@@ -65,17 +65,26 @@ __device__ float block_sum(float x) {
 // Deterministic reductions
 
 // Many kernels below produce one row of partial sums per block: partials[p * stride + c] for
-// p < n_partials, c < C. This adds them up in a fixed order and accumulates into dst (+=).
+// p < n_partials, c < C. This adds them up and accumulates into dst (+=). A block owns 32 columns;
+// its 32 thread rows each sum every 32nd partial row, and thread row 0 then adds the 32 sums in
+// order: a fixed order (deterministic), with enough loads in flight to run at memory speed.
 __global__ void sum_partials_kernel(float* dst, const float* partials, int n_partials, int C, int stride) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
+    __shared__ float row_sums[32][33];  // +1: no bank conflicts on the transposed read
+    int c = blockIdx.x * 32 + threadIdx.x;
     float sum = 0.0f;
-    for (int p = 0; p < n_partials; p++) sum += partials[(size_t)p * stride + c];
-    dst[c] += sum;
+    if (c < C)
+        for (int p = threadIdx.y; p < n_partials; p += 32) sum += partials[(size_t)p * stride + c];
+    row_sums[threadIdx.y][threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < C) {
+        float total = 0.0f;
+        for (int y = 0; y < 32; y++) total += row_sums[y][threadIdx.x];
+        dst[c] += total;
+    }
 }
 
 static void sum_partials(float* dst, const float* partials, int n_partials, int C, int stride, cudaStream_t s) {
-    sum_partials_kernel<<<ceil_div(C, 256), 256, 0, s>>>(dst, partials, n_partials, C, stride);
+    sum_partials_kernel<<<ceil_div(C, 32), dim3(32, 32), 0, s>>>(dst, partials, n_partials, C, stride);
     LAUNCH_CHECK();
 }
 

@@ -1302,14 +1302,16 @@ static void check_options(const Options* o) {
     }
 }
 
-// Synthetic tokens for --bench: uniform over the vocabulary from a seeded xorshift generator.
-static void synthetic_batch(uint16_t* window, size_t n, int vocab, uint64_t* state) {
-    for (size_t i = 0; i < n; i++) {
+// Synthetic tokens for --bench: B rows of T+1 tokens, uniform over the vocabulary, from a seeded
+// xorshift generator. Returns `window`.
+static const uint16_t* synthetic_batch(uint16_t* window, int B, int T, int vocab, uint64_t* state) {
+    for (size_t i = 0; i < (size_t)B * (T + 1); i++) {
         *state ^= *state << 13;
         *state ^= *state >> 7;
         *state ^= *state << 17;
         window[i] = (uint16_t)(*state % vocab);
     }
+    return window;
 }
 
 // The mean loss over up to max_batches micro-batches of the validation split.
@@ -1511,6 +1513,46 @@ static void checkpoint_failed(const Checkpointer* c, bool keep_going) {
     if (!keep_going) exit(1);
 }
 
+// --init-from: the master weights from a transformers Qwen3 checkpoint directory (whose
+// config.json already set the model config); exits with one line on any problem.
+static void load_init_from(GPT* m, const char* dir) {
+    char path[1024], err[1024];
+    snprintf(path, sizeof(path), "%s/model.safetensors", dir);
+    StFile weights;
+    float* master = (float*)calloc(m->table.n_elements, sizeof(float));
+    if (st_open(&weights, path, err, sizeof(err)) != 0 || !hf_st_load(m, &weights, "", master, err, sizeof(err))) {
+        fprintf(stderr, "train_gpt: --init-from: %s\n", err);
+        exit(1);
+    }
+    st_close(&weights);
+    gpt_upload_state(m, master, NULL, NULL);
+    free(master);
+    printf("initialized from %s\n", dir);
+}
+
+// --resume: weights, moments and trainer state from `which` ("latest" in out_dir, or a checkpoint
+// directory), verified; exits with one line on any problem, never starting silently from scratch.
+static void resume_from(GPT* m, const char* which, const char* out_dir, TrainerState* state) {
+    char dir[1024], err[1024];
+    if (!strcmp(which, "latest")) {
+        if (ckpt_resolve_latest(out_dir, dir, sizeof(dir), err, sizeof(err)) < 0) {
+            fprintf(stderr, "train_gpt: --resume latest: %s\n", err);
+            exit(1);
+        }
+    } else {
+        snprintf(dir, sizeof(dir), "%s", which);
+    }
+    size_t n = m->table.n_elements;
+    float* host = (float*)malloc(3 * n * sizeof(float));
+    if (!checkpoint_read(m, dir, host, host + n, host + 2 * n, state, err, sizeof(err))) {
+        fprintf(stderr, "train_gpt: --resume: %s\n", err);
+        exit(1);
+    }
+    gpt_upload_state(m, host, host + n, host + 2 * n);
+    free(host);
+    printf("resumed from %s at step %lld\n", dir, (long long)state->step);
+}
+
 int main(int argc, char** argv) {
     double t_start = now_seconds();
     Options o;
@@ -1575,52 +1617,19 @@ int main(int argc, char** argv) {
         return 1;
     }
 
-    uint64_t resumed_bench_rng = 0, resumed_sample_rng = 0;
     GPT model;
     gpt_create(&model, cfg, B, T, o.recompute != 0, o.loss_chunk);
     gpt_init(&model, o.seed);
     int start_step = 0;
-    if (o.init_from) {
-        char path[1024];
-        snprintf(path, sizeof(path), "%s/model.safetensors", o.init_from);
-        StFile weights;
-        float* master = (float*)calloc(model.table.n_elements, sizeof(float));
-        if (st_open(&weights, path, err, sizeof(err)) != 0 || !hf_st_load(&model, &weights, "", master, err, sizeof(err))) {
-            fprintf(stderr, "train_gpt: --init-from: %s\n", err);
-            return 1;
-        }
-        st_close(&weights);
-        gpt_upload_state(&model, master, NULL, NULL);
-        free(master);
-        printf("initialized from %s\n", o.init_from);
-    }
+    if (o.init_from) load_init_from(&model, o.init_from);
+    TrainerState resumed = {};
     if (o.resume) {
-        char dir[1024];
-        if (!strcmp(o.resume, "latest")) {
-            if (ckpt_resolve_latest(o.out_dir, dir, sizeof(dir), err, sizeof(err)) < 0) {
-                fprintf(stderr, "train_gpt: --resume latest: %s\n", err);
-                return 1;
-            }
-        } else {
-            snprintf(dir, sizeof(dir), "%s", o.resume);
-        }
-        size_t n = model.table.n_elements;
-        float* host = (float*)malloc(3 * n * sizeof(float));
-        TrainerState state;
-        if (!checkpoint_read(&model, dir, host, host + n, host + 2 * n, &state, err, sizeof(err))) {
-            fprintf(stderr, "train_gpt: --resume: %s\n", err);
+        resume_from(&model, o.resume, o.out_dir, &resumed);
+        if (resumed.has_loader && !o.bench && loader_set_state(&train_loader, &resumed.loader, err, sizeof(err)) != 0) {
+            fprintf(stderr, "train_gpt: --resume: the data loader's state: %s\n", err);
             return 1;
         }
-        gpt_upload_state(&model, host, host + n, host + 2 * n);
-        free(host);
-        if (state.has_loader && !o.bench && loader_set_state(&train_loader, &state.loader, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: --resume: %s/trainer_state.bin: %s\n", dir, err);
-            return 1;
-        }
-        start_step = (int)state.step;
-        resumed_bench_rng = state.bench_rng;
-        resumed_sample_rng = state.sample_rng;
-        printf("resumed from %s at step %d\n", dir, start_step);
+        start_step = (int)resumed.step;
     }
     Checkpointer ckpt;
     bool checkpointing = o.ckpt_every > 0 && !o.bench;
@@ -1640,8 +1649,8 @@ int main(int argc, char** argv) {
     Uploader up;
     uploader_create(&up, N, cfg->vocab_size);
     uint16_t* synthetic = (uint16_t*)malloc((size_t)B * (T + 1) * sizeof(uint16_t));
-    uint64_t rng = o.resume ? resumed_bench_rng : o.seed * 0x9E3779B97F4A7C15ull + 1;  // --bench's tokens
-    uint64_t sample_rng = o.resume ? resumed_sample_rng : o.seed ^ 0x5DEECE66Dull;
+    uint64_t rng = o.resume ? resumed.bench_rng : o.seed * 0x9E3779B97F4A7C15ull + 1;  // --bench's tokens
+    uint64_t sample_rng = o.resume ? resumed.sample_rng : o.seed ^ 0x5DEECE66Dull;
     cudaEvent_t ev_start, ev_end;
     CUDA_CHECK(cudaEventCreate(&ev_start));
     CUDA_CHECK(cudaEventCreate(&ev_end));
@@ -1654,13 +1663,8 @@ int main(int argc, char** argv) {
         CUDA_CHECK(cudaEventRecord(ev_start, model.stream));
         CUDA_CHECK(cudaMemsetAsync(model.grads, 0, model.table.n_elements * 4, model.stream));
         for (int micro = 0; micro < accum; micro++) {
-            const uint16_t* window;
-            if (o.bench) {
-                synthetic_batch(synthetic, (size_t)B * (T + 1), cfg->vocab_size, &rng);
-                window = synthetic;
-            } else {
-                window = loader_next(&train_loader);
-            }
+            const uint16_t* window = o.bench ? synthetic_batch(synthetic, B, T, cfg->vocab_size, &rng)
+                                             : loader_next(&train_loader);
             Batch batch = upload_batch(&up, &model, window);
             forward_backward(&model, &batch, 1.0f / ((float)N * accum), micro == 0);
         }
@@ -1737,13 +1741,8 @@ int main(int argc, char** argv) {
         free(master);
     }
     if (o.dump_grads_dir) {
-        const uint16_t* window;
-        if (o.bench) {
-            synthetic_batch(synthetic, (size_t)B * (T + 1), cfg->vocab_size, &rng);
-            window = synthetic;
-        } else {
-            window = loader_next(&train_loader);
-        }
+        const uint16_t* window = o.bench ? synthetic_batch(synthetic, B, T, cfg->vocab_size, &rng)
+                                         : loader_next(&train_loader);
         dump_grads(&model, &up, window, o.dump_grads_dir);
     }
     if (checkpointing) {

@@ -1,0 +1,32 @@
+set -uo pipefail
+make -j16 train_gpt > /dev/null 2>&1 || { echo build failed; exit 1; }
+# one step's kernels: skip the first steps' launches, then take a little more than one step
+ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
+    --launch-skip 1800 --launch-count 700 ./train_gpt --bench --bench-steps 2 > $OUT/ncu.csv 2> $OUT/ncu.err
+python3 - <<'PY'
+import csv, collections, os
+rows = list(csv.DictReader(l for l in open(os.environ['OUT'] + '/ncu.csv') if l.startswith('"')))
+by_id = collections.OrderedDict()
+for r in rows:
+    if r['Metric Name'] == 'gpu__time_duration.sum':
+        by_id[int(r['ID'])] = (r['Kernel Name'], float(r['Metric Value'].replace(',', '')))
+# find one full step: from an adamw kernel to the next adamw kernel
+ids = sorted(by_id)
+ad = [i for i in ids if by_id[i][0].startswith('adamw')]
+print('launches profiled', len(ids), 'adamw at', ad)
+if len(ad) >= 2:
+    step = [i for i in ids if ad[0] < i <= ad[1]]
+else:
+    step = ids
+tot = collections.Counter(); cnt = collections.Counter()
+for i in step:
+    name = by_id[i][0]
+    short = name.split('(')[0].split('<')[0][:60]
+    if 'gemm' in name.lower() or 'sm90' in name.lower() or 'cutlass' in name.lower(): short = 'cuBLASLt ' + short[:45]
+    tot[short] += by_id[i][1]; cnt[short] += 1
+total = sum(tot.values())
+print('one step: %d kernels, %.2f ms of kernel time' % (len(step), total / 1e6))
+for k, v in tot.most_common(30):
+    print('%8.3f ms %5.1f%% %4d  %s' % (v / 1e6, 100 * v / total, cnt[k], k))
+PY
+tail -3 $OUT/ncu.err
