@@ -13,12 +13,16 @@
  *      every product a warpgroup wgmma chain (operands straight from shared memory, P and dS from registers), two
  *      warpgroups per block, cp.async loads; no TMA, warp specialization or softmax overlap yet.
  *      H100, D=128, T=1024..4096: forward 289-419 TFLOP/s, backward 217-287.
+ *   4  FlashAttention-3's forward shape (attention_v4.cuh): TMA loads (3-D tensor maps, 128-byte
+ *      swizzle) on a 2-stage mbarrier ring, a producer warpgroup (setmaxnreg 24) and 2 consumer
+ *      warpgroups (3 at D=64), S of the next tile issued before the softmax of this one. The
+ *      backward is version 3's. H100, D=128, T=1024..4096: forward 334-554 TFLOP/s.
  * The full tables, the tile tuning behind each version and the PyTorch SDPA figures of the same
  * runs are in doc/attention.md.
  *
  * Usage: ./dev/attention          check every version, then time every version
  *        ./dev/attention N        check and time version N only
- *        ./dev/attention tune     check, then time each tile configuration (tune2: version 2's only)
+ *        ./dev/attention tune     check, then time each tile configuration (tuneN: version N's only)
  *        a second argument `check` skips the timing (./dev/attention 2 check)
  * Each run first checks on small shapes with fresh random inputs (outputs poisoned with NaN; max
  * abs and relative-L2 error of out, lse, dq, dk, dv; the backward run twice and compared bitwise),
@@ -31,6 +35,7 @@
 #include "common.h"
 #include "attention_naive.cuh"
 #include "attention_fa2.cuh"
+#include "attention_v4.cuh"
 
 typedef void (*FwdFn)(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int qkv_stride, int B,
                       int T, int Hq, int Hkv, int D, cudaStream_t stream);
@@ -85,6 +90,7 @@ static const Impl VERSIONS[] = {
     {1, "naive", 3, naive_attention_forward, naive_attention_backward, nullptr, nullptr},
     {2, "fa2", 3, attention_forward_fa2, attention_backward_fa2, nullptr, nullptr},
     {3, "wgmma", 3, attention_forward, attention_backward, nullptr, nullptr},
+    {4, "tma-ws", 3, attention_forward_v4, attention_backward_v4, nullptr, nullptr},
 };
 // Tuning candidates; the default backward pieces are the first of each list.
 template <int BN>
@@ -108,7 +114,19 @@ static void wg_dq_cfg(bf16* dq, const bf16* dout, const float* lse, const float*
     else wg_backward_dq_launch<128, BN, MINB>(dq, dout, lse, delta, q, k, v, stride, dstride, B, T, Hq, Hkv, st);
 }
 
+// Version 4's forward tiles (the backward is version 3's): BN keys per tile, NC consumer warpgroups
+// (64*NC query rows); D128_NC is NC at D = 128, where 3 consumers of a 128-key tile would spill.
+template <int BN, int NC, int D128_NC = 2>
+static void v4_cfg(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int stride, int B, int T,
+                   int Hq, int Hkv, int D, cudaStream_t st) {
+    if (D == 64) v4_forward_launch<64, BN, NC>(out, lse, q, k, v, stride, B, T, Hq, Hkv, st);
+    else v4_forward_launch<128, BN, D128_NC>(out, lse, q, k, v, stride, B, T, Hq, Hkv, st);
+}
+
 static const Impl TUNE[] = {
+    {4, "tma 128q x 128k", 3, v4_cfg<128, 2>, attention_backward_v4, nullptr, nullptr},
+    {4, "tma 192q x 128k", 1, v4_cfg<128, 3>, attention_backward_v4, nullptr, nullptr},
+    {4, "tma 192q x 64k", 3, v4_cfg<64, 3, 3>, attention_backward_v4, nullptr, nullptr},
     {2, "fwd BM128 BN64 4w", 3, fwd_cfg<128, 64, 4, 2>, nullptr, dkdv_cfg<64, 4, 2>, dq_cfg<64, 4, 2>},
     {2, "fwd 128x64 4w 1buf", 3, fwd_cfg<128, 64, 4, 2, 1>, nullptr, dkdv_cfg<64, 4, 2>, dq_cfg<64, 4, 2>},
     {2, "fwd 128x128 4w 1buf", 1, fwd_cfg<128, 128, 4, 2, 1>, nullptr, dkdv_cfg<64, 4, 2>, dq_cfg<64, 4, 2>},
@@ -348,7 +366,7 @@ int main(int argc, char** argv) {
         for (const Impl& im : VERSIONS)
             if (want == 0 || im.version == want) impls.push_back(im);
         if (impls.empty()) {
-            fprintf(stderr, "usage: %s [version | tune]; version %s is not built (versions: 1 naive, 2 fa2, 3 wgmma)\n", argv[0],
+            fprintf(stderr, "usage: %s [version | tune]; version %s is not built (versions: 1 naive, 2 fa2, 3 wgmma, 4 tma-ws)\n", argv[0],
                     argv[1]);
             return 1;
         }
