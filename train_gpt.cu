@@ -361,6 +361,11 @@ static void rope_tables(float* cos_out, float* sin_out, int T, int D, float thet
 
 static double gib(size_t bytes) { return bytes / (double)(1ull << 30); }
 
+static size_t gpt_bytes_total(const GPT* m) {
+    return m->bytes_params + m->bytes_grads + m->bytes_optimizer + m->bytes_activations + m->bytes_scratch +
+           CUBLASLT_WORKSPACE_BYTES;
+}
+
 static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recompute, int loss_chunk) {
     memset(m, 0, sizeof(*m));
     m->cfg = *cfg;
@@ -377,6 +382,18 @@ static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recomp
     m->bytes_params = P * (4 + 2);
     m->bytes_grads = P * 4;
     m->bytes_optimizer = P * 8;
+    Arena kept = {NULL, 0, 0}, scratch = {NULL, 0, 0};
+    activations_layout(&m->act, &kept, &scratch, cfg, B, T, m->loss_chunk, recompute);  // measure
+    m->bytes_activations = kept.used;
+    m->bytes_scratch = scratch.used;
+    size_t free_bytes, total_bytes;  // a plan that cannot fit is one line, before any allocation
+    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    if (gpt_bytes_total(m) > free_bytes) {
+        fprintf(stderr, "train_gpt: this config needs %.2f GiB of GPU memory (activations %.2f) but %.2f GiB are "
+                        "free; lower --batch, or use --recompute 1\n", gib(gpt_bytes_total(m)),
+                gib(m->bytes_activations), gib(free_bytes));
+        exit(1);
+    }
     CUDA_CHECK(cudaMalloc(&m->master, P * 4));
     CUDA_CHECK(cudaMalloc(&m->params, P * 2));
     CUDA_CHECK(cudaMalloc(&m->grads, P * 4));
@@ -385,11 +402,6 @@ static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recomp
     CUDA_CHECK(cudaMemsetAsync(m->grads, 0, P * 4, m->stream));
     CUDA_CHECK(cudaMemsetAsync(m->adam_m, 0, P * 4, m->stream));
     CUDA_CHECK(cudaMemsetAsync(m->adam_v, 0, P * 4, m->stream));
-
-    Arena kept = {NULL, 0, 0}, scratch = {NULL, 0, 0};
-    activations_layout(&m->act, &kept, &scratch, cfg, B, T, m->loss_chunk, recompute);  // measure
-    m->bytes_activations = kept.used;
-    m->bytes_scratch = scratch.used;
     CUDA_CHECK(cudaMalloc(&kept.base, kept.used));
     CUDA_CHECK(cudaMalloc(&scratch.base, scratch.used));
     m->activation_memory = kept.base;
@@ -419,11 +431,6 @@ static void gpt_free(GPT* m) {
     CUDA_CHECK(cudaStreamDestroy(m->stream));
     matmul_free();
     free(m->table.tensors);
-}
-
-static size_t gpt_bytes_total(const GPT* m) {
-    return m->bytes_params + m->bytes_grads + m->bytes_optimizer + m->bytes_activations + m->bytes_scratch +
-           CUBLASLT_WORKSPACE_BYTES;
 }
 
 // Initialization as in GPT-2 and torch_baseline.py: matrices N(0, 0.02), norm weights 1.
@@ -1103,6 +1110,7 @@ typedef struct {
     const char* prompt;
     float temperature;
     const char* tokenizer_dir;
+    uint64_t sample_seed;
     int ckpt_every, keep_last, ckpt_keep_going;
     int stop_at;
     const char* resume;
@@ -1160,6 +1168,7 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--sample-len", OPT_INT, &o->sample_len, "tokens generated per sample"},
         {"--prompt", OPT_STR, &o->prompt, "text the samples continue (empty: start of a document)"},
         {"--temperature", OPT_FLOAT, &o->temperature, "sampling temperature (0: greedy)"},
+        {"--sample-seed", OPT_U64, &o->sample_seed, "seed of the text sampler"},
         {"--tokenizer", OPT_STR, &o->tokenizer_dir, "directory with GPT-2's encoder.json and vocab.bpe"},
         {"--ckpt-every", OPT_INT, &o->ckpt_every, "write a checkpoint to OUT/ckpt_<step> every N steps (0: never)"},
         {"--keep-last", OPT_INT, &o->keep_last, "checkpoints kept (older ones are deleted)"},
@@ -1196,6 +1205,7 @@ static void options_default(Options* o) {
     o->prompt = "";
     o->temperature = 0.8f;
     o->tokenizer_dir = "data/tokenizer";
+    o->sample_seed = 42;
     o->ckpt_every = 100;
     o->keep_last = 2;
 }
@@ -1650,7 +1660,7 @@ int main(int argc, char** argv) {
     uploader_create(&up, N, cfg->vocab_size);
     uint16_t* synthetic = (uint16_t*)malloc((size_t)B * (T + 1) * sizeof(uint16_t));
     uint64_t rng = o.resume ? resumed.bench_rng : o.seed * 0x9E3779B97F4A7C15ull + 1;  // --bench's tokens
-    uint64_t sample_rng = o.resume ? resumed.sample_rng : o.seed ^ 0x5DEECE66Dull;
+    uint64_t sample_rng = o.resume ? resumed.sample_rng : splitmix64(o.sample_seed);
     cudaEvent_t ev_start, ev_end;
     CUDA_CHECK(cudaEventCreate(&ev_start));
     CUDA_CHECK(cudaEventCreate(&ev_end));

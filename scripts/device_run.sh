@@ -36,6 +36,18 @@ for step in $steps; do
           (1e3*(r[198]['elapsed_s']-r[0]['elapsed_s'])/198, sum(x['ms'] for x in r[1:199])/198))"
         grep -a "checkpoint of step" "$OUT/ckpt_every$every.log"; ls /tmp/ckpt_out | tr '\n' ' '; echo
       done ;;
+    sizes)
+      # ANCHORS.md's medium and 1b models, ours and PyTorch's, then a config that cannot fit.
+      ./train_gpt --bench --d-model 1024 --layers 28 --heads 16 --kv-heads 8 --head-dim 128 --ffn 3072 --batch 16 \
+        --rope-theta 1e6 2>&1 | tee "$OUT/bench_medium.log" | grep -aE "^\{|error"
+      PYTHONUNBUFFERED=1 python3 .bench/torch_baseline.py --model-size medium --compile default 2>&1 \
+        | tee "$OUT/torch_medium.log" | tail -2 | head -1
+      ./train_gpt --bench --d-model 2048 --layers 16 --heads 32 --kv-heads 8 --head-dim 64 --ffn 8192 --batch 8 \
+        --rope-theta 1e6 2>&1 | tee "$OUT/bench_1b.log" | grep -aE "^\{|error"
+      PYTHONUNBUFFERED=1 python3 .bench/torch_baseline.py --model-size 1b --compile default 2>&1 \
+        | tee "$OUT/torch_1b.log" | tail -2 | head -1
+      ./train_gpt --bench --d-model 2048 --layers 16 --heads 32 --kv-heads 8 --head-dim 64 --ffn 8192 --batch 512 \
+        --recompute 0; echo "exit code $?" ;;
     hf)
       rm -rf /tmp/hf && ./train_gpt --bench --bench-steps 20 --batch 4 --seq 256 --out /tmp/hf_out --dump-grads /tmp/hf \
         > "$OUT/hf_dump.log" 2>&1; tail -1 "$OUT/hf_dump.log"
