@@ -1009,6 +1009,39 @@ static int test_kill_during_checkpoint_then_resume(void) {
     return TEST_RESULT;
 }
 
+// A full disk: the output directory on a 12 MB tmpfs, where the first checkpoint (~17 MB) cannot
+// be written. By default that stops training with one line and exit 1; with --ckpt-keep-going 1
+// training finishes, reporting each failure. Either way no half-written checkpoint is left behind.
+// Needs root to mount the tmpfs; skipped (and says so) where that is not possible.
+static int test_checkpoint_on_full_disk(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    char dir[64], cmd[2048], line[512];
+    EXPECT(make_shard_dir(dir, 60000, 512), "shard");
+    snprintf(cmd, sizeof(cmd), "mkdir -p %s/full && mount -t tmpfs -o size=12m tmpfs %s/full 2>/dev/null", dir, dir);
+    if (system(cmd) != 0) {
+        printf("    skipped: cannot mount a small tmpfs here (needs root)\n");
+        snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+        if (system(cmd) != 0) printf("    cleanup of %s failed\n", dir);
+        return TEST_SKIP;
+    }
+    const char* model = "./train_gpt --vocab 8192 --d-model 256 --layers 2 --heads 4 --kv-heads 2 --head-dim 64 "
+                        "--ffn 512 --seq 64 --batch 4 --val-data '' --sample-every 0 --steps 6 --ckpt-every 2 ";
+    snprintf(cmd, sizeof(cmd), "%s --train-data '%s/train_*.bin' --out %s/full/stop", model, dir, dir);
+    int code = run_command(cmd, line, sizeof(line));
+    EXPECT(code == 1 && strstr(line, "checkpoint of step 2 failed"), "default: exit %d, '%s'", code, line);
+    snprintf(cmd, sizeof(cmd), "%s --train-data '%s/train_*.bin' --out %s/full/go --ckpt-keep-going 1", model, dir, dir);
+    code = run_command(cmd, line, sizeof(line));
+    EXPECT(code == 1 && strstr(line, "carrying on"), "keep going: exit %d, first line '%s'", code, line);
+    snprintf(cmd, sizeof(cmd), "grep -c '\"step\": 6,' %s/full/go/log.jsonl | grep -qx 1", dir);
+    EXPECT(system(cmd) == 0, "with --ckpt-keep-going 1 the run reaches step 6");
+    snprintf(cmd, sizeof(cmd), "ls -d %s/full/*/ckpt_* 2>/dev/null | grep -q .", dir);
+    EXPECT(system(cmd) != 0, "a partial checkpoint directory was left on the full disk");
+    snprintf(cmd, sizeof(cmd), "umount %s/full; rm -rf %s", dir, dir);
+    EXPECT(system(cmd) == 0, "cleanup");
+    return TEST_RESULT;
+}
+
 // Export, then start a new run from the export: it must hold exactly the same weights.
 static int test_export_then_init_from(void) {
     REQUIRE_GPU();
@@ -1051,6 +1084,7 @@ static const TestCase model_tests[] = {
     {"gpu_model_trains", test_model_trains},
     {"gpu_resume_is_bit_exact", test_resume_is_bit_exact},
     {"gpu_kill_during_checkpoint_then_resume", test_kill_during_checkpoint_then_resume},
+    {"gpu_checkpoint_on_full_disk", test_checkpoint_on_full_disk},
     {"gpu_export_then_init_from", test_export_then_init_from},
 };
 
