@@ -883,8 +883,8 @@ static void wg_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* 
 }
 
 // ----------------------------------------------------------------------------------------------
-// Backward on wgmma: version 2's two deterministic kernels (same math, same per-element code; see
-// the Backward comment in attention_fa2.cuh) with every product a warpgroup chain.
+// Backward on wgmma: two deterministic kernels (the math is in the Backward comment above the
+// delta kernel) with every product a warpgroup chain.
 //
 // dK, dV: one block of 2 warpgroups per (128 keys, b, KV head); warpgroup w owns keys 64w .. 64w+63
 // and their dK, dV (64 x D fp32 each) in registers. Per query tile of BM rows (Q, dO, lse, delta
