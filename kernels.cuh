@@ -23,6 +23,8 @@
 #include <math.h>
 #include <float.h>
 #include <cublasLt.h>
+#include <cuda.h>          // CUtensorMap and its enums (types only: no -lcuda)
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled, fetched through the runtime
 #include "cuda_common.h"
 
 // ----------------------------------------------------------------------------------------------
@@ -429,56 +431,47 @@ static void qk_norm_rope_backward(bf16* d_qkv, float* dq_weight, float* dk_weigh
     sum_partials(dq_weight, dw_partials, blocks, D, 2 * D, s);
     sum_partials(dk_weight, dw_partials + D, blocks, D, 2 * D, s);
 }
-
 // ----------------------------------------------------------------------------------------------
 // Attention: causal grouped-query self-attention, bf16 in and out, fp32 softmax statistics.
 //
-// These are version 3 of the dev/ ladder (dev/attention.cu; doc/attention.md has the measurements):
-// FlashAttention-2's algorithm on Hopper's warpgroup matrix instructions (wgmma, sm_90a). A block
-// is two warpgroups (256 threads); each owns 64 rows of every accumulator (query rows in the
-// forward and dQ kernels, key rows in the dK/dV kernel). Products whose operands both sit in shared
-// memory (S = Q K^T, dP = dO V^T and their transposes) are wgmma chains reading the tiles
-// directly; products with P or dS on the left take them from registers (the accumulator layout is
-// the A-operand layout) and read the right operand MN-major from shared memory. Tiles are
-// double-buffered and loaded with cp.async. The online softmax runs in base 2.
+// These are version 4 of the dev/ ladder (dev/attention.cu; doc/attention.md has the measurements
+// and the versions that lost): FlashAttention-3's structure on Hopper (sm_90a). A block is a
+// producer warpgroup, which only moves data (TMA loads on an mbarrier ring; in the backward also the
+// bulk reduce of dQ), and two or three consumer warpgroups, which only compute: every product is a
+// warpgroup matrix instruction chain (wgmma), each consumer owning 64 rows of every accumulator.
+// Products whose operands both sit in shared memory (S = Q K^T, dP = dO V^T, their transposes, and
+// dQ = dS K) read the tiles directly; products with P or dS on the left take them from registers
+// (the accumulator layout is the A-operand layout). The online softmax runs in base 2.
+//   forward (ws_forward_kernel): one block per SM taking query tiles from a work queue; per tile,
+//     the KV tiles from the diagonal down; the softmax of tile i overlaps S = Q K^T of tile i+1 on
+//     the tensor cores, and the next tile's loads overlap this one's epilogue.
+//   backward (ws_backward_kernel): one pass per KV tile over the query tiles at or below the
+//     diagonal, 5 products per tile pair; dK and dV stay in registers, dQ partial sums are added
+//     into fp32 accumulators in global memory in a fixed order (deterministic) or, on request, in
+//     any order.
 //
 // Layout: q, k and v are token-major with a common row stride, so they may point into one packed
 // qkv buffer: element (b, t, h, d) of q is q[(b*T + t)*qkv_stride + h*D + d] (h < Hq; k and v alike
 // with h < Hkv). KV head j serves query heads j*G .. j*G+G-1, G = Hq/Hkv, indexed in place, never
 // copied. out is [B, T, Hq, D]; lse is [B, Hq, T], the natural-log logsumexp of the scaled scores.
 // The backward writes (=) dq, dk, dv; dk and dv sum over the G query heads of their KV head inside
-// one thread block in a fixed order, so it is bitwise deterministic (no floating-point atomics).
-// D is 64 or 128 (a template parameter); any T >= 1 (the last tile is masked).
+// one thread block in a fixed order. D is 64 or 128 (a template parameter); any T >= 1.
 //
 // Shared memory is laid out as wgmma's 128-byte swizzle expects: a [R][D] tile is D/64 panels of
 // [R][64] (128-byte rows); 16-byte chunk c of row r of a panel sits at chunk c ^ (r & 7), each panel
 // 1024-byte aligned. A K-major descriptor advances 32 bytes per 16-element k-step inside a panel; an
-// MN-major one advances 16 rows (2048 bytes) per step.
+// MN-major one advances 16 rows (2048 bytes) per step. TMA writes tiles in exactly this layout.
 //
-// Measured on an H100 SXM (B*T = 16K tokens, causal FLOPs counted once): D = 128, T = 512 / 1024 /
-// 2048 / 4096: forward 207 / 295 / 365 / 411 TFLOP/s, backward 164 / 222 / 264 / 292.
-// First the helpers (PTX wrappers, the softmax step, row stores, delta), which version 2 in dev/
-// shares, then the kernels and their launchers.
+// Measured on an H100 SXM (B*T = 16K tokens, causal FLOPs counted once), D = 128, T = 512 / 1024 /
+// 2048 / 4096: forward 269 / 387 / 475 / 533 TFLOP/s, backward 174 / 265 / 339 / 405.
+// First the helpers (PTX wrappers, the softmax step, row stores, delta), which the versions in dev/
+// share, then the kernels and their launchers.
 
 // ----------------------------------------------------------------------------------------------
 // PTX wrappers
 
 static __device__ __forceinline__ uint32_t attn_smem_u32(const void* p) {
     return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-// 16-byte async copy global -> shared; when pred is false nothing is read and 16 zero bytes land.
-static __device__ __forceinline__ void attn_cp_async16(uint32_t dst, const void* src, bool pred) {
-    int src_bytes = pred ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
-                 : "memory");
-}
-static __device__ __forceinline__ void attn_cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int N>
-static __device__ __forceinline__ void attn_cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 
@@ -491,6 +484,19 @@ static __device__ __forceinline__ float attn_exp2(float x) {  // 2^x; 2^-inf = 0
 static __device__ __forceinline__ uint32_t attn_pack_bf16(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low 16 bits
     return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// The A operand of a register-sourced wgmma (or mma.m16n8k16) from a warp's fp32 accumulator tile
+// x (16 rows x 8*NT columns): k-step kk takes the 8-column blocks 2kk and 2kk+1, rounded to bf16.
+template <int NT>
+static __device__ __forceinline__ void attn_pack_a(uint32_t (&a)[NT / 2][4], const float (&x)[NT][4]) {
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; ++kk) {
+        a[kk][0] = attn_pack_bf16(x[2 * kk][0], x[2 * kk][1]);
+        a[kk][1] = attn_pack_bf16(x[2 * kk][2], x[2 * kk][3]);
+        a[kk][2] = attn_pack_bf16(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+        a[kk][3] = attn_pack_bf16(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+    }
 }
 
 template <int N>
@@ -517,71 +523,108 @@ static __device__ __forceinline__ void attn_store_rows(bf16* g, long stride, int
     }
 }
 
-// Online softmax of one tile of scores, in place (s becomes P, unnormalized); the running row
-// sums and O are rescaled by 2^(m_old - m_new). The caller then adds P V to O.
-template <int D, int MT, int NT>
-static __device__ __forceinline__ void attn_fwd_softmax(float (&o)[MT][D / 8][4], float (&s)[MT][NT][4],
-                                                       float (&row_max)[MT][2], float (&row_sum)[MT][2],
-                                                       float scale_log2) {
+// Online softmax of one tile of scores (one warp's 16 rows, NT 8-column blocks), in place: s becomes
+// P = 2^(s*scale_log2 - m_new), unnormalized; the running row sums are rescaled and extended, and
+// alpha = 2^(m_old - m_new) is returned for O, which the caller rescales once the previous tile's
+// P V has left the tensor cores (ws_forward_kernel), or at once (dev/'s versions 2 and 3).
+template <int NT>
+static __device__ __forceinline__ void attn_softmax_tile(float (&s)[NT][4], float (&row_max)[2], float (&row_sum)[2],
+                                                  float (&alpha)[2], float scale_log2) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int r = 0; r < 2; ++r) {
+        float mx = -INFINITY;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = -INFINITY;
+        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(row_max[r], mx * scale_log2);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no visible key yet
+        alpha[r] = attn_exp2(row_max[r] - m_use);
+        row_max[r] = m_new;
+        float sum = 0.f;
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float m_new = fmaxf(row_max[mt][r], mx * scale_log2);
-            const float m_use = m_new == -INFINITY ? 0.f : m_new;  // a row with no visible key yet
-            const float alpha = attn_exp2(row_max[mt][r] - m_use);  // rescales the old sums and O
-            row_max[mt][r] = m_new;
-            float sum = 0.f;
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const float p = attn_exp2(fmaf(s[mt][nt][2 * r + e], scale_log2, -m_use));
-                    s[mt][nt][2 * r + e] = p;
-                    sum += p;
-                }
-            row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                o[mt][dt][2 * r] *= alpha;
-                o[mt][dt][2 * r + 1] *= alpha;
+            for (int e = 0; e < 2; ++e) {
+                const float p = attn_exp2(fmaf(s[nt][2 * r + e], scale_log2, -m_use));
+                s[nt][2 * r + e] = p;
+                sum += p;
             }
-        }
+        row_sum[r] = row_sum[r] * alpha[r] + sum;
+    }
+}
+
+// O *= alpha row-wise (rows g and g+8 of the warp's accumulator tile).
+template <int DT>
+static __device__ __forceinline__ void attn_rescale(float (&o)[DT][4], const float (&alpha)[2]) {
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+        o[dt][0] *= alpha[0];
+        o[dt][1] *= alpha[0];
+        o[dt][2] *= alpha[1];
+        o[dt][3] *= alpha[1];
+    }
 }
 
 // ----------------------------------------------------------------------------------------------
 // Backward. With s = scale * q.k, P = exp(s - lse), O = P V and dO given:
 //   dV = P^T dO,   dP = dO V^T,   dS = P o (dP - delta),   delta_i = sum_d dO_id O_id = rowsum(P o dP),
 //   dQ = scale * dS K,   dK = scale * dS^T Q   (o: elementwise product).
-// Three kernels: delta; dK,dV over KV tiles (each block loops over the G query heads and every
-// query tile at or below the diagonal, accumulating in registers); dQ over query tiles. dQ's
-// kernel recomputes P and dP (7 matrix products in all instead of FA2's 5 with atomics): the price
-// of determinism.
+// Computed with every (KV tile, query tile) pair visited once: dK, dV summed in registers over the
+// query tiles, dQ summed over the KV tiles in global memory (ws_backward_kernel).
 
-// delta[b, h, t] = sum_d dout[b, t, h, d] * out[b, t, h, d]; one warp per (b, t, h) row.
-__global__ void attn_delta_kernel(float* __restrict__ delta, const bf16* __restrict__ dout,
-                                 const bf16* __restrict__ out, int T, int Hq, int D, long rows) {
+// The backward's per-row inputs, one warp per (b, h, t) row of a [B, Hq, Tp] layout (Tp >= T pads
+// each head's rows): delta[(b*Hq + h)*Tp + t] = sum_d dout[b, t, h, d] * out[b, t, h, d], and, when
+// lse2 is given, lse2[...] = lse[b, h, t] * log2 e, the logsumexp in the kernels' base 2. Pad rows
+// (t >= T) get delta 0 and lse2 +inf, so that P = exp2(s - lse2) is 0 there.
+__global__ void attn_delta_kernel(float* __restrict__ delta, float* __restrict__ lse2, const float* __restrict__ lse,
+                                 const bf16* __restrict__ dout, const bf16* __restrict__ out, int T, int Tp, int Hq,
+                                 int D, long rows) {
     const long row = (long)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (row >= rows) return;
-    const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(dout + row * D);
-    const __nv_bfloat162* c = reinterpret_cast<const __nv_bfloat162*>(out + row * D);
+    const long bh = row / Tp;
+    const int t = (int)(row % Tp);
     float acc = 0.f;
-    for (int i = lane; i < D / 2; i += 32) {
-        const float2 x = __bfloat1622float2(a[i]), y = __bfloat1622float2(c[i]);
-        acc += x.x * y.x + x.y * y.y;
-    }
+    if (t < T) {
+        const long off = (((bh / Hq) * T + t) * Hq + bh % Hq) * D;
+        const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(dout + off);
+        const __nv_bfloat162* c = reinterpret_cast<const __nv_bfloat162*>(out + off);
+        for (int i = lane; i < D / 2; i += 32) {
+            const float2 x = __bfloat1622float2(a[i]), y = __bfloat1622float2(c[i]);
+            acc += x.x * y.x + x.y * y.y;
+        }
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    }
     if (lane == 0) {
-        const long bt = row / Hq;
-        const int h = (int)(row % Hq), t = (int)(bt % T), b = (int)(bt / T);
-        delta[((long)b * Hq + h) * T + t] = acc;
+        delta[row] = acc;
+        if (lse2) lse2[row] = t < T ? lse[bh * T + t] * 1.44269504089f : INFINITY;
+    }
+}
+
+
+// The backward's elementwise step on a warp's transposed tile, in place: rows are keys key0 + g and
+// key0 + g + 8, columns queries q0 + 8nt + 2i (+1) (lane = 4g + i). On entry s = S^T and dp = dP^T;
+// on return s = P^T = 2^(s * scale_log2 - lse2[q]) (0 where the query precedes the key, checked
+// only when diag) and dp = dS^T = P^T o (dP^T - delta[q]). lse2 (lse * log2 e; +inf past T, so
+// P = 0 there) and dl (delta) hold the tile's per-query values in shared memory.
+template <int NT>
+static __device__ __forceinline__ void attn_bwd_p_ds_t(float (&s)[NT][4], float (&dp)[NT][4], const float* lse2,
+                                                      const float* dl, bool diag, int q0, int key0, int lane,
+                                                      float scale_log2) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int c = nt * 8 + 2 * (lane & 3);
+        const float2 l2 = *reinterpret_cast<const float2*>(lse2 + c);
+        const float2 d2 = *reinterpret_cast<const float2*>(dl + c);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float p = attn_exp2(fmaf(s[nt][i], scale_log2, -((i & 1) ? l2.y : l2.x)));
+            if (diag && q0 + c + (i & 1) < key0 + (lane >> 2) + 8 * (i >> 1)) p = 0.f;
+            s[nt][i] = p;
+            dp[nt][i] = p * (dp[nt][i] - ((i & 1) ? d2.y : d2.x));
+        }
     }
 }
 
@@ -595,10 +638,11 @@ static void attn_allow_smem(Kernel kernel, int bytes) {
         CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
 }
 
-static void attn_delta_launch(float* delta, const bf16* dout, const bf16* out, int B, int T, int Hq, int D,
-                             cudaStream_t stream) {
-    const long rows = (long)B * T * Hq;
-    attn_delta_kernel<<<ceil_div(rows, 8), 256, 0, stream>>>(delta, dout, out, T, Hq, D, rows);
+// delta [B, Hq, T] (lse2 null), or delta and lse2 [B, Hq, Tp] with pad rows (attn_delta_kernel).
+static void attn_delta_launch(float* delta, float* lse2, const float* lse, const bf16* dout, const bf16* out, int B,
+                             int T, int Tp, int Hq, int D, cudaStream_t stream) {
+    const long rows = (long)B * Hq * Tp;
+    attn_delta_kernel<<<ceil_div(rows, 8), 256, 0, stream>>>(delta, lse2, lse, dout, out, T, Tp, Hq, D, rows);
     CUDA_CHECK(cudaGetLastError());
 }
 
@@ -663,23 +707,23 @@ static __device__ __forceinline__ uint64_t wg_desc(uint32_t smem_addr) {
 // d[N/8][4] (+)= A (64 x 16, shared, K-major) * B (N rows x 16, shared, K-major)^T; SCALE_D = 0
 // overwrites d. Accumulator layout per warp w of the warpgroup: rows 16w + g and 16w + g + 8,
 // columns 8j + 2i, 8j + 2i + 1 in d[j] (lane = 4g + i), the mma.m16n8 layout repeated.
-template <int SCALE_D>
+template <int SCALE_D, int TA = 0, int TB = 0>
 static __device__ __forceinline__ void wg_mma_ss_n32(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, %19, %20;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
           "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-        : "l"(desc_a), "l"(desc_b), "n"(SCALE_D));
+        : "l"(desc_a), "l"(desc_b), "n"(SCALE_D), "n"(TA), "n"(TB));
 }
 
-template <int SCALE_D>
+template <int SCALE_D, int TA = 0, int TB = 0>
 static __device__ __forceinline__ void wg_mma_ss_n64(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -688,14 +732,14 @@ static __device__ __forceinline__ void wg_mma_ss_n64(float (&d)[8][4], uint64_t 
           "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
           "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
           "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-        : "l"(desc_a), "l"(desc_b), "n"(SCALE_D));
+        : "l"(desc_a), "l"(desc_b), "n"(SCALE_D), "n"(TA), "n"(TB));
 }
 
-template <int SCALE_D>
+template <int SCALE_D, int TA = 0, int TB = 0>
 static __device__ __forceinline__ void wg_mma_ss_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n}\n"
         : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
           "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
           "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
@@ -712,15 +756,16 @@ static __device__ __forceinline__ void wg_mma_ss_n128(float (&d)[16][4], uint64_
           "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
           "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
           "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
-        : "l"(desc_a), "l"(desc_b), "n"(SCALE_D));
+        : "l"(desc_a), "l"(desc_b), "n"(SCALE_D), "n"(TA), "n"(TB));
 }
 
-// The SS product for N in {32, 64, 128}.
-template <int N, int SCALE_D>
+// The SS product for N in {32, 64, 128}. TA = 1 reads A MN-major (a [16 k][64 m] panel, each k row
+// 64 contiguous m), TB = 1 reads B MN-major; either then advances 16 rows (2048 bytes) per k-step.
+template <int N, int SCALE_D, int TA = 0, int TB = 0>
 static __device__ __forceinline__ void wg_mma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b) {
-    if constexpr (N == 32) wg_mma_ss_n32<SCALE_D>(d, desc_a, desc_b);
-    else if constexpr (N == 64) wg_mma_ss_n64<SCALE_D>(d, desc_a, desc_b);
-    else wg_mma_ss_n128<SCALE_D>(d, desc_a, desc_b);
+    if constexpr (N == 32) wg_mma_ss_n32<SCALE_D, TA, TB>(d, desc_a, desc_b);
+    else if constexpr (N == 64) wg_mma_ss_n64<SCALE_D, TA, TB>(d, desc_a, desc_b);
+    else wg_mma_ss_n128<SCALE_D, TA, TB>(d, desc_a, desc_b);
 }
 
 // d[OFF .. OFF+7][4] += A (64 x 16 bf16 in registers, the mma.m16n8k16 A layout per warp) *
@@ -742,456 +787,722 @@ static __device__ __forceinline__ void wg_mma_rs_n64_tb(float (&d)[N8][4], const
 }
 
 // ----------------------------------------------------------------------------------------------
-// Tile loads into the panel layout: thread i copies chunk i % (D/8) of rows i / (D/8) + n*RSTEP.
+// mbarrier, TMA and bulk-copy wrappers (PTX ISA: "mbarrier", "cp.async.bulk", "cp.async.bulk.tensor",
+// "cp.reduce.async.bulk"), named barriers, and the acquire / release pair of the backward's dQ order.
 
-template <int D, int ROWS, int THREADS>
-static __device__ __forceinline__ void wg_load_tile(bf16* tile, const bf16* g, long stride, int row0, int T) {
-    constexpr int CHUNKS = D / 8, RSTEP = THREADS / CHUNKS;
-    static_assert(THREADS % CHUNKS == 0 && RSTEP % 8 == 0 && ROWS % RSTEP == 0, "tile rows must split evenly");
-    const int r = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS;
-    const uint32_t dst = attn_smem_u32(tile) + (c / 8) * ROWS * 128 + r * 128 + (((c % 8) ^ (r & 7)) << 4);
-    const bf16* src = g + (long)(row0 + r) * stride + c * 8;
-#pragma unroll
-    for (int it = 0; it < ROWS / RSTEP; ++it) {
-        const bool in = row0 + r + it * RSTEP < T;
-        attn_cp_async16(dst + it * RSTEP * 128, in ? src : g, in);
-        src += RSTEP * stride;
-    }
+static __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// The producer's arrival on a full barrier: one arrive, plus bytes the TMA copies will complete.
+static __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Spins until the barrier's phase with the given parity has completed.
+static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// One box {64 columns, rows, 1} at (column c0, row t0, batch b) of a 3-D tensor map into shared
+// memory at dst; completes its bytes on bar.
+static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int t0, int b,
+                                                   uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(t0), "r"(b), "r"(bar)
+        : "memory");
+}
+template <int N>
+static __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+static __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// bytes (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst, on bar.
+static __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+// dst = src (ADD false) or dst += src (ADD true, fp32 adds in L2), bytes from shared to global, as
+// one committed bulk group of this thread.
+template <bool ADD>
+static __device__ __forceinline__ void bulk_store(float* dst, uint32_t src, uint32_t bytes) {
+    if constexpr (ADD)
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                     "r"(bytes)
+                     : "memory");
+    else
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+                     : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until this thread's bulk groups have read their shared source (READ) or fully completed.
+template <bool READ>
+static __device__ __forceinline__ void bulk_wait() {
+    if constexpr (READ) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+static __device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+static __device__ __forceinline__ int load_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+static __device__ __forceinline__ void add_release_gpu(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+// Orders this thread's generic-proxy global accesses with its bulk (async-proxy) ones.
+static __device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
 
 // ----------------------------------------------------------------------------------------------
-// Forward: one block of 2 warpgroups per (128 query rows, b, query head); warpgroup w owns rows
-// 64w .. 64w+63, warp x of it rows 64w + 16x .. +15 (the accumulator rows). KV tiles of BN keys from
-// the diagonal down, two buffers, one barrier per tile (loads of tile j-1 overlap tile j).
-// Per tile and warpgroup: S = Q K^T (D/16 wgmma, operands in shared memory), mask, online softmax
-// (version 2's code, per warp), O += P V (BN/16 k-steps x D/64 wgmma n64).
-// Shared memory: Q [128][D], K [2][BN][D], V [2][BN][D] bf16, in 64-column panels.
-template <int D, int BN>
-__global__ void __launch_bounds__(256, 1)
-    wg_forward_kernel(bf16* __restrict__ out, float* __restrict__ lse, const bf16* __restrict__ q,
-                      const bf16* __restrict__ k, const bf16* __restrict__ v, int stride, int T, int Hq, int Hkv,
-                      float scale_log2) {
-    constexpr int BM = 128, THREADS = 256, NT = BN / 8, DT = D / 8;
-    static_assert((BN == 64 || BN == 128) && (D == 64 || D == 128), "tile sizes");
+// The backward's paired wgmma chains, shared by every backward kernel on wgmma.
+
+// s = A1 B1^T and dp = A2 B2^T over a k dimension of D (two SS chains, one commit, waited): A1, A2
+// are 64-row slices of [RA][D] tiles, B1, B2 [N][D] tiles, all K-major in 64-column panels (RA and
+// N rows apart). The dK/dV side computes S^T = K Q^T, dP^T = V dO^T; the dQ side S = Q K^T, dP = dO V^T.
+template <int D, int RA, int N>
+static __device__ __forceinline__ void wg_ss_pair(float (&s)[N / 8][4], float (&dp)[N / 8][4], uint32_t a1,
+                                                  uint32_t a2, uint32_t b1, uint32_t b2) {
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t a_off = (kk / 4) * RA * 128 + (kk % 4) * 32, b_off = (kk / 4) * N * 128 + (kk % 4) * 32;
+        if (kk == 0) {
+            wg_mma_ss<N, 0>(s, wg_desc(a1 + a_off), wg_desc(b1 + b_off));
+            wg_mma_ss<N, 0>(dp, wg_desc(a2 + a_off), wg_desc(b2 + b_off));
+        } else {
+            wg_mma_ss<N, 1>(s, wg_desc(a1 + a_off), wg_desc(b1 + b_off));
+            wg_mma_ss<N, 1>(dp, wg_desc(a2 + a_off), wg_desc(b2 + b_off));
+        }
+    }
+    wg_commit();
+    wg_wait<0>();
+    wg_fence_regs(s);
+    wg_fence_regs(dp);
+}
+
+// acc (+)= A B for a warpgroup's 64 rows: A (64 x K, bf16) from registers in attn_pack_a's layout, B
+// a [K][D] tile in 64-column panels (K rows apart) read MN-major. Committed, not waited for. O += P V,
+// dV += P^T dO, dK += dS^T Q and version 3's dQ += dS K are all this chain.
+template <int D, int K>
+static __device__ __forceinline__ void wg_rs_chain(float (&acc)[D / 8][4], const uint32_t (&a)[K / 16][4], uint32_t b) {
+    wg_fence_regs(acc);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        wg_mma_rs_n64_tb<0, D / 8>(acc, a[kk], wg_desc(b + kk * 16 * 128));
+        if constexpr (D == 128) wg_mma_rs_n64_tb<8, D / 8>(acc, a[kk], wg_desc(b + K * 128 + kk * 16 * 128));
+    }
+    wg_commit();
+}
+
+// ----------------------------------------------------------------------------------------------
+// TMA tensor maps, encoded on the host at each launch.
+
+// cuTensorMapEncodeTiled from the driver, through the runtime (so the program needs no -lcuda).
+static PFN_cuTensorMapEncodeTiled_v12000 tma_encode_fn() {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+    if (!fn) {
+        cudaDriverEntryPointQueryResult qres;
+        void* p = nullptr;
+        CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &qres));
+        if (qres != cudaDriverEntryPointSuccess || !p) {
+            fprintf(stderr, "attention: the driver has no cuTensorMapEncodeTiled (query result %d); "
+                            "TMA needs a CUDA 12+ driver\n", (int)qres);
+            exit(1);
+        }
+        fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+    }
+    return fn;
+}
+
+// A 3-D map {cols, T, B} over base (row stride `stride` elements, batch stride T*stride), box
+// {64, rows, 1}, 128-byte swizzle, out-of-bounds elements read as zero.
+static CUtensorMap tma_tensor_map(const bf16* base, int cols, int stride, int T, int B, int rows) {
+    CUtensorMap m;
+    const cuuint64_t dims[3] = {(cuuint64_t)cols, (cuuint64_t)T, (cuuint64_t)B};
+    const cuuint64_t strides[2] = {(cuuint64_t)stride * sizeof(bf16), (cuuint64_t)T * stride * sizeof(bf16)};
+    const cuuint32_t box[3] = {64, (cuuint32_t)rows, 1}, estr[3] = {1, 1, 1};
+    const CUresult r = tma_encode_fn()(&m, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<bf16*>(base), dims, strides,
+                                      box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        fprintf(stderr, "attention: cuTensorMapEncodeTiled failed (%d) for cols %d, stride %d, T %d, B %d, "
+                        "box rows %d\n", (int)r, cols, stride, T, B, rows);
+        exit(1);
+    }
+    return m;
+}
+
+// ----------------------------------------------------------------------------------------------
+// The forward's work queue: a ticket counter per kernel instantiation. Item i < gridDim.x is block
+// i's first; the others go to whichever block asks next. Every block asks until it draws an item
+// past the end, so exactly `items` tickets are drawn in a launch, and the block that draws the last
+// one resets the counter for the next launch (launches on one stream never overlap).
+template <int D, int BN, int NC>
+__device__ int ws_ticket;
+
+template <int D, int BN, int NC>
+static __device__ __forceinline__ int ws_next_item(int items, int grid) {
+    const int ticket = atomicAdd(&ws_ticket<D, BN, NC>, 1);
+    if (ticket == items - 1) atomicExch(&ws_ticket<D, BN, NC>, 0);
+    return grid + ticket;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Forward (version 4). Work items are (BM = 64*NC query rows, b, query head) tiles; a persistent
+// grid of one block per SM takes them from a queue (ws_next_item), longest first within groups of
+// heads whose K and V fit in L2. A block is NC+1 warpgroups: NC = 2 (384 threads, 128 x 128 tiles),
+// or 3 at D = 64 and T > 1024 (512 threads, 192 queries x 128 keys):
+//   warpgroup 0, the producer: shrinks to 24 registers (32 at NC = 3); one thread claims items and
+//     issues every TMA load: per item Q (once the consumers are done with the last one), then for
+//     each KV tile of BN keys (from the diagonal down) K and V into a 2-stage ring, each stage
+//     guarded by a full barrier (TMA bytes) and an empty barrier (one arrive per consumer warp
+//     once its wgmma reads are done). The ring runs on across items, so the next item's loads
+//     overlap this one's last products and epilogue.
+//   warpgroups 1 .. NC, the consumers: grow to 240 registers (160 at NC = 3); consumer c owns
+//     query rows m0 + 64c .. +63 (warp x of it rows 16x .. 16x+15, the accumulator rows). A tile
+//     wholly above a consumer's diagonal is still computed, fully masked (-inf rows give P = 0),
+//     so that every consumer walks the same pipeline.
+// Per consumer and tile i (m_i, l_i running max and sum, base 2):
+//   S_i = Q K_i^T        issued before the softmax of the previous tile is finished with O:
+//   O  += P_{i-1} V_{i-1} issued right after it; while both run on the tensor cores the warps
+//                        wait only for S_i, then mask it (diagonal tiles) and compute
+//   P_i = 2^(S_i*scale - m_i), l_i, alpha_i = 2^(m_{i-1} - m_i); then wait for P_{i-1} V_{i-1},
+//   O *= alpha_i, and pack P_i to bf16 for the next iteration's O += P_i V_i.
+// End of an item: O /= l, lse = (m + log2 l) ln 2, stored straight from registers.
+// Shared memory: Q [BM][D], K [2][BN][D], V [2][BN][D] bf16 in 64-column panels, the item slot, then
+// 10 mbarriers (D = 128: 160 KiB; D = 64: 80 or 88 KiB). One block per SM (the register file is full).
+template <int D, int BN, int NC>
+__global__ void __launch_bounds__(128 * (NC + 1), 1)
+    ws_forward_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                      const __grid_constant__ CUtensorMap tm_v, bf16* __restrict__ out, float* __restrict__ lse,
+                      int B, int T, int Hq, int Hkv, int group_heads, float scale_log2) {
+    constexpr int BM = 64 * NC, NT = BN / 8, DT = D / 8, PANELS = D / 64;
+    // Register budget: the block starts with the launch-bounds cap (168 registers a thread for 384
+    // threads, 128 for 512) and the whole 64K file; the producer hands back all but PROD_REGS, and
+    // the consumers take what that frees: 128*24 + 256*240 = 128*32 + 384*160 = 65536 - 1024 or 65536.
+    constexpr int PROD_REGS = NC == 2 ? 24 : 32, CONS_REGS = NC == 2 ? 240 : 160;
+    static_assert((BN == 64 || BN == 128) && (D == 64 || D == 128) && (NC == 2 || NC == 3), "tile sizes");
     extern __shared__ __align__(1024) unsigned char attn_smem[];
-    bf16* Qs = reinterpret_cast<bf16*>(attn_smem);
-    bf16* Ks = Qs + BM * D;       // [2][BN * D]
-    bf16* Vs = Ks + 2 * BN * D;   // [2][BN * D]
+    bf16* Qs = reinterpret_cast<bf16*>(attn_smem);  // [BM * D]
+    bf16* Ks = Qs + BM * D;      // [2][BN * D]
+    bf16* Vs = Ks + 2 * BN * D;  // [2][BN * D]
+    int* item_slot = reinterpret_cast<int*>(Vs + 2 * BN * D);  // the item whose Q is loaded
+    const uint32_t bars = attn_smem_u32(item_slot + 4);
+    // barrier addresses: q_full, q_empty, k_full[2], v_full[2], k_empty[2], v_empty[2]
+    const uint32_t q_full = bars, q_empty = bars + 8, k_full = bars + 16, v_full = bars + 32, k_empty = bars + 48,
+                   v_empty = bars + 64;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    const int q_tile = gridDim.x - 1 - blockIdx.x;  // the longest rows first
-    const int b = blockIdx.y / Hq, h = blockIdx.y % Hq, hk = h / (Hq / Hkv);
-    const int m0 = q_tile * BM;
-    const int wrow = warp * 16;  // this warp's accumulator rows inside the tile
-    const bf16* qg = q + (long)b * T * stride + h * D;
-    const bf16* kg = k + (long)b * T * stride + hk * D;
-    const bf16* vg = v + (long)b * T * stride + hk * D;
-    const int n_tiles = (min(T, m0 + BM) + BN - 1) / BN;
+    const int BH = B * Hq, q_tiles = (T + BM - 1) / BM, items = q_tiles * BH;
+    // Work items: (query tile, b*Hq + h) pairs, ordered in groups of group_heads heads (chosen by the
+    // launcher so that a group's K and V stay in L2 while its tiles are in flight); inside a group the
+    // longest rows (the last query tiles) come first. Block i starts with item i, then takes the next
+    // unclaimed one from a ticket counter (ws_next_item), so blocks that drew short items take more.
+    struct Item { int b, h, m0, n_tiles; };
+    auto item_of = [&](int w) {
+        Item it;
+        const int g = w / (q_tiles * group_heads), wg_ = w % (q_tiles * group_heads);
+        const int heads = min(group_heads, BH - g * group_heads), bh = g * group_heads + wg_ % heads;
+        it.b = bh / Hq;
+        it.h = bh % Hq;
+        it.m0 = (q_tiles - 1 - wg_ / heads) * BM;
+        it.n_tiles = (min(T, it.m0 + BM) + BN - 1) / BN;
+        return it;
+    };
 
-    float o[1][DT][4], row_max[1][2], row_sum[1][2];
-    attn_zero(o[0]);
-    row_max[0][0] = row_max[0][1] = -INFINITY;
-    row_sum[0][0] = row_sum[0][1] = 0.f;
-
-    wg_load_tile<D, BM, THREADS>(Qs, qg, stride, m0, T);
-    wg_load_tile<D, BN, THREADS>(Ks, kg, stride, (n_tiles - 1) * BN, T);
-    wg_load_tile<D, BN, THREADS>(Vs, vg, stride, (n_tiles - 1) * BN, T);
-    attn_cp_async_commit();
-
-    for (int j = n_tiles - 1; j >= 0; --j) {
-        const int n0 = j * BN, buf = (n_tiles - 1 - j) & 1;
-        attn_cp_async_wait<0>();  // tile j (and Q) landed ...
-        wg_fence_proxy_async();  // ... is ordered before the tensor cores' reads ...
-        __syncthreads();         // ... of every thread; every warp is done with tile j+1's buffer
-        if (j > 0) {
-            wg_load_tile<D, BN, THREADS>(Ks + (buf ^ 1) * BN * D, kg, stride, n0 - BN, T);
-            wg_load_tile<D, BN, THREADS>(Vs + (buf ^ 1) * BN * D, vg, stride, n0 - BN, T);
-            attn_cp_async_commit();
+    if (threadIdx.x == 0) {
+        mbar_init(q_full, 1);
+        mbar_init(q_empty, 4 * NC);  // one arrive per consumer warp once its last S is done
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(k_full + 8 * s, 1);
+            mbar_init(v_full + 8 * s, 1);
+            mbar_init(k_empty + 8 * s, 4 * NC);
+            mbar_init(v_empty + 8 * s, 4 * NC);
         }
-        if (n0 > m0 + wg * 64 + 63) continue;  // no key of the tile is visible to this warpgroup
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
 
-        const uint32_t qs = attn_smem_u32(Qs) + wg * 64 * 128;
-        const uint32_t ks = attn_smem_u32(Ks + buf * BN * D), vs = attn_smem_u32(Vs + buf * BN * D);
-        float s[1][NT][4];
+    // Q is reloaded per item j (the phase parity of its barriers is j & 1) once the consumers have
+    // issued their last S = Q K^T of the previous item: the load overlaps that item's last P V and
+    // epilogue. The KV ring runs on across items: t counts the KV tiles this block has loaded, t & 1
+    // is the stage, (t >> 1) & 1 the parity of its full barrier's phase. (A second Q stage, loading
+    // a whole item ahead, measured slower at long T: doc/attention.md.)
+    if (wg == 0) {  // producer
+        setmaxnreg_dec<PROD_REGS>();
+        if (threadIdx.x == 0) {
+            int t = 0;
+            for (int j = 0, w = blockIdx.x;; ++j, w = ws_next_item<D, BN, NC>(items, gridDim.x)) {
+                if (j > 0) mbar_wait(q_empty, (j - 1) & 1);  // the consumers are done with the last Q
+                *item_slot = w;  // published by the arrival below
+                if (w >= items) {  // no work left: tell the consumers
+                    mbar_arrive(q_full);
+                    break;
+                }
+                const Item it = item_of(w);
+                const int hk = it.h / (Hq / Hkv);
+                mbar_expect_tx(q_full, BM * D * sizeof(bf16));
+                for (int p = 0; p < PANELS; ++p)
+                    tma_load_3d(attn_smem_u32(Qs + p * BM * 64), &tm_q, it.h * D + p * 64, it.m0, it.b, q_full);
+                for (int i = 0; i < it.n_tiles; ++i, ++t) {
+                    const int st = t & 1, n0 = (it.n_tiles - 1 - i) * BN;
+                    const uint32_t parity = ((t >> 1) - 1) & 1;  // the phase KV tile t-2 completed
+                    if (t >= 2) mbar_wait(k_empty + 8 * st, parity);
+                    mbar_expect_tx(k_full + 8 * st, BN * D * sizeof(bf16));
+                    for (int p = 0; p < PANELS; ++p)
+                        tma_load_3d(attn_smem_u32(Ks + st * BN * D + p * BN * 64), &tm_k, hk * D + p * 64, n0, it.b,
+                                    k_full + 8 * st);
+                    if (t >= 2) mbar_wait(v_empty + 8 * st, parity);
+                    mbar_expect_tx(v_full + 8 * st, BN * D * sizeof(bf16));
+                    for (int p = 0; p < PANELS; ++p)
+                        tma_load_3d(attn_smem_u32(Vs + st * BN * D + p * BN * 64), &tm_v, hk * D + p * 64, n0, it.b,
+                                    v_full + 8 * st);
+                }
+            }
+        }
+        return;
+    }
+
+    // consumers
+    setmaxnreg_inc<CONS_REGS>();
+    const int cw = wg - 1, wrow = cw * 64 + (warp & 3) * 16;  // this warp's rows inside the tile
+    const uint32_t qs = attn_smem_u32(Qs) + cw * 64 * 128;
+    float o[DT][4], s[NT][4], row_max[2], row_sum[2], alpha[2];
+    uint32_t pa[BN / 16][4];  // P of the previous tile in bf16: the A operand of O += P V
+
+    // S = Q K^T of ring stage st into s (issued and committed, not waited for)
+    auto issue_s = [&](int st) {
+        const uint32_t ks = attn_smem_u32(Ks + st * BN * D);
+        wg_fence_regs(s);
         wg_fence();
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
             const uint64_t da = wg_desc(qs + (kk / 4) * BM * 128 + (kk % 4) * 32);
             const uint64_t db = wg_desc(ks + (kk / 4) * BN * 128 + (kk % 4) * 32);
-            if (kk == 0) wg_mma_ss<BN, 0>(s[0], da, db);
-            else wg_mma_ss<BN, 1>(s[0], da, db);
+            if (kk == 0) wg_mma_ss<BN, 0>(s, da, db);
+            else wg_mma_ss<BN, 1>(s, da, db);
         }
         wg_commit();
-        wg_wait<0>();
-        wg_fence_regs(s[0]);
-        if (n0 + BN - 1 > m0 + wrow) {  // the tile crosses this warp's diagonal: mask key > query
+    };
+    // O += P V of ring stage st (issued and committed, not waited for)
+    auto issue_pv = [&](int st) { wg_rs_chain<D, BN>(o, pa, attn_smem_u32(Vs + st * BN * D)); };
+    // mask key > query where the tile of keys n0.. crosses this warp's diagonal, then the softmax step
+    auto softmax = [&](int m0, int n0) {
+        if (n0 + BN - 1 > m0 + wrow) {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const int row = m0 + wrow + (lane >> 2) + 8 * (i >> 1);
-                    const int col = n0 + nt * 8 + 2 * (lane & 3) + (i & 1);
-                    if (col > row) s[0][nt][i] = -INFINITY;
+                for (int e = 0; e < 4; ++e) {
+                    const int row = m0 + wrow + (lane >> 2) + 8 * (e >> 1);
+                    const int col = n0 + nt * 8 + 2 * (lane & 3) + (e & 1);
+                    if (col > row) s[nt][e] = -INFINITY;
                 }
         }
-        attn_fwd_softmax<D, 1, NT>(o, s, row_max, row_sum, scale_log2);
+        attn_softmax_tile<NT>(s, row_max, row_sum, alpha, scale_log2);
+    };
 
-        uint32_t pa[BN / 16][4];  // P in bf16, packed before the chain so no wgmma waits on a register write
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            pa[kk][0] = attn_pack_bf16(s[0][2 * kk][0], s[0][2 * kk][1]);
-            pa[kk][1] = attn_pack_bf16(s[0][2 * kk][2], s[0][2 * kk][3]);
-            pa[kk][2] = attn_pack_bf16(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-            pa[kk][3] = attn_pack_bf16(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
-        }
-        wg_fence_regs(o[0]);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            wg_mma_rs_n64_tb<0, DT>(o[0], pa[kk], wg_desc(vs + kk * 16 * 128));
-            if constexpr (D == 128) wg_mma_rs_n64_tb<8, DT>(o[0], pa[kk], wg_desc(vs + BN * 128 + kk * 16 * 128));
-        }
-        wg_commit();
+    int t = 0;  // as the producer's
+    for (int j = 0;; ++j) {
+        mbar_wait(q_full, j & 1);
+        const int w = *item_slot;
+        if (w >= items) break;
+        const Item it = item_of(w);
+        const int m0 = it.m0, last = it.n_tiles - 1;
+        attn_zero(o);
+        row_max[0] = row_max[1] = -INFINITY;
+        row_sum[0] = row_sum[1] = 0.f;
+        mbar_wait(k_full + 8 * (t & 1), (t >> 1) & 1);
+        issue_s(t & 1);
         wg_wait<0>();
-        wg_fence_regs(o[0]);
-    }
+        wg_fence_regs(s);
+        if (lane == 0) {
+            mbar_arrive(k_empty + 8 * (t & 1));
+            if (last == 0) mbar_arrive(q_empty);
+        }
+        softmax(m0, last * BN);  // O is zero: no rescale
+        attn_pack_a(pa, s);
+        for (int i = 1; i <= last; ++i) {
+            const int tc = t + i, st = tc & 1, prev = (tc - 1) & 1;
+            mbar_wait(k_full + 8 * st, (tc >> 1) & 1);
+            issue_s(st);
+            mbar_wait(v_full + 8 * prev, ((tc - 1) >> 1) & 1);
+            issue_pv(prev);
+            wg_wait<1>();  // S_i is done; P_{i-1} V_{i-1} may still run
+            wg_fence_regs(s);
+            if (lane == 0) {
+                mbar_arrive(k_empty + 8 * st);
+                if (i == last) mbar_arrive(q_empty);  // the producer may load the next item's Q
+            }
+            softmax(m0, (last - i) * BN);
+            wg_wait<0>();  // O += P_{i-1} V_{i-1} done
+            wg_fence_regs(o);
+            if (lane == 0) mbar_arrive(v_empty + 8 * prev);
+            attn_rescale<DT>(o, alpha);
+            attn_pack_a(pa, s);
+        }
+        t += last;
+        mbar_wait(v_full + 8 * (t & 1), (t >> 1) & 1);
+        issue_pv(t & 1);
+        wg_wait<0>();
+        wg_fence_regs(o);
+        if (lane == 0) mbar_arrive(v_empty + 8 * (t & 1));
+        ++t;
 
-    // O /= l, and the logsumexp of the row in natural log
-    float inv[2];
+        // O /= l, and the logsumexp of the row in natural log; the producer is already loading the
+        // next item's tiles
+        float inv[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float l = row_sum[0][r];
-        l += __shfl_xor_sync(0xffffffffu, l, 1);
-        l += __shfl_xor_sync(0xffffffffu, l, 2);
-        inv[r] = 1.f / l;
-        const int t = m0 + wrow + (lane >> 2) + 8 * r;
-        if (t < T && (lane & 3) == 0) lse[((long)b * Hq + h) * T + t] = (row_max[0][r] + __log2f(l)) * 0.69314718056f;
+        for (int r = 0; r < 2; ++r) {
+            float l = row_sum[r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            inv[r] = 1.f / l;
+            const int tq = m0 + wrow + (lane >> 2) + 8 * r;
+            if (tq < T && (lane & 3) == 0)
+                lse[((long)it.b * Hq + it.h) * T + tq] = (row_max[r] + __log2f(l)) * 0.69314718056f;
+        }
+        attn_store_rows<D>(out + (long)it.b * T * Hq * D + it.h * D, (long)Hq * D, m0 + wrow, T, o, inv[0], inv[1],
+                           lane);
     }
-    attn_store_rows<D>(out + (long)b * T * Hq * D + h * D, (long)Hq * D, m0 + wrow, T, o[0], inv[0], inv[1], lane);
 }
 
-template <int D, int BN>
-static void wg_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int stride, int B,
+// PERSIST: a grid of one block per SM, each taking work items until none is left (the next item's
+// loads overlap this one's epilogue); otherwise one block per item. Item groups hold the heads whose
+// K and V (shared by G query heads) fit in L2_MIB MiB.
+template <int D, int BN, int NC, bool PERSIST = true, int L2_MIB = 4>
+static void ws_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int stride, int B,
                               int T, int Hq, int Hkv, cudaStream_t stream) {
-    auto kernel = wg_forward_kernel<D, BN>;
-    const int smem = (128 + 4 * BN) * D * (int)sizeof(bf16);
-    static bool configured = false;
-    if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
-    kernel<<<dim3(ceil_div(T, 128), B * Hq), 256, smem, stream>>>(out, lse, q, k, v, stride, T, Hq, Hkv,
-                                                                    1.44269504089f / sqrtf((float)D));
+    constexpr int BM = 64 * NC;
+    auto kernel = ws_forward_kernel<D, BN, NC>;
+    const int smem = (BM + 4 * BN) * D * (int)sizeof(bf16) + 16 + 10 * 8;
+    static int sms = 0;
+    if (!sms) {
+        attn_allow_smem(kernel, smem);
+        int dev;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    }
+    const CUtensorMap tq = tma_tensor_map(q, Hq * D, stride, T, B, BM);
+    const CUtensorMap tk = tma_tensor_map(k, Hkv * D, stride, T, B, BN);
+    const CUtensorMap tv = tma_tensor_map(v, Hkv * D, stride, T, B, BN);
+    const int items = ceil_div(T, BM) * B * Hq, grid = PERSIST && items > sms ? sms : items;
+    const double kv_bytes_per_head = 4.0 * T * D / (Hq / Hkv);
+    const int group_heads = (int)fmin((double)B * Hq, fmax(1.0, L2_MIB * 1048576.0 / kv_bytes_per_head));
+    kernel<<<grid, 128 * (NC + 1), smem, stream>>>(tq, tk, tv, out, lse, B, T, Hq, Hkv, group_heads,
+                                                   1.44269504089f / sqrtf((float)D));
     CUDA_CHECK(cudaGetLastError());
 }
 
 // ----------------------------------------------------------------------------------------------
-// Backward on wgmma: two deterministic kernels (the math is in the Backward comment above the
-// delta kernel) with every product a warpgroup chain.
-//
-// dK, dV: one block of 2 warpgroups per (128 keys, b, KV head); warpgroup w owns keys 64w .. 64w+63
-// and their dK, dV (64 x D fp32 each) in registers. Per query tile of BM rows (Q, dO, lse, delta
-// double-buffered by cp.async), per warpgroup: S^T = K_w Q^T and dP^T = V_w dO^T (two SS chains,
-// one commit), then P^T and dS^T in registers, then dV += P^T dO and dK += dS^T Q (RS chains, dO
-// and Q read MN-major). Shared memory: K, V [128][D]; Q, dO [2][BM][D]; lse*log2e, delta [2][BM].
-template <int D, int BM, int MINB>
-__global__ void __launch_bounds__(256, MINB)
-    wg_backward_dkdv_kernel(bf16* __restrict__ dk, bf16* __restrict__ dv, const bf16* __restrict__ dout,
-                            const float* __restrict__ lse, const float* __restrict__ delta,
-                            const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
-                            int stride, int dstride, int T, int Hq, int Hkv, float scale, float scale_log2) {
-    constexpr int THREADS = 256, BN = 128, NT = BM / 8, DT = D / 8;
-    static_assert(BM == 32 || BM == 64 || BM == 128, "query tile");
+// Backward (version 4): FlashAttention-2's single pass over (KV tile, query tile) pairs, 5 products
+// per pair, in FlashAttention-3's shape. The math is in the Backward comment above attn_delta_kernel:
+//   S^T = K Q^T, dP^T = V dO^T, P^T = exp2(S^T*scale_log2 - lse2), dS^T = P^T o (dP^T - delta),
+//   dV += P^T dO, dK += dS^T Q (kept in registers for the block's keys), dQ += dS K (partial sums
+//   over the block's keys, added into fp32 accumulators in global memory).
+// One block of 3 warpgroups per (BN = 128 keys, b, KV head), looping over the G query heads of the KV
+// head and, per head, every query tile of BM rows at or below the diagonal:
+//   warpgroup 0, the producer (24 registers): thread 0 loads K and V once, then Q, dO (TMA, 3-D
+//     maps, 128-byte swizzle) and the tile's lse2 and delta (1-D bulk copies of the padded rows
+//     attn_delta_kernel writes) into a 2-stage ring (full / empty mbarriers); thread 32 is the dQ
+//     writer: once the consumers have left a tile's dQ share in shared memory (dq_full), it adds
+//     it into the global accumulators with one bulk reduce (cp.reduce.async.bulk .add.f32) and
+//     frees the staging buffer (dq_empty) as soon as the copy engine has read it.
+//   warpgroups 1 and 2, the consumers (240 registers): consumer c owns keys n0 + 64c .. +63. Per tile:
+//     the two SS chains S^T, dP^T; P^T and dS^T in registers (attn_bwd_p_ds_t); dS^T also stored
+//     to shared memory; the RS chains dV += P^T dO, dK += dS^T Q; a named barrier (both halves of
+//     dS^T stored); then consumer c computes its 64 x 64 share of the tile's dQ = dS K over all
+//     128 keys, reading dS (MN-major: keys are the k dimension) and K (MN-major) from shared memory:
+//     D = 128, BM = 64: columns 64c .. 64c+63;  D = 64, BM = 128: rows 64c .. 64c+63.
+//     The share goes to the staging buffer in fragment order (float4 per register block and thread,
+//     conflict-free); ws_dq_convert_kernel later maps it back to (row, column).
+// Determinism (DET): the fp32 adds into one dQ tile come from the KV tiles 0 .. nmax of its rows,
+// and are made in a fixed order, from nmax down to 0, by a per-tile semaphore: the writer of KV
+// tile n waits until the tile's count is nmax - n, adds (the first, n = nmax, stores instead, so no
+// zeroing pass is needed), waits for completion and increments the count (release). Blocks are
+// numbered so that within a (b, KV head) the later KV tiles start first: KV tile n reaches query tile
+// m two iterations after KV tile n + 1 did, so in steady state nobody waits. Without DET the adds
+// are plain reductions in any order (the accumulators are zeroed first) and the longest blocks
+// (KV tile 0) start first.
+// Shared memory: K, V [128][D]; Q, dO [2][BM][D]; dS^T [2][BM/64 panels][128 keys][64]; dQ staging
+// BM*D fp32; lse2, delta [2][BM]; 7 mbarriers: 193 KiB at D = 128 (BM = 64) and 194 KiB at D = 64
+// (BM = 128). One block per SM.
+template <int D, int BM, bool DET>
+__global__ void __launch_bounds__(384, 1)
+    ws_backward_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
+                       const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
+                       bf16* __restrict__ dk, bf16* __restrict__ dv, float* __restrict__ dq_acc,
+                       int* __restrict__ dq_sem, const float* __restrict__ lse2, const float* __restrict__ delta,
+                       int dstride, int T, int Tp, int Hq, int Hkv, float scale, float scale_log2) {
+    constexpr int BN = 128, NT = BM / 8, DT = D / 8, PANELS = D / 64;
+    static_assert((D == 128 && BM == 64) || (D == 64 && BM == 128), "each consumer's dQ share is one 64 x 64 block");
     extern __shared__ __align__(1024) unsigned char attn_smem[];
     bf16* Ks = reinterpret_cast<bf16*>(attn_smem);
     bf16* Vs = Ks + BN * D;
-    bf16* Qs = Vs + BN * D;       // [2][BM * D]
-    bf16* dOs = Qs + 2 * BM * D;  // [2][BM * D]
-    float* lse_s = reinterpret_cast<float*>(dOs + 2 * BM * D);  // [2][BM]
-    float* dl_s = lse_s + 2 * BM;                              // [2][BM]
+    bf16* Qs = Vs + BN * D;                               // [2][BM * D]
+    bf16* dOs = Qs + 2 * BM * D;                          // [2][BM * D]
+    bf16* dSs = dOs + 2 * BM * D;                         // [2][BN * BM]
+    float* dQs = reinterpret_cast<float*>(dSs + 2 * BN * BM);  // [BM * D], fragment order
+    float* lse_s = dQs + BM * D;                          // [2][BM]
+    float* dl_s = lse_s + 2 * BM;                         // [2][BM]
+    const uint32_t bars = attn_smem_u32(dl_s + 2 * BM);
+    // barrier addresses: kv_full, full[2], empty[2], dq_full, dq_empty
+    const uint32_t kv_full = bars, full = bars + 8, empty = bars + 24, dq_full = bars + 40, dq_empty = bars + 48;
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    const int G = Hq / Hkv;
-    const int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv;
-    const int n0 = blockIdx.x * BN;  // KV tile 0, the one with the most work, launches first
-    const int wrow = warp * 16;      // this warp's accumulator rows (keys) inside the tile
-    const int qt_first = n0 / BM, per_head = (T + BM - 1) / BM - qt_first, iters = G * per_head;
-    const long dstride_o = (long)Hq * D;
+    const int G = Hq / Hkv, N = (T + BN - 1) / BN, M = (T + BM - 1) / BM;
+    const int n = DET ? N - 1 - (int)blockIdx.x : (int)blockIdx.x;
+    const int b = blockIdx.y / Hkv, hk = blockIdx.y % Hkv, n0 = n * BN;
+    const int qt_first = n0 / BM, per_head = M - qt_first, iters = G * per_head;
 
-    wg_load_tile<D, BN, THREADS>(Ks, k + (long)b * T * stride + hk * D, stride, n0, T);
-    wg_load_tile<D, BN, THREADS>(Vs, v + (long)b * T * stride + hk * D, stride, n0, T);
-    auto load_query_tile = [&](int it, int buf) {
-        const int hh = hk * G + it / per_head, m0 = (qt_first + it % per_head) * BM;
-        wg_load_tile<D, BM, THREADS>(Qs + buf * BM * D, q + (long)b * T * stride + hh * D, stride, m0, T);
-        wg_load_tile<D, BM, THREADS>(dOs + buf * BM * D, dout + (long)b * T * dstride_o + hh * D, dstride_o, m0, T);
-        const float* lse_g = lse + ((long)b * Hq + hh) * T;
-        const float* dl_g = delta + ((long)b * Hq + hh) * T;
-        for (int i = threadIdx.x; i < BM; i += THREADS) {
-            const int t = m0 + i;
-            lse_s[buf * BM + i] = t < T ? lse_g[t] * 1.44269504089f : INFINITY;  // P = 0 past T
-            dl_s[buf * BM + i] = t < T ? dl_g[t] : 0.f;
+    if (threadIdx.x == 0) {
+        mbar_init(kv_full, 1);
+        for (int st = 0; st < 2; ++st) {
+            mbar_init(full + 8 * st, 1);
+            mbar_init(empty + 8 * st, 8);  // one arrive per consumer warp
         }
-    };
-    load_query_tile(0, 0);
-    attn_cp_async_commit();
+        mbar_init(dq_full, 8);
+        mbar_init(dq_empty, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
 
+    if (wg == 0) {  // producer
+        setmaxnreg_dec<24>();
+        if (threadIdx.x == 0) {  // the loads
+            mbar_expect_tx(kv_full, 2 * BN * D * sizeof(bf16));
+            for (int p = 0; p < PANELS; ++p) {
+                tma_load_3d(attn_smem_u32(Ks + p * BN * 64), &tm_k, hk * D + p * 64, n0, b, kv_full);
+                tma_load_3d(attn_smem_u32(Vs + p * BN * 64), &tm_v, hk * D + p * 64, n0, b, kv_full);
+            }
+            for (int it = 0; it < iters; ++it) {
+                const int st = it & 1, hh = hk * G + it / per_head, m0 = (qt_first + it % per_head) * BM;
+                if (it >= 2) mbar_wait(empty + 8 * st, ((it >> 1) - 1) & 1);  // the phase tile it-2 completed
+                const uint32_t bar = full + 8 * st;
+                mbar_expect_tx(bar, 2 * BM * D * sizeof(bf16) + 2 * BM * sizeof(float));
+                for (int p = 0; p < PANELS; ++p) {
+                    tma_load_3d(attn_smem_u32(Qs + st * BM * D + p * BM * 64), &tm_q, hh * D + p * 64, m0, b, bar);
+                    tma_load_3d(attn_smem_u32(dOs + st * BM * D + p * BM * 64), &tm_do, hh * D + p * 64, m0, b, bar);
+                }
+                const long row = ((long)b * Hq + hh) * Tp + m0;
+                bulk_load(attn_smem_u32(lse_s + st * BM), lse2 + row, BM * sizeof(float), bar);
+                bulk_load(attn_smem_u32(dl_s + st * BM), delta + row, BM * sizeof(float), bar);
+            }
+        } else if (threadIdx.x == 32) {  // the dQ writer
+            for (int it = 0; it < iters; ++it) {
+                const int hh = hk * G + it / per_head, m = qt_first + it % per_head;
+                const long tile = ((long)b * Hq + hh) * (Tp / BM) + m;
+                float* dst = dq_acc + tile * BM * D;
+                mbar_wait(dq_full, it & 1);
+                if constexpr (DET) {
+                    const int turn = min(N - 1, (m * BM + BM - 1) / BN) - n;  // KV tiles above n add first
+                    while (load_acquire_gpu(dq_sem + tile) != turn) {
+                    }
+                    fence_proxy_async_global();
+                    if (turn == 0) bulk_store<false>(dst, attn_smem_u32(dQs), BM * D * sizeof(float));
+                    else bulk_store<true>(dst, attn_smem_u32(dQs), BM * D * sizeof(float));
+                    bulk_wait<false>();
+                    mbar_arrive(dq_empty);
+                    fence_proxy_async_global();
+                    add_release_gpu(dq_sem + tile, 1);
+                } else {
+                    bulk_store<true>(dst, attn_smem_u32(dQs), BM * D * sizeof(float));
+                    bulk_wait<true>();
+                    mbar_arrive(dq_empty);
+                }
+            }
+            bulk_wait<false>();
+        }
+        return;
+    }
+
+    // consumers
+    setmaxnreg_inc<240>();
+    const int cw = wg - 1, ct = threadIdx.x - 128 * wg, wrow = cw * 64 + (warp & 3) * 16;  // this warp's keys
+    const uint32_t ks = attn_smem_u32(Ks) + cw * 64 * 128, vs = attn_smem_u32(Vs) + cw * 64 * 128;
     float dk_acc[DT][4], dv_acc[DT][4];
     attn_zero(dk_acc);
     attn_zero(dv_acc);
-    const uint32_t ks = attn_smem_u32(Ks) + wg * 64 * 128, vs = attn_smem_u32(Vs) + wg * 64 * 128;
+    mbar_wait(kv_full, 0);
 
     for (int it = 0; it < iters; ++it) {
-        const int buf = it & 1;
-        if (it + 1 < iters) {
-            load_query_tile(it + 1, buf ^ 1);
-            attn_cp_async_commit();
-            attn_cp_async_wait<1>();
-        } else {
-            attn_cp_async_wait<0>();
+        const int st = it & 1, m0 = (qt_first + it % per_head) * BM;
+        mbar_wait(full + 8 * st, (it >> 1) & 1);
+        const uint32_t qs = attn_smem_u32(Qs + st * BM * D), dos = attn_smem_u32(dOs + st * BM * D);
+
+        float s[NT][4], dp[NT][4];  // S^T then P^T; dP^T then dS^T
+        wg_ss_pair<D, BN, BM>(s, dp, ks, vs, qs, dos);
+        attn_bwd_p_ds_t(s, dp, lse_s + st * BM, dl_s + st * BM, m0 < n0 + wrow + 15, m0, n0 + wrow, lane, scale_log2);
+        uint32_t pa[BM / 16][4], dsa[BM / 16][4];  // P^T and dS^T in bf16, A-operand layout
+        attn_pack_a(pa, s);
+        attn_pack_a(dsa, dp);
+
+        // dS^T to shared memory, the same bf16 values: panel nt/8 holds queries 64*(nt/8) .. +63; row
+        // = key (0 .. 127), 128 bytes; 16-byte chunk (nt%8) ^ (key & 7) (conflict-free: the 32 lanes
+        // hit 8 chunks x 4 words). Rows key and key + 8 share the swizzle.
+        bf16* dS = dSs + (it & 1) * BN * BM;
+        const int key = wrow + (lane >> 2);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            unsigned char* at = reinterpret_cast<unsigned char*>(dS) + (nt / 8) * BN * 128 + key * 128 +
+                                (((nt % 8) ^ (key & 7)) << 4) + (lane & 3) * 4;
+            *reinterpret_cast<uint32_t*>(at) = dsa[nt / 2][2 * (nt & 1)];
+            *reinterpret_cast<uint32_t*>(at + 8 * 128) = dsa[nt / 2][2 * (nt & 1) + 1];
         }
+
+        wg_rs_chain<D, BM>(dv_acc, pa, dos);  // dV += P^T dO
+        wg_rs_chain<D, BM>(dk_acc, dsa, qs);  // dK += dS^T Q
+
+        wg_fence_proxy_async();     // this thread's dS^T stores, before the tensor cores read them ...
+        named_barrier(1, 256);   // ... and both consumers' halves stored
+        float dq[8][4];             // this consumer's 64 x 64 share of dQ (unscaled)
+        const uint32_t a_base = attn_smem_u32(dS) + (BM == 128 ? cw : 0) * BN * 128;
+        const uint32_t b_base = attn_smem_u32(Ks) + (BM == 64 ? cw : 0) * BN * 128;
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            if (kk == 0) wg_mma_ss<64, 0, 1, 1>(dq, wg_desc(a_base), wg_desc(b_base));
+            else wg_mma_ss<64, 1, 1, 1>(dq, wg_desc(a_base + kk * 16 * 128), wg_desc(b_base + kk * 16 * 128));
+        }
+        wg_commit();
+        wg_wait<0>();
+        wg_fence_regs(dv_acc);
+        wg_fence_regs(dk_acc);
+        wg_fence_regs(dq);
+        if (lane == 0) mbar_arrive(empty + 8 * st);  // Q, dO, lse2, delta of this stage are free
+
+        if (it >= 1) mbar_wait(dq_empty, (it - 1) & 1);  // the writer has read the previous share
+        float4* stage = reinterpret_cast<float4*>(dQs) + cw * 8 * 128 + ct;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) stage[j * 128] = make_float4(dq[j][0], dq[j][1], dq[j][2], dq[j][3]);
         wg_fence_proxy_async();
-        __syncthreads();
-        const int m0 = (qt_first + it % per_head) * BM;
-        if (m0 + BM - 1 >= n0 + wg * 64) {  // some query of the tile sees some key of this warpgroup
-            const uint32_t qs = attn_smem_u32(Qs + buf * BM * D), dos = attn_smem_u32(dOs + buf * BM * D);
-            const float* lse2 = lse_s + buf * BM;
-            const float* dl = dl_s + buf * BM;
-            const bool diag = m0 < n0 + wrow + 15;  // some query of the tile precedes some key of this warp
-
-            float s[NT][4], dp[NT][4];  // S^T then P^T; dP^T then dS^T
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const uint32_t a_off = (kk / 4) * BN * 128 + (kk % 4) * 32, b_off = (kk / 4) * BM * 128 + (kk % 4) * 32;
-                if (kk == 0) {
-                    wg_mma_ss<BM, 0>(s, wg_desc(ks + a_off), wg_desc(qs + b_off));
-                    wg_mma_ss<BM, 0>(dp, wg_desc(vs + a_off), wg_desc(dos + b_off));
-                } else {
-                    wg_mma_ss<BM, 1>(s, wg_desc(ks + a_off), wg_desc(qs + b_off));
-                    wg_mma_ss<BM, 1>(dp, wg_desc(vs + a_off), wg_desc(dos + b_off));
-                }
-            }
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_regs(s);
-            wg_fence_regs(dp);
-
-            uint32_t pa[BM / 16][4], dsa[BM / 16][4];  // P^T and dS^T in bf16, A-operand layout
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                const int c = nt * 8 + 2 * (lane & 3);
-                const float2 l2 = *reinterpret_cast<const float2*>(lse2 + c);
-                const float2 d2 = *reinterpret_cast<const float2*>(dl + c);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    float p = attn_exp2(fmaf(s[nt][i], scale_log2, -((i & 1) ? l2.y : l2.x)));
-                    if (diag && m0 + c + (i & 1) < n0 + wrow + (lane >> 2) + 8 * (i >> 1)) p = 0.f;
-                    s[nt][i] = p;
-                    dp[nt][i] = p * (dp[nt][i] - ((i & 1) ? d2.y : d2.x));
-                }
-            }
-#pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk) {
-                pa[kk][0] = attn_pack_bf16(s[2 * kk][0], s[2 * kk][1]);
-                pa[kk][1] = attn_pack_bf16(s[2 * kk][2], s[2 * kk][3]);
-                pa[kk][2] = attn_pack_bf16(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-                pa[kk][3] = attn_pack_bf16(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-                dsa[kk][0] = attn_pack_bf16(dp[2 * kk][0], dp[2 * kk][1]);
-                dsa[kk][1] = attn_pack_bf16(dp[2 * kk][2], dp[2 * kk][3]);
-                dsa[kk][2] = attn_pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-                dsa[kk][3] = attn_pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
-            }
-            wg_fence_regs(dv_acc);
-            wg_fence_regs(dk_acc);
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk) {
-                wg_mma_rs_n64_tb<0, DT>(dv_acc, pa[kk], wg_desc(dos + kk * 16 * 128));
-                wg_mma_rs_n64_tb<0, DT>(dk_acc, dsa[kk], wg_desc(qs + kk * 16 * 128));
-                if constexpr (D == 128) {
-                    wg_mma_rs_n64_tb<8, DT>(dv_acc, pa[kk], wg_desc(dos + BM * 128 + kk * 16 * 128));
-                    wg_mma_rs_n64_tb<8, DT>(dk_acc, dsa[kk], wg_desc(qs + BM * 128 + kk * 16 * 128));
-                }
-            }
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_regs(dv_acc);
-            wg_fence_regs(dk_acc);
-        }
-        __syncthreads();  // every warp is done with buffer buf before it is refilled
+        __syncwarp();
+        if (lane == 0) mbar_arrive(dq_full);
     }
     attn_store_rows<D>(dk + (long)b * T * dstride + hk * D, dstride, n0 + wrow, T, dk_acc, scale, scale, lane);
     attn_store_rows<D>(dv + (long)b * T * dstride + hk * D, dstride, n0 + wrow, T, dv_acc, 1.f, 1.f, lane);
 }
 
-// dQ: one block of 2 warpgroups per (128 queries, b, query head); warpgroup w owns queries
-// 64w .. 64w+63 and their dQ (64 x D fp32) in registers. Per KV tile of BN keys (K, V double-buffered
-// by cp.async), per warpgroup: S = Q_w K^T and dP = dO_w V^T (two SS chains), P and dS in registers,
-// dQ += dS K (RS chain, K read MN-major). Shared memory: Q, dO [128][D]; K, V [2][BN][D].
-template <int D, int BN, int MINB>
-__global__ void __launch_bounds__(256, MINB)
-    wg_backward_dq_kernel(bf16* __restrict__ dq, const bf16* __restrict__ dout, const float* __restrict__ lse,
-                          const float* __restrict__ delta, const bf16* __restrict__ q, const bf16* __restrict__ k,
-                          const bf16* __restrict__ v, int stride, int dstride, int T, int Hq, int Hkv, float scale,
-                          float scale_log2) {
-    constexpr int THREADS = 256, BM = 128, NT = BN / 8, DT = D / 8;
-    static_assert(BN == 32 || BN == 64 || BN == 128, "key tile");
-    extern __shared__ __align__(1024) unsigned char attn_smem[];
-    bf16* Qs = reinterpret_cast<bf16*>(attn_smem);
-    bf16* dOs = Qs + BM * D;
-    bf16* Ks = dOs + BM * D;     // [2][BN * D]
-    bf16* Vs = Ks + 2 * BN * D;  // [2][BN * D]
-
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-    const int q_tile = gridDim.x - 1 - blockIdx.x;  // the longest rows first
-    const int b = blockIdx.y / Hq, h = blockIdx.y % Hq, hk = h / (Hq / Hkv);
-    const int m0 = q_tile * BM, wrow = warp * 16;
-    const bf16* kg = k + (long)b * T * stride + hk * D;
-    const bf16* vg = v + (long)b * T * stride + hk * D;
-    const int n_tiles = (min(T, m0 + BM) + BN - 1) / BN;
-
-    wg_load_tile<D, BM, THREADS>(Qs, q + (long)b * T * stride + h * D, stride, m0, T);
-    wg_load_tile<D, BM, THREADS>(dOs, dout + (long)b * T * Hq * D + h * D, (long)Hq * D, m0, T);
-    wg_load_tile<D, BN, THREADS>(Ks, kg, stride, 0, T);
-    wg_load_tile<D, BN, THREADS>(Vs, vg, stride, 0, T);
-    attn_cp_async_commit();
-
-    float lse2[2], dl[2];  // of rows g and g+8 of this warp
+// dq[b, t, h, :] = scale * the accumulated dQ, from the fragment order of ws_backward_kernel: one block
+// of 256 threads per (query tile, b*Hq + h); thread (c, i) reads consumer c's thread i's 8 float4.
+template <int D, int BM>
+__global__ void __launch_bounds__(256)
+    ws_dq_convert_kernel(bf16* __restrict__ dq, const float* __restrict__ dq_acc, int dstride, int T, int Tp, int Hq,
+                         float scale) {
+    const int cw = threadIdx.x >> 7, ct = threadIdx.x & 127, lane = ct & 31, w = ct >> 5;
+    const int m = blockIdx.x, bh = blockIdx.y, b = bh / Hq, h = bh % Hq;
+    const float4* src = reinterpret_cast<const float4*>(dq_acc + ((long)bh * (Tp / BM) + m) * BM * D) + cw * 8 * 128 + ct;
+    const int row0 = m * BM + (BM == 128 ? 64 * cw : 0) + 16 * w + (lane >> 2);
+    const int col0 = (BM == 64 ? 64 * cw : 0) + 2 * (lane & 3);
+    bf16* out = dq + (long)b * T * dstride + h * D + col0;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int t = m0 + wrow + (lane >> 2) + 8 * r;
-        lse2[r] = t < T ? lse[((long)b * Hq + h) * T + t] * 1.44269504089f : INFINITY;
-        dl[r] = t < T ? delta[((long)b * Hq + h) * T + t] : 0.f;
+    for (int j = 0; j < 8; ++j) {
+        const float4 x = src[j * 128];
+        if (row0 < T)
+            *reinterpret_cast<uint32_t*>(out + (long)row0 * dstride + 8 * j) = attn_pack_bf16(x.x * scale, x.y * scale);
+        if (row0 + 8 < T)
+            *reinterpret_cast<uint32_t*>(out + (long)(row0 + 8) * dstride + 8 * j) =
+                attn_pack_bf16(x.z * scale, x.w * scale);
     }
-    float dq_acc[DT][4];
-    attn_zero(dq_acc);
-    const uint32_t qs = attn_smem_u32(Qs) + wg * 64 * 128, dos = attn_smem_u32(dOs) + wg * 64 * 128;
-
-    for (int j = 0; j < n_tiles; ++j) {
-        const int buf = j & 1, n0 = j * BN;
-        if (j + 1 < n_tiles) {
-            wg_load_tile<D, BN, THREADS>(Ks + (buf ^ 1) * BN * D, kg, stride, n0 + BN, T);
-            wg_load_tile<D, BN, THREADS>(Vs + (buf ^ 1) * BN * D, vg, stride, n0 + BN, T);
-            attn_cp_async_commit();
-            attn_cp_async_wait<1>();
-        } else {
-            attn_cp_async_wait<0>();
-        }
-        wg_fence_proxy_async();
-        __syncthreads();
-        if (n0 <= m0 + wg * 64 + 63) {  // some key of the tile is visible to some query of this warpgroup
-            const uint32_t ks = attn_smem_u32(Ks + buf * BN * D), vs = attn_smem_u32(Vs + buf * BN * D);
-            const bool diag = n0 + BN - 1 > m0 + wrow;
-
-            float s[NT][4], dp[NT][4];  // S then P; dP then dS
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                const uint32_t a_off = (kk / 4) * BM * 128 + (kk % 4) * 32, b_off = (kk / 4) * BN * 128 + (kk % 4) * 32;
-                if (kk == 0) {
-                    wg_mma_ss<BN, 0>(s, wg_desc(qs + a_off), wg_desc(ks + b_off));
-                    wg_mma_ss<BN, 0>(dp, wg_desc(dos + a_off), wg_desc(vs + b_off));
-                } else {
-                    wg_mma_ss<BN, 1>(s, wg_desc(qs + a_off), wg_desc(ks + b_off));
-                    wg_mma_ss<BN, 1>(dp, wg_desc(dos + a_off), wg_desc(vs + b_off));
-                }
-            }
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_regs(s);
-            wg_fence_regs(dp);
-
-            uint32_t dsa[BN / 16][4];  // dS in bf16, A-operand layout
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    float p = attn_exp2(fmaf(s[nt][i], scale_log2, -lse2[i >> 1]));
-                    if (diag && n0 + nt * 8 + 2 * (lane & 3) + (i & 1) > m0 + wrow + (lane >> 2) + 8 * (i >> 1)) p = 0.f;
-                    dp[nt][i] = p * (dp[nt][i] - dl[i >> 1]);
-                }
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                dsa[kk][0] = attn_pack_bf16(dp[2 * kk][0], dp[2 * kk][1]);
-                dsa[kk][1] = attn_pack_bf16(dp[2 * kk][2], dp[2 * kk][3]);
-                dsa[kk][2] = attn_pack_bf16(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
-                dsa[kk][3] = attn_pack_bf16(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
-            }
-            wg_fence_regs(dq_acc);
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                wg_mma_rs_n64_tb<0, DT>(dq_acc, dsa[kk], wg_desc(ks + kk * 16 * 128));
-                if constexpr (D == 128) wg_mma_rs_n64_tb<8, DT>(dq_acc, dsa[kk], wg_desc(ks + BN * 128 + kk * 16 * 128));
-            }
-            wg_commit();
-            wg_wait<0>();
-            wg_fence_regs(dq_acc);
-        }
-        __syncthreads();  // every warp is done with buffer buf before it is refilled
-    }
-    attn_store_rows<D>(dq + (long)b * T * dstride + h * D, dstride, m0 + wrow, T, dq_acc, scale, scale, lane);
 }
 
-template <int D, int BM, int MINB = 1>
-static void wg_backward_dkdv_launch(bf16* dk, bf16* dv, const bf16* dout, const float* lse, const float* delta,
-                                    const bf16* q, const bf16* k, const bf16* v, int stride, int dstride, int B, int T,
-                                    int Hq, int Hkv, cudaStream_t stream) {
-    auto kernel = wg_backward_dkdv_kernel<D, BM, MINB>;
-    const int smem = (2 * 128 + 4 * BM) * D * (int)sizeof(bf16) + 4 * BM * (int)sizeof(float);
+// Scratch of the backward, bytes: lse2 and delta [B*Hq][Tp] and the dQ accumulators [B*Hq][Tp][D]
+// (fp32), semaphores [B*Hq][Tp/64] (int); Tp = T rounded up to 128.
+static size_t attention_backward_scratch_bytes(int B, int T, int Hq, int D) {
+    const size_t rows = (size_t)B * Hq * ceil_div(T, 128) * 128;
+    return rows * (2 + D) * sizeof(float) + rows / 64 * sizeof(int);
+}
+
+template <int D, int BM, bool DET>
+static void ws_backward_launch(bf16* dq, bf16* dk, bf16* dv, float* scratch, const bf16* dout, const bf16* out,
+                               const float* lse, const bf16* q, const bf16* k, const bf16* v, int stride, int dstride,
+                               int B, int T, int Hq, int Hkv, cudaStream_t stream) {
+    const int Tp = ceil_div(T, 128) * 128;
+    const size_t rows = (size_t)B * Hq * Tp;
+    float* lse2 = scratch;
+    float* delta = lse2 + rows;
+    float* dq_acc = delta + rows;
+    int* dq_sem = reinterpret_cast<int*>(dq_acc + rows * D);
+    attn_delta_launch(delta, lse2, lse, dout, out, B, T, Tp, Hq, D, stream);
+    if (DET) CUDA_CHECK(cudaMemsetAsync(dq_sem, 0, rows / BM * sizeof(int), stream));
+    else CUDA_CHECK(cudaMemsetAsync(dq_acc, 0, rows * D * sizeof(float), stream));
+
+    auto kernel = ws_backward_kernel<D, BM, DET>;
+    const int smem = (2 * 128 + 4 * BM) * D * (int)sizeof(bf16) + 2 * 128 * BM * (int)sizeof(bf16) +
+                     (BM * D + 4 * BM) * (int)sizeof(float) + 7 * 8;
     static bool configured = false;
     if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
+    const CUtensorMap tq = tma_tensor_map(q, Hq * D, stride, T, B, BM);
+    const CUtensorMap tk = tma_tensor_map(k, Hkv * D, stride, T, B, 128);
+    const CUtensorMap tv = tma_tensor_map(v, Hkv * D, stride, T, B, 128);
+    const CUtensorMap tdo = tma_tensor_map(dout, Hq * D, Hq * D, T, B, BM);
     const float scale = 1.f / sqrtf((float)D);
-    kernel<<<dim3(ceil_div(T, 128), B * Hkv), 256, smem, stream>>>(dk, dv, dout, lse, delta, q, k, v, stride, dstride,
-                                                                     T, Hq, Hkv, scale, scale * 1.44269504089f);
+    kernel<<<dim3(ceil_div(T, 128), B * Hkv), 384, smem, stream>>>(tq, tk, tv, tdo, dk, dv, dq_acc, dq_sem, lse2, delta,
+                                                                   dstride, T, Tp, Hq, Hkv, scale,
+                                                                   scale * 1.44269504089f);
+    CUDA_CHECK(cudaGetLastError());
+    ws_dq_convert_kernel<D, BM><<<dim3(Tp / BM, B * Hq), 256, 0, stream>>>(dq, dq_acc, dstride, T, Tp, Hq, scale);
     CUDA_CHECK(cudaGetLastError());
 }
 
-template <int D, int BN, int MINB = 1>
-static void wg_backward_dq_launch(bf16* dq, const bf16* dout, const float* lse, const float* delta, const bf16* q,
-                                  const bf16* k, const bf16* v, int stride, int dstride, int B, int T, int Hq, int Hkv,
-                                  cudaStream_t stream) {
-    auto kernel = wg_backward_dq_kernel<D, BN, MINB>;
-    const int smem = (2 * 128 + 4 * BN) * D * (int)sizeof(bf16);
-    static bool configured = false;
-    if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
-    const float scale = 1.f / sqrtf((float)D);
-    kernel<<<dim3(ceil_div(T, 128), B * Hq), 256, smem, stream>>>(dq, dout, lse, delta, q, k, v, stride, dstride, T, Hq,
-                                                                    Hkv, scale, scale * 1.44269504089f);
-    CUDA_CHECK(cudaGetLastError());
-}
-
+// ----------------------------------------------------------------------------------------------
 // The entry points. Tiles, the best of those timed by `./dev/attention tune` on an H100 (doc/attention.md):
-//   D = 128: forward 128 queries x 128 keys; dK/dV 128 keys x 64 queries; dQ 128 queries x 128 keys.
-//   D = 64:  forward 128 x 64;               dK/dV 128 x 128;            dQ 128 x 64, 2 blocks/SM.
-static void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
-                                    int qkv_stride, int B, int T, int Hq, int Hkv, int D, cudaStream_t stream) {
+//   forward: 128 queries x 128 keys, 2 consumers; at D = 64 and T > 1024, 192 x 128, 3 consumers.
+//   backward: 128 keys x 64 queries at D = 128, 128 x 128 at D = 64.
+static void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int qkv_stride,
+                              int B, int T, int Hq, int Hkv, int D, cudaStream_t stream) {
     const void* ptrs[] = {out, q, k, v};
     attn_check_args("attention_forward", ptrs, 4, qkv_stride, B, T, Hq, Hkv, D);
-    if (D == 64) wg_forward_launch<64, 64>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream);
-    else wg_forward_launch<128, 128>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream);
+    if (D == 128) ws_forward_launch<128, 128, 2>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream);
+    else if (T <= 1024) ws_forward_launch<64, 128, 2>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream);
+    else ws_forward_launch<64, 128, 3>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream);
 }
 
-static void attention_backward(bf16* dq, bf16* dk, bf16* dv, float* delta, const bf16* dout, const bf16* out,
-                                     const float* lse, const bf16* q, const bf16* k, const bf16* v, int qkv_stride,
-                                     int dqkv_stride, int B, int T, int Hq, int Hkv, int D, cudaStream_t stream) {
-    const void* ptrs[] = {dq, dk, dv, dout, out, q, k, v};
-    attn_check_args("attention_backward", ptrs, 8, qkv_stride, B, T, Hq, Hkv, D);
+// scratch: attention_backward_scratch_bytes(B, T, Hq, D) bytes, 16-byte aligned, contents ignored.
+// deterministic = false adds the dQ partial sums in whatever order they come (fp32 atomics in L2):
+// results then vary in the last bits run to run; it is faster only at long T (doc/attention.md).
+static void attention_backward(bf16* dq, bf16* dk, bf16* dv, float* scratch, const bf16* dout, const bf16* out,
+                               const float* lse, const bf16* q, const bf16* k, const bf16* v, int qkv_stride,
+                               int dqkv_stride, int B, int T, int Hq, int Hkv, int D, cudaStream_t stream,
+                               bool deterministic = true) {
+    const void* ptrs[] = {dq, dk, dv, dout, out, q, k, v, scratch};
+    attn_check_args("attention_backward", ptrs, 9, qkv_stride, B, T, Hq, Hkv, D);
     if (dqkv_stride % 8 != 0 || dqkv_stride < Hq * D) {
         fprintf(stderr, "attention_backward: dqkv_stride %d must be a multiple of 8 and at least Hq*D = %d\n",
                 dqkv_stride, Hq * D);
         exit(1);
     }
-    attn_delta_launch(delta, dout, out, B, T, Hq, D, stream);
-    if (D == 64) {
-        wg_backward_dkdv_launch<64, 128, 1>(dk, dv, dout, lse, delta, q, k, v, qkv_stride, dqkv_stride, B, T, Hq, Hkv,
-                                           stream);
-        wg_backward_dq_launch<64, 64, 2>(dq, dout, lse, delta, q, k, v, qkv_stride, dqkv_stride, B, T, Hq, Hkv, stream);
-    } else {
-        wg_backward_dkdv_launch<128, 64, 1>(dk, dv, dout, lse, delta, q, k, v, qkv_stride, dqkv_stride, B, T, Hq, Hkv,
-                                            stream);
-        wg_backward_dq_launch<128, 128, 1>(dq, dout, lse, delta, q, k, v, qkv_stride, dqkv_stride, B, T, Hq, Hkv,
-                                           stream);
-    }
+    if (D == 64 && deterministic)
+        ws_backward_launch<64, 128, true>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B, T,
+                                          Hq, Hkv, stream);
+    else if (D == 64)
+        ws_backward_launch<64, 128, false>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B,
+                                           T, Hq, Hkv, stream);
+    else if (deterministic)
+        ws_backward_launch<128, 64, true>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B, T,
+                                          Hq, Hkv, stream);
+    else
+        ws_backward_launch<128, 64, false>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B,
+                                           T, Hq, Hkv, stream);
 }
-
 
 // ----------------------------------------------------------------------------------------------
 // SwiGLU: a row of gate_up holds [gate (F) | up (F)]; out = silu(gate) * up, silu(g) = g sigmoid(g).

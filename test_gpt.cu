@@ -507,7 +507,9 @@ static int test_kernel_attention(void) {
     REQUIRE_GPU();
     int failed = 0;
     // B, T, Hq, Hkv, D: GQA, MQA, MHA, both head dims, T of 1, odd and past a tile
-    int shapes[][5] = {{2, 77, 6, 2, 128}, {1, 300, 4, 1, 64}, {2, 64, 4, 4, 64}, {1, 1, 2, 1, 128}, {1, 257, 2, 2, 128}};
+    // the last shape takes the head_dim 64 forward's long-sequence kernel (T > 1024)
+    int shapes[][5] = {{2, 77, 6, 2, 128}, {1, 300, 4, 1, 64}, {2, 64, 4, 4, 64}, {1, 1, 2, 1, 128}, {1, 257, 2, 2, 128},
+                       {1, 1100, 4, 2, 64}};
     for (auto& s : shapes) {
         int B = s[0], T = s[1], Hq = s[2], Hkv = s[3], D = s[4], N = B * T, Q = (Hq + 2 * Hkv) * D;
         size_t nq = (size_t)N * Q, no = (size_t)N * Hq * D;
@@ -516,26 +518,34 @@ static int test_kernel_attention(void) {
         bf16* d_out = (bf16*)device_alloc_poisoned(no * 2);
         bf16* d_dqkv = (bf16*)device_alloc_poisoned(nq * 2);
         float* d_lse = (float*)device_alloc_poisoned((size_t)B * Hq * T * 4);
-        float* d_delta = (float*)device_alloc_poisoned((size_t)B * Hq * T * 4);
+        float* d_scratch = (float*)device_alloc_poisoned(attention_backward_scratch_bytes(B, T, Hq, D));
         attention_forward(d_out, d_lse, d_qkv, d_qkv + Hq * D, d_qkv + (Hq + Hkv) * D, Q, B, T, Hq, Hkv, D, 0);
         // the backward's reference uses the GPU's bf16 output, as the GPU backward does
         double* out_gpu = from_device_bf16(d_out, no);
-        attention_backward(d_dqkv, d_dqkv + Hq * D, d_dqkv + (Hq + Hkv) * D, d_delta, d_dout, d_out, d_lse, d_qkv,
-                           d_qkv + Hq * D, d_qkv + (Hq + Hkv) * D, Q, Q, B, T, Hq, Hkv, D, 0);
+        // deterministic (twice: bitwise equal), then with dQ summed in any order
+        double* gd_runs[3];
+        for (int run = 0; run < 3; run++) {
+            CUDA_CHECK(cudaMemset(d_dqkv, 0xFF, nq * 2));
+            attention_backward(d_dqkv, d_dqkv + Hq * D, d_dqkv + (Hq + Hkv) * D, d_scratch, d_dout, d_out, d_lse,
+                               d_qkv, d_qkv + Hq * D, d_qkv + (Hq + Hkv) * D, Q, Q, B, T, Hq, Hkv, D, 0, run < 2);
+            gd_runs[run] = from_device_bf16(d_dqkv, nq);
+        }
         double *out = (double*)malloc(no * 8), *lse = (double*)malloc((size_t)B * Hq * T * 8);
         double* dqkv = (double*)malloc(nq * 8);
         ref_attention_forward(out, lse, qkv, qkv + Hq * D, qkv + (Hq + Hkv) * D, Q, B, T, Hq, Hkv, D);
         ref_attention_backward(dqkv, dqkv + Hq * D, dqkv + (Hq + Hkv) * D, dout, out, lse, qkv, qkv + Hq * D,
                                qkv + (Hq + Hkv) * D, Q, B, T, Hq, Hkv, D);
-        double *glse = from_device_f32(d_lse, (size_t)B * Hq * T), *gd = from_device_bf16(d_dqkv, nq);
+        double *glse = from_device_f32(d_lse, (size_t)B * Hq * T), *gd = gd_runs[0];
         char name[96];
         snprintf(name, sizeof(name), "attention B%d T%d Hq%d Hkv%d D%d out", B, T, Hq, Hkv, D);
         CHECK_CLOSE(name, out_gpu, out, no, 1.5e-2);
         CHECK_CLOSE("lse", glse, lse, (size_t)B * Hq * T, 1e-4);
         CHECK_CLOSE("dqkv", gd, dqkv, nq, 1.5e-2);
-        double* all[] = {qkv, dout, out_gpu, out, lse, dqkv, glse, gd};
+        EXPECT(memcmp(gd_runs[0], gd_runs[1], nq * sizeof(double)) == 0, "%s", "deterministic backward repeats bitwise");
+        CHECK_CLOSE("dqkv (dQ summed in any order)", gd_runs[2], dqkv, nq, 1.5e-2);
+        double* all[] = {qkv, dout, out_gpu, out, lse, dqkv, glse, gd_runs[0], gd_runs[1], gd_runs[2]};
         for (double* a : all) free(a);
-        void* dev[] = {d_qkv, d_dout, d_out, d_dqkv, d_lse, d_delta};
+        void* dev[] = {d_qkv, d_dout, d_out, d_dqkv, d_lse, d_scratch};
         for (void* d : dev) CUDA_CHECK(cudaFree(d));
     }
     return TEST_RESULT;

@@ -219,7 +219,8 @@ typedef struct {
     bf16* mlp_act[MAX_LAYERS];        // [N, F]            (shared when recomputed)
     float* rstd_final;                // [N]
     bf16* xnorm_final;                // [N, C]
-    bf16* logits;                     // [R, V]  one chunk of rows of the output head
+    bf16* logits;                     // [R, V]  a chunk of the output head's rows } one region: the head is
+    float* attn_scratch;              // attention_backward's scratch               } done before the layers
     float* losses;                    // [N]     per-token loss
     // the backward's scratch, reused by every layer
     bf16* d_residual;                 // [N, C]  dL/d(residual stream), updated in place layer by layer
@@ -228,7 +229,6 @@ typedef struct {
     bf16* d_gate_up;                  // [N, 2F]          } one region: the MLP's backward is done
     bf16* d_attn_out;                 // [N, Hq D]        } before the attention's begins
     bf16* d_qkv;                      // [N, (Hq+2Hkv) D] }
-    float* attn_delta;                // [B, Hq, T]
     float* partials;                  // per-block partial sums of the deterministic reductions
     // the step's scalars
     float* loss_sum;                  // [1]  sum of per-token losses over the step's micro-batches
@@ -265,6 +265,7 @@ typedef struct {
     int B, T, N;            // micro-batch shape, N = B * T
     int loss_chunk;         // R: rows of the output head processed at once
     bool recompute;
+    bool deterministic;     // attention backward: dQ sums in a fixed order (bitwise reproducible)
     // the flat parameter buffers, table.n_elements long each
     float* master;          // fp32 weights, updated by AdamW
     bf16* params;           // bf16 copy used by forward and backward
@@ -327,7 +328,11 @@ static void activations_layout(Activations* a, Arena* kept, Arena* scratch, cons
     a->xnorm_final = (bf16*)arena_take(kept, N * C * 2);
     a->losses = (float*)arena_take(kept, N * 4);
 
-    a->logits = (bf16*)arena_take(scratch, (size_t)loss_chunk * c->vocab_size * 2);
+    size_t logits_bytes = (size_t)loss_chunk * c->vocab_size * 2;
+    size_t attn_bytes = attention_backward_scratch_bytes(B, T, c->n_head, c->head_dim);
+    char* head_or_attn = (char*)arena_take(scratch, logits_bytes > attn_bytes ? logits_bytes : attn_bytes);
+    a->logits = (bf16*)head_or_attn;
+    a->attn_scratch = (float*)head_or_attn;
     a->d_residual = (bf16*)arena_take(scratch, N * C * 2);
     a->d_xnorm = (bf16*)arena_take(scratch, N * C * 2);
     a->d_mlp_act = (bf16*)arena_take(scratch, N * F * 2);
@@ -336,7 +341,6 @@ static void activations_layout(Activations* a, Arena* kept, Arena* scratch, cons
     a->d_gate_up = (bf16*)shared;
     a->d_attn_out = (bf16*)shared;
     a->d_qkv = shared ? (bf16*)(shared + (N * A * 2 + 255) / 256 * 256) : NULL;
-    a->attn_delta = (float*)arena_take(scratch, heads * 4);
     size_t norm_partials = (size_t)ceil_div(N, RMSNORM_BWD_ROWS) * C;
     size_t qk_partials = (size_t)ceil_div(N * (c->n_head + c->n_kv_head), QK_BWD_TASKS) * 2 * c->head_dim;
     size_t partials = norm_partials > qk_partials ? norm_partials : qk_partials;
@@ -373,6 +377,7 @@ static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recomp
     m->T = T;
     m->N = B * T;
     m->recompute = recompute;
+    m->deterministic = true;
     m->loss_chunk = loss_chunk < m->N ? loss_chunk : m->N;
     param_table_build(&m->table, cfg);
     CUDA_CHECK(cudaStreamCreate(&m->stream));
@@ -640,9 +645,9 @@ static void backward(GPT* m, const Batch* batch) {
         linear_backward_weight(G(m, P_ATTN_OUT, l), a->d_residual, a->attn_out[l], N, A, C, m->stream);
         linear_backward_input(a->d_attn_out, a->d_residual, P(m, P_ATTN_OUT, l), N, A, C, m->stream);
         const bf16* q = a->qkv_rot[l];
-        attention_backward(a->d_qkv, a->d_qkv + Hq * D, a->d_qkv + (Hq + Hkv) * D, a->attn_delta, a->d_attn_out,
+        attention_backward(a->d_qkv, a->d_qkv + Hq * D, a->d_qkv + (Hq + Hkv) * D, a->attn_scratch, a->d_attn_out,
                            a->attn_out[l], a->lse[l], q, q + Hq * D, q + (Hq + Hkv) * D, Q, Q, m->B, m->T, Hq, Hkv, D,
-                           m->stream);
+                           m->stream, m->deterministic);
         qk_norm_rope_backward(a->d_qkv, G(m, P_Q_NORM, l), G(m, P_K_NORM, l), a->partials, a->qkv[l], a->rstd_qk[l],
                               P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos, m->rope_sin, N, m->T, Hq, Hkv, D,
                               m->stream);
@@ -1096,6 +1101,7 @@ typedef struct {
     int batch_size;          // B: sequences per micro-batch
     int total_batch_tokens;  // tokens per optimizer step; a multiple of B*T (gradient accumulation)
     int recompute;
+    int deterministic;
     int loss_chunk;
     uint64_t seed;
     const char* train_data;
@@ -1151,6 +1157,8 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--adam-eps", OPT_FLOAT, &o->optim.eps, "AdamW epsilon"},
         {"--grad-clip", OPT_FLOAT, &o->optim.grad_clip, "clip the global gradient norm to this (0: off)"},
         {"--recompute", OPT_INT, &o->recompute, "1: recompute norms, QK rope and SwiGLU in the backward"},
+        {"--deterministic", OPT_INT, &o->deterministic,
+         "1: bitwise reproducible steps; 0: attention adds dQ in any order (faster only at long seq)"},
         {"--loss-chunk", OPT_INT, &o->loss_chunk, "rows of logits materialized at once"},
         {"--seed", OPT_U64, &o->seed, "seed of the initialization (and of the data order)"},
         {"--train-data", OPT_STR, &o->train_data, "glob of training shards"},
@@ -1191,6 +1199,7 @@ static void options_default(Options* o) {
     o->optim = (OptimConfig){6e-4f, 0.1f, 0.1f, 0.9f, 0.95f, 1e-8f, 1.0f, 30, 300, 0, 0.2f};
     o->batch_size = 32;
     o->recompute = 1;
+    o->deterministic = 1;
     o->loss_chunk = 4096;
     o->seed = 1337;
     o->train_data = "data/default/train_*.bin";
@@ -1629,6 +1638,7 @@ int main(int argc, char** argv) {
 
     GPT model;
     gpt_create(&model, cfg, B, T, o.recompute != 0, o.loss_chunk);
+    model.deterministic = o.deterministic != 0;
     gpt_init(&model, o.seed);
     int start_step = 0;
     if (o.init_from) load_init_from(&model, o.init_from);

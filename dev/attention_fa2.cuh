@@ -10,10 +10,11 @@
  * row stride dqkv_stride; dk and dv sum over the G query heads of their KV head, inside one thread
  * block in a fixed order, so the backward is bitwise deterministic (no floating-point atomics).
  *
- * This is version 2 of the ladder: it lost to version 3 (kernels.cuh, on wgmma) and stays here as
- * the story of how we got there. It builds on kernels.cuh, whose attention helpers (the cp.async
- * wrappers, exp2, bf16 packing, the online-softmax step, row stores, the delta kernel, argument
- * checks: attn_*) both versions share; include kernels.cuh first. Public host API, at the bottom:
+ * This is version 2 of the ladder: it lost to versions 3 and 4 and stays here as the story of how
+ * we got there. It builds on kernels.cuh, whose attention helpers (exp2, bf16 packing, the softmax
+ * step, row stores, the delta kernel, argument checks: attn_*) every version shares; include
+ * kernels.cuh first. The cp.async wrappers and the softmax step with O rescaled at once, which
+ * version 3 (attention_wgmma.cuh) also uses, are defined here. Public host API, at the bottom:
  *   attention_forward_fa2(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, D, stream)
  *   attention_backward_fa2(dq, dk, dv, delta, dout, out, lse, q, k, v, qkv_stride, dqkv_stride,
  *                          B, T, Hq, Hkv, D, stream)
@@ -27,8 +28,8 @@
  * Measured (H100 SXM, B*T = 16K tokens, causal FLOPs counted once; doc/attention.md): D=128,
  * T = 512/1024/2048/4096: forward 198/251/290/323 TFLOP/s, backward 141/172/197/205; D=64 (Hq 32):
  * forward 193/237/282/312, backward 120/156/181/199. Errors vs FP64: rel-L2 <= 3.5e-3.
- * Version 3 (kernels.cuh's attention_forward/backward) has the same API on Hopper's wgmma: at
- * D=128, 6-30% faster forward and 16-40% faster backward (more at long T).
+ * Version 3 (attention_wgmma.cuh) has the same API on Hopper's wgmma: at D=128, 6-30% faster
+ * forward and 16-40% faster backward (more at long T); version 4 (kernels.cuh) is the trainer's.
  */
 
 
@@ -50,6 +51,36 @@ static __device__ __forceinline__ void fa2_mma(float (&c)[4], const uint32_t (&a
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ----------------------------------------------------------------------------------------------
+// cp.async (sm_80+) and the softmax step with O rescaled at once (versions 2 and 3).
+
+// 16-byte async copy global -> shared; when pred is false nothing is read and 16 zero bytes land.
+static __device__ __forceinline__ void attn_cp_async16(uint32_t dst, const void* src, bool pred) {
+    int src_bytes = pred ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+static __device__ __forceinline__ void attn_cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+static __device__ __forceinline__ void attn_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// The softmax step of MT row tiles with O rescaled at once; the caller then adds P V to O.
+template <int D, int MT, int NT>
+static __device__ __forceinline__ void attn_fwd_softmax(float (&o)[MT][D / 8][4], float (&s)[MT][NT][4],
+                                                       float (&row_max)[MT][2], float (&row_sum)[MT][2],
+                                                       float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        float alpha[2];
+        attn_softmax_tile<NT>(s[mt], row_max[mt], row_sum[mt], alpha, scale_log2);
+        attn_rescale<D / 8>(o[mt], alpha);
+    }
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -556,7 +587,7 @@ static void attention_backward_fa2(bf16* dq, bf16* dk, bf16* dv, float* delta, c
                 dqkv_stride, Hq * D);
         exit(1);
     }
-    attn_delta_launch(delta, dout, out, B, T, Hq, D, stream);
+    attn_delta_launch(delta, nullptr, nullptr, dout, out, B, T, T, Hq, D, stream);
     if (D == 64) {
         fa2_backward_dkdv_launch<64, 128, 4, 2>(dk, dv, dout, lse, delta, q, k, v, qkv_stride, dqkv_stride, B, T,
                                                Hq, Hkv, stream);
