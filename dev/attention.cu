@@ -15,10 +15,11 @@
  *      T=1024..4096: forward 289-419 TFLOP/s, backward 217-287.
  *   4  FlashAttention-3's shape (kernels.cuh: the trainer's kernels): TMA loads (3-D tensor maps,
  *      128-byte swizzle) on mbarrier rings, a producer warpgroup (setmaxnreg 24) and 2 consumer
- *      warpgroups (3 in the forward at D=64). Forward: S of the next tile issued before the softmax
- *      of this one. Backward: one pass, 5 products per tile pair, dQ partial sums bulk-reduced into
- *      fp32 global accumulators in a fixed order (semaphores) or, as "atomic dq", in any order.
- *      H100, D=128, T=1024..4096: forward 344-548 TFLOP/s, backward 266-381.
+ *      warpgroups (3 in the forward at D=64, T>1024). Forward: a persistent grid fed by a work
+ *      queue, S of the next tile issued before the softmax of this one. Backward: one pass, 5
+ *      products per tile pair, dQ partial sums bulk-reduced into fp32 global accumulators in a
+ *      fixed order (semaphores) or, as "atomic dq", in any order. H100, D=128, T=1024..4096:
+ *      forward 385-554 TFLOP/s, backward 265-407.
  * The full tables, the tile tuning behind each version and the PyTorch SDPA figures of the same
  * runs are in doc/attention.md.
  *
