@@ -1424,8 +1424,9 @@ __global__ void __launch_bounds__(256)
     }
 }
 
-// Scratch of the backward, bytes: lse2 and delta [B*Hq][Tp] and the dQ accumulators [B*Hq][Tp][D]
-// (fp32), semaphores [B*Hq][Tp/64] (int); Tp = T rounded up to 128.
+// Scratch of the backward, bytes: lse2 and delta [B*Hq][Tp]; the dQ accumulators (fp32), one BM x D
+// block per (b*Hq + h, query tile) in ws_backward_kernel's fragment order; a semaphore per such block
+// (int, at most Tp/64 per head); Tp = T rounded up to 128.
 static size_t attention_backward_scratch_bytes(int B, int T, int Hq, int D) {
     const size_t rows = (size_t)B * Hq * ceil_div(T, 128) * 128;
     return rows * (2 + D) * sizeof(float) + rows / 64 * sizeof(int);
