@@ -25,7 +25,7 @@
 #include <cublasLt.h>
 #include <cuda.h>          // CUtensorMap and its enums (types only: no -lcuda)
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled, fetched through the runtime
-#include "cuda_common.h"
+#include "lib/cuda_check.h"
 
 // ----------------------------------------------------------------------------------------------
 // Small device helpers
@@ -60,8 +60,6 @@ __device__ float block_sum(float x) {
     __syncthreads();  // so that a second call may reuse the shared slots
     return result;
 }
-
-#define LAUNCH_CHECK() CUDA_CHECK(cudaGetLastError())
 
 // ----------------------------------------------------------------------------------------------
 // Deterministic reductions
@@ -1658,14 +1656,6 @@ static void* g_cublaslt_workspace;
 static const size_t CUBLASLT_WORKSPACE_BYTES = 32u << 20;
 static MatmulPlan g_plans[128];
 static int g_n_plans;
-
-static inline void cublas_check_(cublasStatus_t status, const char* what, const char* file, int line) {
-    if (status != CUBLAS_STATUS_SUCCESS) {
-        fprintf(stderr, "cuBLASLt error at %s:%d: %s: %s\n", file, line, what, cublasLtGetStatusString(status));
-        exit(1);
-    }
-}
-#define CUBLAS_CHECK(call) cublas_check_((call), #call, __FILE__, __LINE__)
 
 static void matmul_init(void) {
     CUBLAS_CHECK(cublasLtCreate(&g_cublaslt));

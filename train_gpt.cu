@@ -33,7 +33,6 @@
 #include <sys/stat.h>
 #include <pthread.h>
 #include <cuda_fp16.h>
-#include "cuda_common.h"
 #include "kernels.cuh"
 #include "data.h"
 #include "ckpt.h"

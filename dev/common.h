@@ -7,7 +7,7 @@
  * Convention: references take the bf16 inputs already widened to float (the exact values the GPU
  * sees) and compute in double; the metrics report max |gpu - ref| and ||gpu - ref|| / ||ref||,
  * and count non-finite GPU values, which always fail a check. The including file includes
- * kernels.cuh first (cuda_common.h's definitions and splitmix64).
+ * kernels.cuh first (lib/cuda_check.h's definitions and splitmix64).
  */
 #ifndef DEV_COMMON_H
 #define DEV_COMMON_H

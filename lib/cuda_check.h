@@ -1,0 +1,41 @@
+/*
+ * lib/cuda_check.h - the one error convention for GPU calls, and the few definitions every CUDA
+ * file of train_gpt shares (the bf16 type name, ceil_div).
+ *
+ * Every CUDA runtime call goes through CUDA_CHECK, every cuBLASLt call through CUBLAS_CHECK, and
+ * every kernel launch is followed by LAUNCH_CHECK(), which catches bad launch parameters. A
+ * failure is one line naming the call, its file and line, and the library's own error string,
+ * then exit(1). (comm.h adds NCCL_CHECK beside them, in the same form.)
+ */
+#ifndef CUDA_CHECK_H
+#define CUDA_CHECK_H
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <stdint.h>
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <cublasLt.h>
+
+typedef __nv_bfloat16 bf16;
+
+static inline void cuda_check_(cudaError_t err, const char* what, const char* file, int line) {
+    if (err != cudaSuccess) {
+        fprintf(stderr, "CUDA error at %s:%d: %s: %s\n", file, line, what, cudaGetErrorString(err));
+        exit(1);
+    }
+}
+#define CUDA_CHECK(call) cuda_check_((call), #call, __FILE__, __LINE__)
+#define LAUNCH_CHECK() CUDA_CHECK(cudaGetLastError())
+
+static inline void cublas_check_(cublasStatus_t status, const char* what, const char* file, int line) {
+    if (status != CUBLAS_STATUS_SUCCESS) {
+        fprintf(stderr, "cuBLASLt error at %s:%d: %s: %s\n", file, line, what, cublasLtGetStatusString(status));
+        exit(1);
+    }
+}
+#define CUBLAS_CHECK(call) cublas_check_((call), #call, __FILE__, __LINE__)
+
+static inline int ceil_div(long a, long b) { return (int)((a + b - 1) / b); }
+
+#endif
