@@ -177,11 +177,15 @@ static void embedding_forward(bf16* out, const int* tokens, const bf16* embed, i
 // positions of token bucket_token[u], in increasing order, at bucket_pos[bucket_start[u] ..
 // bucket_start[u+1]). One block owns one bucket (and 8*blockDim.x columns of it), adds its rows in
 // that fixed order and writes the one row of dE it owns: deterministic and free of races.
+// The number of buckets varies from batch to batch, so it is read from the device (*n_buckets) and
+// the grid is sized for the most a batch can have, min(N, V): the launch is the same every step,
+// as a CUDA graph needs, and the blocks past the last bucket return at once.
 __global__ void embedding_backward_kernel(float* d_embed, const bf16* dx, const int* bucket_start,
-                                          const int* bucket_pos, const int* bucket_token, int C) {
+                                          const int* bucket_pos, const int* bucket_token, const int* n_buckets,
+                                          int C) {
     int u = blockIdx.x;
     int c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
-    if (c >= C) return;
+    if (u >= *n_buckets || c >= C) return;
     float sum[8] = {0};
     for (int j = bucket_start[u]; j < bucket_start[u + 1]; j++) {
         bf16x8 g = load8(dx + (size_t)bucket_pos[j] * C + c);
@@ -192,9 +196,9 @@ __global__ void embedding_backward_kernel(float* d_embed, const bf16* dx, const 
 }
 
 static void embedding_backward(float* d_embed, const bf16* dx, const int* bucket_start, const int* bucket_pos,
-                               const int* bucket_token, int n_buckets, int C, cudaStream_t s) {
-    dim3 grid(n_buckets, ceil_div(C, 8 * 128));
-    embedding_backward_kernel<<<grid, 128, 0, s>>>(d_embed, dx, bucket_start, bucket_pos, bucket_token, C);
+                               const int* bucket_token, const int* n_buckets, int N, int V, int C, cudaStream_t s) {
+    dim3 grid(N < V ? N : V, ceil_div(C, 8 * 128));
+    embedding_backward_kernel<<<grid, 128, 0, s>>>(d_embed, dx, bucket_start, bucket_pos, bucket_token, n_buckets, C);
     LAUNCH_CHECK();
 }
 
@@ -1604,33 +1608,93 @@ static void cross_entropy(bf16* logits, float* losses, const int* targets, int r
 }
 
 // ----------------------------------------------------------------------------------------------
-// AdamW, fused with gradient clipping and the bf16 copy of the weights.
-// With g = grad * clip_scale, clip_scale = min(1, max_norm / ||grad||) read from the device (so the
-// host never waits for the norm):
+// The optimizer: the learning-rate schedule and AdamW, fused with gradient clipping and the bf16
+// copy of the weights. Everything a step needs lives on the device (OptimScalars below): a
+// one-thread kernel advances the step and evaluates the schedule there, so the host never passes
+// per-step values and a step can be replayed as a CUDA graph.
+
+typedef struct {
+    float lr, min_lr_frac, weight_decay, beta1, beta2, eps, grad_clip;
+    int warmup_steps, total_steps;
+    int wsd;            // 0: warmup then cosine to min_lr; 1: warmup, stable, then linear decay (WSD)
+    float decay_frac;   // WSD: the last fraction of the steps that decays
+} OptimConfig;
+
+// The learning rate of step `step` (0-based). Warmup: linear from lr/warmup to lr. Then cosine:
+// from lr down to min_lr at the last step; or WSD: lr until the last decay_frac of the steps,
+// then linear down to min_lr. The same code runs on the host (tests, --help) and the device.
+__host__ __device__ static float learning_rate(const OptimConfig* o, int step) {
+    float min_lr = o->lr * o->min_lr_frac;
+    if (step < o->warmup_steps) return o->lr * (step + 1) / o->warmup_steps;
+    if (o->total_steps <= o->warmup_steps) return o->lr;
+    if (o->wsd) {
+        int decay_start = o->total_steps - (int)(o->decay_frac * o->total_steps);
+        if (decay_start < o->warmup_steps) decay_start = o->warmup_steps;
+        if (step < decay_start) return o->lr;
+        float progress = (float)(step - decay_start + 1) / (float)(o->total_steps - decay_start);
+        return o->lr + (min_lr - o->lr) * progress;
+    }
+    int cosine_steps = o->total_steps - 1 - o->warmup_steps;  // the last step reaches min_lr
+    float progress = cosine_steps > 0 ? (float)(step - o->warmup_steps) / cosine_steps : 1.0f;
+    if (progress > 1.0f) progress = 1.0f;
+    return min_lr + 0.5f * (o->lr - min_lr) * (1.0f + cosf(3.14159265358979f * progress));
+}
+
+// The step's scalars, in device memory. `step` counts the optimizer steps done; the others
+// describe the step being taken (lr, bias corrections) or just taken (loss_sum, grad_norm_sq).
+typedef struct {
+    int step;
+    float lr;
+    float bias_corr1, bias_corr2;  // 1 - beta^t for t = step + 1
+    float loss_sum;                // sum of the per-token losses over the step's micro-batches
+    float grad_norm_sq;            // of the whole (unclipped) gradient
+    float val_loss_sum;            // sum over a validation pass
+} OptimScalars;
+
+__global__ void optimizer_schedule_kernel(OptimScalars* s, OptimConfig o) {
+    int step = s->step;
+    s->lr = learning_rate(&o, step);
+    s->bias_corr1 = 1.0f - powf(o.beta1, (float)(step + 1));
+    s->bias_corr2 = 1.0f - powf(o.beta2, (float)(step + 1));
+    s->step = step + 1;
+}
+
+// Every parameter tensor starts on a PARAM_ALIGN-element boundary of the flat buffers (train_gpt's
+// parameter table), so one flag per PARAM_ALIGN elements says whether weight decay applies there.
+#define PARAM_ALIGN 128
+
+// With g = grad * clip_scale, clip_scale = min(1, max_norm / ||grad||) read from the device:
 //   m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
 //   p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + lr * wd * p     (decoupled decay)
-// Weight decay applies to elements [0, decay_end) of the flat buffer: train_gpt lays out the
-// matrices first and the norm weights after them, so one boundary says what decays.
-
-__global__ void adamw_kernel(float* master, bf16* params, const float* grads, float* m, float* v, size_t begin,
-                             size_t end, size_t decay_end, float lr, float beta1, float beta2, float eps,
-                             float weight_decay, float bias_corr1, float bias_corr2, const float* grad_norm_sq,
-                             float max_norm) {
-    float norm = sqrtf(*grad_norm_sq);
-    float clip_scale = (max_norm > 0.0f && norm > max_norm) ? max_norm / norm : 1.0f;
+// over elements [begin, end) of the flat buffers, wd = weight_decay where decay[i / PARAM_ALIGN].
+__global__ void adamw_kernel(float* master, bf16* params, const float* grads, float* m, float* v,
+                             const uint8_t* decay, size_t begin, size_t end, OptimConfig o, const OptimScalars* s) {
+    float norm = sqrtf(s->grad_norm_sq);
+    float clip_scale = (o.grad_clip > 0.0f && norm > o.grad_clip) ? o.grad_clip / norm : 1.0f;
+    float lr = s->lr, bias_corr1 = s->bias_corr1, bias_corr2 = s->bias_corr2;
     for (size_t i = begin + blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < end;
          i += (size_t)gridDim.x * blockDim.x) {
         float g = grads[i] * clip_scale;
-        float mi = beta1 * m[i] + (1.0f - beta1) * g;
-        float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+        float mi = o.beta1 * m[i] + (1.0f - o.beta1) * g;
+        float vi = o.beta2 * v[i] + (1.0f - o.beta2) * g * g;
         m[i] = mi;
         v[i] = vi;
         float p = master[i];
-        float wd = i < decay_end ? weight_decay : 0.0f;
-        p -= lr * ((mi / bias_corr1) / (sqrtf(vi / bias_corr2) + eps) + wd * p);
+        float wd = decay[i / PARAM_ALIGN] ? o.weight_decay : 0.0f;
+        p -= lr * ((mi / bias_corr1) / (sqrtf(vi / bias_corr2) + o.eps) + wd * p);
         master[i] = p;
         params[i] = __float2bfloat16(p);
     }
+}
+
+// One optimizer step over elements [begin, end): advance the schedule, then update. The gradient
+// norm must already be in s->grad_norm_sq.
+static void adamw_step(float* master, bf16* params, const float* grads, float* m, float* v, const uint8_t* decay,
+                       size_t begin, size_t end, const OptimConfig* o, OptimScalars* s, cudaStream_t stream) {
+    optimizer_schedule_kernel<<<1, 1, 0, stream>>>(s, *o);
+    LAUNCH_CHECK();
+    adamw_kernel<<<1024, 256, 0, stream>>>(master, params, grads, m, v, decay, begin, end, *o, s);
+    LAUNCH_CHECK();
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1643,18 +1707,45 @@ __global__ void adamw_kernel(float* master, bf16* params, const float* grads, fl
 //   backward weight  dW += dy^T x                      fp32 out, accumulated (beta = 1)
 // cuBLASLt is column-major, and a row-major matrix is its column-major transpose, so each form
 // becomes one column-major call (the comments give the mapping). matmul() is the one place that
-// talks to cuBLASLt; it caches the heuristic's choice of algorithm per shape.
+// talks to cuBLASLt, for every operand type: bf16 and fp32, and FP8 (E4M3, E5M2) with a scale per
+// tensor. cuBLASLt's FP8 kernels take only the "TN" form (trans_a and not trans_b) and want every
+// leading dimension a multiple of 16 bytes; the per-tensor scales are device pointers, so nothing
+// about them ever goes through the host.
+//
+// Descriptors, layouts and the heuristic's choice of algorithm are made once per shape and kept
+// in a plan; a call finds its plan, sets the scale pointers, and launches.
+
+// One operand of a matmul: where it is, its element type, and for FP8 the device pointer of the
+// factor that turns its stored values into real ones (NULL: unscaled). For the result, `scale`
+// divides (FP8 results are stored as real / scale) and `amax`, when not NULL, receives max |real|.
+typedef struct {
+    void* ptr;
+    cudaDataType_t type;
+    const float* scale;
+    float* amax;
+} MatmulOperand;
+
+static MatmulOperand mm_bf16(const bf16* p) { return (MatmulOperand){(void*)p, CUDA_R_16BF, NULL, NULL}; }
+static MatmulOperand mm_f32(float* p) { return (MatmulOperand){p, CUDA_R_32F, NULL, NULL}; }
+
+typedef struct {  // what makes two calls the same plan; all ints, so no padding for memcmp to trip on
+    int m, n, k;
+    int trans_a, trans_b, has_c, scale_a, scale_b, scale_d, amax_d;
+    int a_type, b_type, d_type;  // cudaDataType_t
+} MatmulKey;
 
 typedef struct {
-    int m, n, k;
-    bool trans_a, trans_b, d_fp32, has_c;
+    MatmulKey key;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t layout_a, layout_b, layout_c, layout_d;
     cublasLtMatmulAlgo_t algo;
 } MatmulPlan;
 
+#define MATMUL_MAX_PLANS 256
 static cublasLtHandle_t g_cublaslt;
 static void* g_cublaslt_workspace;
 static const size_t CUBLASLT_WORKSPACE_BYTES = 32u << 20;
-static MatmulPlan g_plans[128];
+static MatmulPlan g_plans[MATMUL_MAX_PLANS];
 static int g_n_plans;
 
 static void matmul_init(void) {
@@ -1663,78 +1754,105 @@ static void matmul_init(void) {
 }
 
 static void matmul_free(void) {
+    for (int i = 0; i < g_n_plans; i++) {
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(g_plans[i].layout_a));
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(g_plans[i].layout_b));
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(g_plans[i].layout_c));
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(g_plans[i].layout_d));
+        CUBLAS_CHECK(cublasLtMatmulDescDestroy(g_plans[i].desc));
+    }
+    g_n_plans = 0;
     CUBLAS_CHECK(cublasLtDestroy(g_cublaslt));
     CUDA_CHECK(cudaFree(g_cublaslt_workspace));
-    g_n_plans = 0;
 }
 
-// Column-major D[m, n] = alpha * op(A)[m, k] op(B)[k, n] + beta * C, with bf16 A and B, fp32
-// accumulation, and D (and C) either bf16 or fp32. All pointers are 256-byte aligned and every
-// leading dimension is the stored matrix's row count, i.e. the matrices are dense.
-static void matmul(void* d, const void* c, const bf16* a, const bf16* b, int m, int n, int k, bool trans_a,
-                   bool trans_b, bool d_fp32, float beta, cudaStream_t stream) {
-    cudaDataType_t d_type = d_fp32 ? CUDA_R_32F : CUDA_R_16BF;
-    cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-    cublasLtMatmulDesc_t desc;
-    cublasLtMatrixLayout_t layout_a, layout_b, layout_c;
-    CUBLAS_CHECK(cublasLtMatmulDescCreate(&desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_a, CUDA_R_16BF, trans_a ? k : m, trans_a ? m : k, trans_a ? k : m));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_b, CUDA_R_16BF, trans_b ? n : k, trans_b ? k : n, trans_b ? n : k));
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout_c, d_type, m, n, m));
+static bool is_fp8(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
 
-    bool has_c = beta != 0.0f;
-    MatmulPlan* plan = NULL;
-    for (int i = 0; i < g_n_plans; i++) {
-        MatmulPlan* p = &g_plans[i];
-        if (p->m == m && p->n == n && p->k == k && p->trans_a == trans_a && p->trans_b == trans_b &&
-            p->d_fp32 == d_fp32 && p->has_c == has_c)
-            plan = p;
+// Makes the plan for `key`: the descriptor with its fixed attributes, the four layouts, and the
+// heuristic's first algorithm. C has D's type, except that an FP8 result takes a bf16 C
+// (cuBLASLt's rule: C is never FP8).
+static MatmulPlan matmul_plan_make(const MatmulKey* key) {
+    MatmulPlan p;
+    p.key = *key;
+    const int m = key->m, n = key->n, k = key->k;
+    cublasOperation_t op_a = key->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = key->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_a, (cudaDataType_t)key->a_type, key->trans_a ? k : m, key->trans_a ? m : k,
+                                            key->trans_a ? k : m));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_b, (cudaDataType_t)key->b_type, key->trans_b ? n : k, key->trans_b ? k : n,
+                                            key->trans_b ? n : k));
+    cudaDataType_t c_type = is_fp8((cudaDataType_t)key->d_type) ? CUDA_R_16BF : (cudaDataType_t)key->d_type;
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_c, c_type, m, n, m));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_d, (cudaDataType_t)key->d_type, m, n, m));
+    cublasLtMatmulPreference_t pref;
+    CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                      &CUBLASLT_WORKSPACE_BYTES, sizeof(size_t)));
+    cublasLtMatmulHeuristicResult_t result;
+    int n_results = 0;
+    CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g_cublaslt, p.desc, p.layout_a, p.layout_b, p.layout_c, p.layout_d,
+                                                pref, 1, &result, &n_results));
+    CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
+    if (n_results == 0) {
+        fprintf(stderr, "cuBLASLt has no algorithm for a %dx%dx%d matmul (trans %d%d, types %d %d -> %d)\n", m, n, k,
+                key->trans_a, key->trans_b, (int)key->a_type, (int)key->b_type, (int)key->d_type);
+        exit(1);
     }
-    if (!plan) {
-        cublasLtMatmulPreference_t pref;
-        CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                          &CUBLASLT_WORKSPACE_BYTES, sizeof(size_t)));
-        cublasLtMatmulHeuristicResult_t result;
-        int n_results = 0;
-        CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g_cublaslt, desc, layout_a, layout_b, layout_c, layout_c, pref, 1,
-                                                    &result, &n_results));
-        CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
-        if (n_results == 0) {
-            fprintf(stderr, "cuBLASLt has no algorithm for a %dx%dx%d matmul (trans %d%d, %s out)\n", m, n, k,
-                    trans_a, trans_b, d_fp32 ? "fp32" : "bf16");
-            exit(1);
-        }
-        if (g_n_plans == (int)(sizeof(g_plans) / sizeof(g_plans[0]))) g_n_plans = 0;  // full: start over
-        plan = &g_plans[g_n_plans++];
-        *plan = (MatmulPlan){m, n, k, trans_a, trans_b, d_fp32, has_c, result.algo};
+    p.algo = result.algo;
+    return p;
+}
+
+static MatmulPlan* matmul_plan(const MatmulKey* key) {
+    for (int i = 0; i < g_n_plans; i++)
+        if (!memcmp(&g_plans[i].key, key, sizeof(*key))) return &g_plans[i];
+    if (g_n_plans == MATMUL_MAX_PLANS) {
+        fprintf(stderr, "matmul: more than %d distinct matmul shapes; raise MATMUL_MAX_PLANS\n", MATMUL_MAX_PLANS);
+        exit(1);
     }
+    g_plans[g_n_plans] = matmul_plan_make(key);
+    return &g_plans[g_n_plans++];
+}
+
+// Column-major D[m, n] = op(A)[m, k] op(B)[k, n] (+ beta C, of D's shape, when c is not NULL),
+// accumulated in fp32. Scales (FP8): D = scale_d^-1 * (scale_a scale_b op(A) op(B) + beta C).
+// All pointers are 256-byte aligned and every leading dimension is the stored matrix's row count.
+static void matmul(MatmulOperand d, MatmulOperand a, MatmulOperand b, const void* c, float beta, int m, int n, int k,
+                   bool trans_a, bool trans_b, cudaStream_t stream) {
+    if ((is_fp8(a.type) || is_fp8(b.type)) && (!trans_a || trans_b)) {
+        fprintf(stderr, "matmul: FP8 operands need the TN form (trans_a and not trans_b)\n");
+        exit(1);
+    }
+    const MatmulKey key = {m, n, k, trans_a, trans_b, c != NULL, a.scale != NULL, b.scale != NULL, d.scale != NULL,
+                           d.amax != NULL, a.type, b.type, d.type};
+    MatmulPlan* plan = matmul_plan(&key);
+    if (a.scale) CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a.scale, sizeof(a.scale)));
+    if (b.scale) CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b.scale, sizeof(b.scale)));
+    if (d.scale) CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, &d.scale, sizeof(d.scale)));
+    if (d.amax) CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &d.amax, sizeof(d.amax)));
     const float alpha = 1.0f;
-    CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, desc, &alpha, a, layout_a, b, layout_b, &beta, has_c ? c : d, layout_c,
-                                d, layout_c, &plan->algo, g_cublaslt_workspace, CUBLASLT_WORKSPACE_BYTES, stream));
-    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(layout_a));
-    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(layout_b));
-    CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(layout_c));
-    CUBLAS_CHECK(cublasLtMatmulDescDestroy(desc));
+    const float beta_used = c ? beta : 0.0f;
+    CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, plan->desc, &alpha, a.ptr, plan->layout_a, b.ptr, plan->layout_b,
+                                &beta_used, c ? c : d.ptr, plan->layout_c, d.ptr, plan->layout_d, &plan->algo,
+                                g_cublaslt_workspace, CUBLASLT_WORKSPACE_BYTES, stream));
 }
 
 // y[N, O] = x[N, I] W[O, I]^T (+ residual[N, O] when residual is not NULL).
 // Column-major: D[m=O, n=N] = op_T(W, stored [I, O]) x^T (stored [I, N]), D stored [O, N] = y.
 static void linear_forward(bf16* y, const bf16* x, const bf16* W, const bf16* residual, int N, int I, int O,
                            cudaStream_t s) {
-    matmul(y, residual, W, x, O, N, I, true, false, false, residual ? 1.0f : 0.0f, s);
+    matmul(mm_bf16(y), mm_bf16(W), mm_bf16(x), residual, 1.0f, O, N, I, true, false, s);
 }
 
 // dx[N, I] = dy[N, O] W[O, I].   Column-major: D[m=I, n=N] = W(stored [I, O]) dy^T(stored [O, N]).
 static void linear_backward_input(bf16* dx, const bf16* dy, const bf16* W, int N, int I, int O, cudaStream_t s) {
-    matmul(dx, NULL, W, dy, I, N, O, false, false, false, 0.0f, s);
+    matmul(mm_bf16(dx), mm_bf16(W), mm_bf16(dy), NULL, 0.0f, I, N, O, false, false, s);
 }
 
 // dW[O, I] += dy[N, O]^T x[N, I].   Column-major: D[m=I, n=O] = x^T(stored [I, N]) op_T(dy stored [O, N]).
 static void linear_backward_weight(float* dW, const bf16* dy, const bf16* x, int N, int I, int O, cudaStream_t s) {
-    matmul(dW, dW, x, dy, I, O, N, false, true, true, 1.0f, s);
+    matmul(mm_f32(dW), mm_bf16(x), mm_bf16(dy), dW, 1.0f, I, O, N, false, true, s);
 }
 
 #endif

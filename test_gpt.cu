@@ -19,6 +19,7 @@
 #include "reference.h"
 #include "test_data.h"
 #include "test_ckpt.h"
+#include <cuda_fp8.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -158,22 +159,39 @@ static int test_config_rejects_bad_configs(void) {
     return TEST_RESULT;
 }
 
+// The layout: aligned, disjoint tensors; each layer's tensors inside its bucket and the buckets
+// tiling the buffer in order; the decay flags AdamW reads matching each tensor's kind; and the
+// parameter count against an independent formula.
 static int test_param_table_layout(void) {
     int failed = 0;
     for (size_t ci = 0; ci < sizeof(SANE_CONFIGS) / sizeof(SANE_CONFIGS[0]); ci++) {
         const ModelConfig* c = &SANE_CONFIGS[ci];
         ParamTable pt;
         param_table_build(&pt, c);
+        uint8_t* flags = param_decay_flags(&pt);
         size_t end = 0, count = 0;
         for (int i = 0; i < pt.n_tensors; i++) {
             const ParamTensor* t = &pt.tensors[i];
+            size_t n = (size_t)(t->rows * t->cols);
+            int bucket = t->layer >= 0 ? t->layer : c->n_layer;
             EXPECT(t->offset % PARAM_ALIGN == 0, "%s not aligned", t->name);
             EXPECT(t->offset >= end, "%s overlaps its predecessor", t->name);
-            EXPECT(PARAM_KINDS[t->kind].decay == (t->offset < pt.decay_end), "%s on the wrong side of decay_end",
-                   t->name);
-            end = t->offset + (size_t)(t->rows * t->cols);
-            count += (size_t)(t->rows * t->cols);
+            EXPECT(t->offset >= pt.bucket_offset[bucket] && t->offset + n <= pt.bucket_offset[bucket + 1],
+                   "%s outside bucket %d", t->name, bucket);
+            EXPECT(t->decay == (t->kind == P_EMBED || t->kind == P_QKV || t->kind == P_ATTN_OUT ||
+                                t->kind == P_GATE_UP || t->kind == P_DOWN), "%s: wrong decay flag", t->name);
+            for (size_t j = 0; j < n; j += PARAM_ALIGN)
+                if (flags[(t->offset + j) / PARAM_ALIGN] != t->decay) {
+                    EXPECT(false, "%s: AdamW's decay flag at element %zu is wrong", t->name, j);
+                    break;
+                }
+            EXPECT(param(&pt, t->kind, t->layer) == t, "lookup of %s", t->name);
+            end = t->offset + n;
+            count += n;
         }
+        EXPECT(pt.bucket_offset[0] == 0 && pt.bucket_offset[c->n_layer + 1] == pt.n_elements, "buckets do not tile");
+        for (int b = 0; b <= c->n_layer; b++)
+            EXPECT(pt.bucket_offset[b] < pt.bucket_offset[b + 1], "bucket %d is empty", b);
         EXPECT(end <= pt.n_elements, "table overflows its buffer");
         // independent count: embedding + per layer (qkv, o, gate_up, down, 4 norms) + final norm
         size_t C = c->d_model, D = c->head_dim, F = c->ffn_dim, Hq = c->n_head, Hkv = c->n_kv_head;
@@ -181,8 +199,8 @@ static int test_param_table_layout(void) {
                         c->n_layer * (C * (Hq + 2 * Hkv) * D + Hq * D * C + 3 * C * F + 2 * C + 2 * D);
         EXPECT(count == expect && param_count(&pt) == expect, "config %zu: %zu parameters, expected %zu", ci, count,
                expect);
-        EXPECT(param(&pt, P_DOWN, c->n_layer - 1)->layer == c->n_layer - 1, "lookup of the last layer");
-        free(pt.tensors);
+        free(flags);
+        param_table_free(&pt);
     }
     return TEST_RESULT;
 }
@@ -211,7 +229,7 @@ static int test_hf_names_cover_every_parameter(void) {
     }
     free(seen);
     free(hf);
-    free(m.table.tensors);
+    param_table_free(&m.table);
     return TEST_RESULT;
 }
 
@@ -248,7 +266,7 @@ static double* random_params(const ModelConfig* c, const ParamTable* pt, double 
     double* p = (double*)calloc(pt->n_elements, sizeof(double));
     for (int i = 0; i < pt->n_tensors; i++) {
         const ParamTensor* t = &pt->tensors[i];
-        bool norm = !PARAM_KINDS[t->kind].decay;
+        bool norm = !t->decay;
         for (int64_t j = 0; j < t->rows * t->cols; j++)
             p[t->offset + j] = norm ? 1.0 + 0.2 * rand_normal() : matrix_std * rand_normal();
     }
@@ -648,6 +666,69 @@ static int test_kernel_matmuls(void) {
     return TEST_RESULT;
 }
 
+// FP8 through the same matmul wrapper: operands whose values are exact in E4M3 / E5M2 (so only
+// the product's fp32 accumulation and the output's rounding differ from fp64), per-tensor scales
+// as device pointers, a bf16 result, and an E4M3 result with its own scale and amax.
+static double fp8_round(double x, bool e5m2) {  // the value the GPU stores (round to nearest even)
+    return e5m2 ? (double)(float)__nv_fp8_e5m2((float)x) : (double)(float)__nv_fp8_e4m3((float)x);
+}
+
+static void* to_device_fp8(const double* x, size_t n, bool e5m2) {
+    uint8_t* host = (uint8_t*)malloc(n);
+    for (size_t i = 0; i < n; i++)
+        host[i] = e5m2 ? __nv_fp8_e5m2((float)x[i]).__x : __nv_fp8_e4m3((float)x[i]).__x;
+    void* d;
+    CUDA_CHECK(cudaMalloc(&d, n));
+    CUDA_CHECK(cudaMemcpy(d, host, n, cudaMemcpyHostToDevice));
+    free(host);
+    return d;
+}
+
+static int test_kernel_matmul_fp8(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    matmul_init();
+    int N = 96, I = 160, O = 208;  // y[N, O] = x[N, I] W[O, I]^T, the forward's TN form
+    double *x = random_array((size_t)N * I, 2.0), *W = random_array((size_t)O * I, 1.0);
+    for (size_t i = 0; i < (size_t)N * I; i++) x[i] = fp8_round(x[i], true);
+    for (size_t i = 0; i < (size_t)O * I; i++) W[i] = fp8_round(W[i], false);
+    void *d_x = to_device_fp8(x, (size_t)N * I, true), *d_W = to_device_fp8(W, (size_t)O * I, false);
+    double scales_host[4] = {0.5, 0.25, 8.0, 0.0};  // x's, W's, y8's (a result's scale divides), amax
+    float* d_scales = to_device_f32(scales_host, 4);
+    bf16* d_y = (bf16*)device_alloc_poisoned((size_t)N * O * 2);
+    uint8_t* d_y8 = (uint8_t*)device_alloc_poisoned((size_t)N * O);
+    MatmulOperand x_op = {d_x, CUDA_R_8F_E5M2, d_scales, NULL}, W_op = {d_W, CUDA_R_8F_E4M3, d_scales + 1, NULL};
+    matmul(mm_bf16(d_y), W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0);
+    MatmulOperand y8_op = {d_y8, CUDA_R_8F_E4M3, d_scales + 2, d_scales + 3};
+    matmul(y8_op, W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0);
+    double* y = (double*)malloc((size_t)N * O * 8);
+    ref_linear_forward(y, x, W, N, I, O);
+    double amax = 0;
+    for (size_t i = 0; i < (size_t)N * O; i++) {
+        y[i] *= scales_host[0] * scales_host[1];
+        amax = fmax(amax, fabs(y[i]));
+    }
+    double* gy = from_device_bf16(d_y, (size_t)N * O);
+    CHECK_CLOSE("fp8 x fp8 -> bf16", gy, y, (size_t)N * O, 4e-3);
+    uint8_t* y8 = (uint8_t*)malloc((size_t)N * O);
+    CUDA_CHECK(cudaMemcpy(y8, d_y8, (size_t)N * O, cudaMemcpyDeviceToHost));
+    double *gy8 = (double*)malloc((size_t)N * O * 8), *want8 = (double*)malloc((size_t)N * O * 8);
+    for (size_t i = 0; i < (size_t)N * O; i++) {
+        __nv_fp8_e4m3 v;
+        v.__x = y8[i];
+        gy8[i] = (double)(float)v;
+        want8[i] = fp8_round(y[i] / scales_host[2], false);
+    }
+    CHECK_CLOSE("fp8 x fp8 -> e4m3 (scaled)", gy8, want8, (size_t)N * O, 4e-2);
+    double* got_amax = from_device_f32(d_scales + 3, 1);
+    EXPECT(fabs(*got_amax - amax) < 1e-5 * amax, "amax %.7g vs %.7g", *got_amax, amax);
+    free(x); free(W); free(y); free(gy); free(y8); free(gy8); free(want8); free(got_amax);
+    void* dev[] = {d_x, d_W, d_scales, d_y, d_y8};
+    for (void* d : dev) CUDA_CHECK(cudaFree(d));
+    matmul_free();
+    return TEST_RESULT;
+}
+
 static int test_kernel_embedding_and_reductions(void) {
     REQUIRE_GPU();
     int failed = 0;
@@ -667,7 +748,8 @@ static int test_kernel_embedding_and_reductions(void) {
     bf16* d_x = (bf16*)device_alloc_poisoned((size_t)m.N * 72 * 2);
     CUDA_CHECK(cudaMemsetAsync(m.grads, 0, m.table.n_elements * 4, m.stream));
     embedding_forward(d_x, b.inputs, P(&m, P_EMBED, 0), m.N, 72, m.stream);
-    embedding_backward(G(&m, P_EMBED, 0), d_dx, b.bucket_start, b.bucket_pos, b.bucket_token, b.n_buckets, 72, m.stream);
+    embedding_backward(G(&m, P_EMBED, 0), d_dx, b.bucket_start, b.bucket_pos, b.bucket_token, b.n_buckets, m.N, 64, 72,
+                       m.stream);
     CUDA_CHECK(cudaStreamSynchronize(m.stream));
     double *x = (double*)malloc((size_t)m.N * 72 * 8), *dE = (double*)calloc((size_t)64 * 72, 8);
     for (int n = 0; n < m.N; n++) {
@@ -703,41 +785,59 @@ static int test_kernel_embedding_and_reductions(void) {
     return TEST_RESULT;
 }
 
+// AdamW over a range of a buffer with decay flags per PARAM_ALIGN block, after the schedule
+// kernel: the device's learning rate and bias corrections against the host's, the update against
+// fp64, and the elements outside the range untouched.
 static int test_kernel_adamw(void) {
     REQUIRE_GPU();
     int failed = 0;
-    size_t n = 100000, decay_end = 60000;
+    size_t n = 100000, begin = 3 * PARAM_ALIGN, end = n - 1000;
     double *p = random_array(n, 1.0), *g = random_array(n, 0.1), *m0 = random_array(n, 0.01), *v0 = random_array(n, 0.01);
     for (size_t i = 0; i < n; i++) v0[i] = fabs(v0[i]);
     float *d_p = to_device_f32(p, n), *d_g = to_device_f32(g, n), *d_m = to_device_f32(m0, n), *d_v = to_device_f32(v0, n);
     bf16* d_pb = (bf16*)device_alloc_poisoned(n * 2);
+    size_t n_blocks = (n + PARAM_ALIGN - 1) / PARAM_ALIGN;
+    uint8_t* flags = (uint8_t*)malloc(n_blocks);
+    for (size_t i = 0; i < n_blocks; i++) flags[i] = rand_uniform() < 0.6;
+    uint8_t* d_flags;
+    CUDA_CHECK(cudaMalloc(&d_flags, n_blocks));
+    CUDA_CHECK(cudaMemcpy(d_flags, flags, n_blocks, cudaMemcpyHostToDevice));
     double norm_sq = 0;
     for (size_t i = 0; i < n; i++) norm_sq += (double)(float)g[i] * (float)g[i];
-    double norm_sq_arr[1] = {norm_sq};
-    float* d_norm = to_device_f32(norm_sq_arr, 1);
-    float lr = 1e-3f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f, clip = 1.0f;
-    int t = 7;
-    float bc1 = 1 - powf(b1, t), bc2 = 1 - powf(b2, t);
-    adamw_kernel<<<64, 256>>>(d_p, d_pb, d_g, d_m, d_v, 0, n, decay_end, lr, b1, b2, eps, wd, bc1, bc2, d_norm, clip);
-    LAUNCH_CHECK();
-    double scale = sqrt(norm_sq) > clip ? clip / sqrt(norm_sq) : 1.0;
-    double* want = (double*)malloc(n * 8);
-    for (size_t i = 0; i < n; i++) {
-        double gi = (float)g[i] * scale, mi = b1 * (float)m0[i] + (1 - b1) * gi, vi = b2 * (float)v0[i] + (1 - b2) * gi * gi;
-        double pi = (float)p[i];
-        want[i] = pi - lr * ((mi / bc1) / (sqrt(vi / bc2) + eps) + (i < decay_end ? wd : 0) * pi);
+    OptimConfig o = {1e-3f, 0.1f, 0.1f, 0.9f, 0.95f, 1e-8f, 1.0f, 4, 50, 0, 0.2f};
+    int t = 7;  // 0-based step: the update is AdamW's t+1-th
+    OptimScalars host_scalars = {t, 0, 0, 0, 0, (float)norm_sq, 0};
+    OptimScalars* d_scalars;
+    CUDA_CHECK(cudaMalloc(&d_scalars, sizeof(OptimScalars)));
+    CUDA_CHECK(cudaMemcpy(d_scalars, &host_scalars, sizeof(OptimScalars), cudaMemcpyHostToDevice));
+    adamw_step(d_p, d_pb, d_g, d_m, d_v, d_flags, begin, end, &o, d_scalars, 0);
+    CUDA_CHECK(cudaMemcpy(&host_scalars, d_scalars, sizeof(OptimScalars), cudaMemcpyDeviceToHost));
+    double lr = learning_rate(&o, t), bc1 = 1 - pow(o.beta1, t + 1), bc2 = 1 - pow(o.beta2, t + 1);
+    EXPECT(host_scalars.step == t + 1, "step %d after the update, expected %d", host_scalars.step, t + 1);
+    EXPECT(fabs(host_scalars.lr - lr) < 1e-6 * lr, "device lr %.9g vs host %.9g", host_scalars.lr, lr);
+    EXPECT(fabs(host_scalars.bias_corr1 - bc1) < 1e-5 && fabs(host_scalars.bias_corr2 - bc2) < 1e-5,
+           "bias corrections %.7f %.7f vs %.7f %.7f", host_scalars.bias_corr1, host_scalars.bias_corr2, bc1, bc2);
+    double scale = sqrt(norm_sq) > o.grad_clip ? o.grad_clip / sqrt(norm_sq) : 1.0;
+    double *gp = from_device_f32(d_p, n), *gpb = from_device_bf16(d_pb, end);
+    // compare the update (p_new - p_old), which is ~lr: fp32 arithmetic on it must hold to 1e-3
+    size_t m = end - begin;
+    double *dgot = (double*)malloc(m * 8), *dwant = (double*)malloc(m * 8), *want = (double*)malloc(m * 8);
+    for (size_t i = begin; i < end; i++) {
+        double gi = (float)g[i] * scale, mi = o.beta1 * (float)m0[i] + (1 - o.beta1) * gi;
+        double vi = o.beta2 * (float)v0[i] + (1 - o.beta2) * gi * gi, pi = (float)p[i];
+        double wd = flags[i / PARAM_ALIGN] ? o.weight_decay : 0.0;
+        want[i - begin] = pi - lr * ((mi / bc1) / (sqrt(vi / bc2) + o.eps) + wd * pi);
+        dgot[i - begin] = gp[i] - pi;
+        dwant[i - begin] = want[i - begin] - pi;
     }
-    double *gp = from_device_f32(d_p, n), *gpb = from_device_bf16(d_pb, n);
-    // compare the update (p_new - p_old), which is ~lr: fp32 arithmetic on it must hold to 1e-4
-    double *dgot = (double*)malloc(n * 8), *dwant = (double*)malloc(n * 8);
-    for (size_t i = 0; i < n; i++) {
-        dgot[i] = gp[i] - (float)p[i];
-        dwant[i] = want[i] - (float)p[i];
-    }
-    CHECK_CLOSE("adamw update", dgot, dwant, n, 1e-3);
-    CHECK_CLOSE("adamw bf16 copy", gpb, want, n, 4e-3);
-    free(p); free(g); free(m0); free(v0); free(want); free(gp); free(gpb); free(dgot); free(dwant);
-    void* dev[] = {d_p, d_g, d_m, d_v, d_pb, d_norm};
+    CHECK_CLOSE("adamw update", dgot, dwant, m, 1e-3);
+    CHECK_CLOSE("adamw bf16 copy", gpb + begin, want, m, 4e-3);
+    bool outside_same = true;
+    for (size_t i = 0; i < n; i++)
+        if ((i < begin || i >= end) && gp[i] != (float)p[i]) outside_same = false;
+    EXPECT(outside_same, "elements outside [begin, end) changed");
+    free(p); free(g); free(m0); free(v0); free(want); free(gp); free(gpb); free(dgot); free(dwant); free(flags);
+    void* dev[] = {d_p, d_g, d_m, d_v, d_pb, d_flags, d_scalars};
     for (void* d : dev) CUDA_CHECK(cudaFree(d));
     return TEST_RESULT;
 }
@@ -762,7 +862,7 @@ static double gpu_forward_backward(GPT* m, Uploader* up, double* p, const uint16
         forward_backward(m, &b, 1.0f / ((float)m->N * accum), micro == 0);
     }
     float loss_sum;
-    CUDA_CHECK(cudaMemcpyAsync(&loss_sum, m->act.loss_sum, 4, cudaMemcpyDeviceToHost, m->stream));
+    CUDA_CHECK(cudaMemcpyAsync(&loss_sum, &m->scalars->loss_sum, 4, cudaMemcpyDeviceToHost, m->stream));
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
     double* g = from_device_f32(m->grads, n);
     memcpy(grads, g, n * sizeof(double));
@@ -813,7 +913,7 @@ static int test_model_matches_reference(void) {
         for (int i = 0; i < m.table.n_tensors; i++) {
             const ParamTensor* t = &m.table.tensors[i];
             double err = rel_l2(g_gpu + t->offset, g_ref + t->offset, (size_t)(t->rows * t->cols));
-            int is_norm = !PARAM_KINDS[t->kind].decay;
+            int is_norm = !t->decay;
             if (err > worst[is_norm]) {
                 worst[is_norm] = err;
                 worst_name[is_norm] = t->name;
@@ -862,6 +962,63 @@ static int test_model_deterministic(void) {
     return TEST_RESULT;
 }
 
+// backward()'s hook: it fires once per gradient bucket, layers L-1 down to 0 then bucket L, and at
+// each call that bucket's gradients are final. The hook copies the bucket (on the stream, in
+// order) when it fires; after the step the copies must equal the final gradients bit for bit.
+typedef struct {
+    float* snapshot;  // a device copy of the gradient buffer, filled bucket by bucket
+    int order[MAX_LAYERS + 1];
+    int calls;
+} HookRecord;
+
+static void record_bucket(void* ctx, const GPT* m, int bucket) {
+    HookRecord* r = (HookRecord*)ctx;
+    if (r->calls <= m->cfg.n_layer) r->order[r->calls] = bucket;
+    r->calls++;
+    size_t begin = m->table.bucket_offset[bucket], end = m->table.bucket_offset[bucket + 1];
+    CUDA_CHECK(cudaMemcpyAsync(r->snapshot + begin, m->grads + begin, (end - begin) * sizeof(float),
+                               cudaMemcpyDeviceToDevice, m->stream));
+}
+
+static int test_model_bucket_hook(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    ModelConfig c = {1024, 128, 3, 2, 1, 64, 256, 64, 1e4f, 1e-6f};
+    GPT m;
+    gpt_create(&m, &c, 2, c.seq_len, true, 4096);
+    gpt_init(&m, 3);
+    Uploader up;
+    uploader_create(&up, m.N, c.vocab_size);
+    HookRecord rec = {};
+    CUDA_CHECK(cudaMalloc(&rec.snapshot, m.table.n_elements * sizeof(float)));
+    CUDA_CHECK(cudaMemset(rec.snapshot, 0, m.table.n_elements * sizeof(float)));
+    m.grads_ready = record_bucket;
+    m.grads_ready_ctx = &rec;
+    uint16_t* window = random_window(2, c.seq_len, c.vocab_size);
+    CUDA_CHECK(cudaMemsetAsync(m.grads, 0, m.table.n_elements * 4, m.stream));
+    Batch b = upload_batch(&up, &m, window);
+    forward_backward(&m, &b, 1.0f / m.N, true);
+    CUDA_CHECK(cudaStreamSynchronize(m.stream));
+    EXPECT(rec.calls == c.n_layer + 1, "%d hook calls, expected %d", rec.calls, c.n_layer + 1);
+    for (int i = 0; i < rec.calls && i <= c.n_layer; i++)
+        EXPECT(rec.order[i] == (i < c.n_layer ? c.n_layer - 1 - i : c.n_layer), "call %d was bucket %d", i,
+               rec.order[i]);
+    double *snap = from_device_f32(rec.snapshot, m.table.n_elements), *final_grads = from_device_f32(m.grads, m.table.n_elements);
+    for (int bucket = 0; bucket <= c.n_layer; bucket++) {
+        size_t begin = m.table.bucket_offset[bucket], end = m.table.bucket_offset[bucket + 1];
+        EXPECT(!memcmp(snap + begin, final_grads + begin, (end - begin) * sizeof(double)),
+               "bucket %d changed after its hook fired", bucket);
+    }
+    double norm = 0;
+    for (size_t i = 0; i < m.table.n_elements; i++) norm += final_grads[i] * final_grads[i];
+    EXPECT(norm > 0, "no gradient at all");
+    free(snap); free(final_grads); free(window);
+    CUDA_CHECK(cudaFree(rec.snapshot));
+    uploader_free(&up);
+    gpt_free(&m);
+    return TEST_RESULT;
+}
+
 // A few AdamW steps on one batch must drive its loss down (the optimizer is wired right).
 static int test_model_trains(void) {
     REQUIRE_GPU();
@@ -879,9 +1036,9 @@ static int test_model_trains(void) {
         CUDA_CHECK(cudaMemsetAsync(m.grads, 0, m.table.n_elements * 4, m.stream));
         Batch b = upload_batch(&up, &m, window);
         forward_backward(&m, &b, 1.0f / m.N, true);
-        optimizer_step(&m, &o, step, learning_rate(&o, step));
+        optimizer_step(&m, &o);
         float loss_sum;
-        CUDA_CHECK(cudaMemcpy(&loss_sum, m.act.loss_sum, 4, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(&loss_sum, &m.scalars->loss_sum, 4, cudaMemcpyDeviceToHost));
         if (step == 0) first = loss_sum / m.N;
         last = loss_sum / m.N;
     }
@@ -1087,10 +1244,12 @@ static const TestCase model_tests[] = {
     {"gpu_kernel_swiglu", test_kernel_swiglu},
     {"gpu_kernel_cross_entropy", test_kernel_cross_entropy},
     {"gpu_kernel_matmuls", test_kernel_matmuls},
+    {"gpu_kernel_matmul_fp8", test_kernel_matmul_fp8},
     {"gpu_kernel_embedding_and_reductions", test_kernel_embedding_and_reductions},
     {"gpu_kernel_adamw", test_kernel_adamw},
     {"gpu_model_matches_reference", test_model_matches_reference},
     {"gpu_model_deterministic", test_model_deterministic},
+    {"gpu_model_bucket_hook", test_model_bucket_hook},
     {"gpu_model_trains", test_model_trains},
     {"gpu_resume_is_bit_exact", test_resume_is_bit_exact},
     {"gpu_kill_during_checkpoint_then_resume", test_kill_during_checkpoint_then_resume},

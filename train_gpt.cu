@@ -1,5 +1,5 @@
 /*
- * train_gpt.cu - train a Qwen3-architecture GQA transformer on one NVIDIA GPU, in one file.
+ * train_gpt.cu - train a Qwen3-architecture GQA transformer on NVIDIA GPUs, in one file.
  *
  * The model, top to bottom (shapes for one micro-batch of N = B*T tokens, C = d_model):
  *   x = embed[tokens]                                                          [N, C]
@@ -11,15 +11,19 @@
  *   logits = rmsnorm(x) @ embed^T                  tied output head, never materialized whole
  *   loss   = mean cross-entropy of the next token
  *
- * What lives where: kernels.cuh holds the CUDA kernels and the cuBLASLt wrapper, data.h the token
- * shards, loader and tokenizer, ckpt.h the safetensors and checkpoint files. This file holds the
- * config, the tables that lay out parameters and activations in a few big buffers, forward,
- * backward, the optimizer step, the HF export, the command line and the training loop.
+ * What lives where: kernels.cuh holds the CUDA kernels, the optimizer's kernels and the one matmul
+ * wrapper; data.h the token shards and loader; ckpt.h the safetensors and checkpoint files;
+ * doc/map.md is the map of the whole repository. This file, in reading order: the config; the
+ * parameter table, which lays out every tensor in one flat buffer; the activations; the model on
+ * the GPU; uploading batches; forward; backward; the optimizer step; HF export and checkpoints;
+ * the command line; and the Trainer, whose train_step() is one optimizer step and whose loop
+ * main() runs.
  *
  * Precision: bf16 weights and activations for compute, fp32 accumulation everywhere, fp32 master
  * weights, gradients and AdamW moments. One convention to know: parameters live in ONE flat buffer
- * (the same layout for the fp32 master copy, the bf16 copy, the gradients and both moments), with
- * every matrix first and every norm weight after them, so that "decays or not" is one boundary.
+ * (the same layout for the fp32 master copy, the bf16 copy, the gradients and both moments), laid
+ * out layer by layer, so that each layer's gradients are one contiguous range (a "bucket") that
+ * is complete as soon as the backward has left that layer.
  * test_gpt.cu #includes this file with TRAIN_GPT_NO_MAIN defined, so tests run this exact code.
  */
 #include <stdio.h>
@@ -36,6 +40,9 @@
 #include "kernels.cuh"
 #include "data.h"
 #include "ckpt.h"
+#ifndef GPT2_EOT
+#define GPT2_EOT 50256
+#endif
 
 // ----------------------------------------------------------------------------------------------
 // The model's configuration
@@ -55,7 +62,18 @@ typedef struct {
 
 #define MAX_LAYERS 256
 
-static const ModelConfig DEFAULT_CONFIG = {50304, 768, 12, 6, 2, 128, 2048, 1024, 10000.0f, 1e-6f};
+static const ModelConfig DEFAULT_CONFIG = {
+    .vocab_size = 50304,
+    .d_model = 768,
+    .n_layer = 12,
+    .n_head = 6,
+    .n_kv_head = 2,
+    .head_dim = 128,
+    .ffn_dim = 2048,
+    .seq_len = 1024,
+    .rope_theta = 10000.0f,
+    .norm_eps = 1e-6f,
+};
 
 static int qkv_dim(const ModelConfig* c) { return (c->n_head + 2 * c->n_kv_head) * c->head_dim; }
 
@@ -94,47 +112,56 @@ static bool config_check(const ModelConfig* c, char* err, size_t err_len) {
 // ----------------------------------------------------------------------------------------------
 // The parameter table: every tensor has a named entry with its shape, its place in the flat buffer
 // and whether it decays. Nothing else in the program knows where a tensor lives.
+//
+// The layout is layer-major: layer 0's tensors, then layer 1's, ..., then the tensors outside the
+// layers (the embedding and the final norm). So the backward, which walks down the layers,
+// completes one contiguous range of the gradient buffer at a time. These ranges are the buckets:
+// bucket l < L is layer l, bucket L is the embedding and the final norm (whose gradients are
+// complete only when the backward reaches the embedding). comm.h sends a bucket as soon as it is
+// complete, while the backward goes on.
 
 typedef enum {
-    // matrices (weight decay applies)
-    P_EMBED, P_QKV, P_ATTN_OUT, P_GATE_UP, P_DOWN,
-    // norm weights (no decay)
-    P_ATTN_NORM, P_Q_NORM, P_K_NORM, P_MLP_NORM, P_FINAL_NORM,
+    // per layer, in the order they are laid out
+    P_QKV, P_ATTN_OUT, P_GATE_UP, P_DOWN, P_ATTN_NORM, P_Q_NORM, P_K_NORM, P_MLP_NORM,
+    // outside the layers
+    P_EMBED, P_FINAL_NORM,
     N_PARAM_KINDS
 } ParamKind;
 
+#define N_LAYER_KINDS P_EMBED  // the kinds before P_EMBED repeat in every layer
+
 typedef struct {
     const char* name;
-    bool per_layer;
-    bool decay;
+    bool decay;  // AdamW's weight decay applies (matrices yes, norm weights no)
 } ParamKindInfo;
 
 static const ParamKindInfo PARAM_KINDS[N_PARAM_KINDS] = {
-    {"embed", false, true},      {"qkv", true, true},     {"attn_out", true, true},
-    {"gate_up", true, true},     {"down", true, true},    {"attn_norm", true, false},
-    {"q_norm", true, false},     {"k_norm", true, false}, {"mlp_norm", true, false},
-    {"final_norm", false, false},
+    {"qkv", true},        {"attn_out", true}, {"gate_up", true}, {"down", true},   {"attn_norm", false},
+    {"q_norm", false},    {"k_norm", false},  {"mlp_norm", false}, {"embed", true}, {"final_norm", false},
 };
+
+#define PARAM_NAME_MAX 48
 
 typedef struct {
     ParamKind kind;
     int layer;          // -1 for tensors outside the layers
     int64_t rows, cols; // a norm weight is 1 x n
-    size_t offset;      // in elements, into the flat buffers
-    char name[48];      // e.g. "layers.3.qkv"
+    size_t offset;      // in elements, into the flat buffers; a multiple of PARAM_ALIGN
+    bool decay;
+    char name[PARAM_NAME_MAX];  // e.g. "layers.3.qkv"
 } ParamTensor;
 
 typedef struct {
-    ParamTensor* tensors;
+    ParamTensor* tensors;      // in layout order
     int n_tensors;
-    int first[N_PARAM_KINDS];  // index of a kind's first tensor; layer l of a kind is first + l
+    int n_layers;
+    size_t* bucket_offset;     // [L + 2]: bucket b is [bucket_offset[b], bucket_offset[b + 1])
     size_t n_elements;         // length of the flat buffers, padding included
-    size_t decay_end;          // elements [0, decay_end) decay
 } ParamTable;
 
-// Every tensor starts on a 256-byte boundary of the bf16 buffer (cuBLASLt's preferred alignment);
-// the padding between tensors is zero in every buffer and stays zero.
-#define PARAM_ALIGN 128
+// Every tensor starts on a PARAM_ALIGN-element boundary (256 bytes of the bf16 buffer, cuBLASLt's
+// preferred alignment; kernels.cuh's AdamW reads one decay flag per PARAM_ALIGN elements); the
+// padding between tensors is zero in every buffer and stays zero.
 
 static void param_shape(const ModelConfig* c, ParamKind kind, int64_t* rows, int64_t* cols) {
     int64_t C = c->d_model, D = c->head_dim;
@@ -149,38 +176,63 @@ static void param_shape(const ModelConfig* c, ParamKind kind, int64_t* rows, int
     }
 }
 
+static void param_add(ParamTable* pt, const ModelConfig* c, ParamKind kind, int layer, size_t* offset) {
+    ParamTensor* t = &pt->tensors[pt->n_tensors++];
+    t->kind = kind;
+    t->layer = layer;
+    t->decay = PARAM_KINDS[kind].decay;
+    param_shape(c, kind, &t->rows, &t->cols);
+    t->offset = *offset;
+    if (layer >= 0) snprintf(t->name, sizeof(t->name), "layers.%d.%s", layer, PARAM_KINDS[kind].name);
+    else snprintf(t->name, sizeof(t->name), "%s", PARAM_KINDS[kind].name);
+    *offset += ((size_t)(t->rows * t->cols) + PARAM_ALIGN - 1) / PARAM_ALIGN * PARAM_ALIGN;
+}
+
 static void param_table_build(ParamTable* pt, const ModelConfig* c) {
+    int L = c->n_layer;
+    pt->n_layers = L;
     pt->n_tensors = 0;
-    for (int k = 0; k < N_PARAM_KINDS; k++) pt->n_tensors += PARAM_KINDS[k].per_layer ? c->n_layer : 1;
-    pt->tensors = (ParamTensor*)calloc(pt->n_tensors, sizeof(ParamTensor));
+    pt->tensors = (ParamTensor*)calloc((size_t)L * N_LAYER_KINDS + 2, sizeof(ParamTensor));
+    pt->bucket_offset = (size_t*)calloc(L + 2, sizeof(size_t));
     size_t offset = 0;
-    int i = 0;
-    for (int k = 0; k < N_PARAM_KINDS; k++) {  // the enum lists the decayed kinds first
-        if (!PARAM_KINDS[k].decay && i > 0 && PARAM_KINDS[k - 1].decay) pt->decay_end = offset;
-        pt->first[k] = i;
-        int n = PARAM_KINDS[k].per_layer ? c->n_layer : 1;
-        for (int l = 0; l < n; l++, i++) {
-            ParamTensor* t = &pt->tensors[i];
-            t->kind = (ParamKind)k;
-            t->layer = PARAM_KINDS[k].per_layer ? l : -1;
-            param_shape(c, t->kind, &t->rows, &t->cols);
-            t->offset = offset;
-            if (t->layer >= 0) snprintf(t->name, sizeof(t->name), "layers.%d.%s", l, PARAM_KINDS[k].name);
-            else snprintf(t->name, sizeof(t->name), "%s", PARAM_KINDS[k].name);
-            offset += ((size_t)(t->rows * t->cols) + PARAM_ALIGN - 1) / PARAM_ALIGN * PARAM_ALIGN;
-        }
+    for (int l = 0; l < L; l++) {
+        pt->bucket_offset[l] = offset;
+        for (int k = 0; k < N_LAYER_KINDS; k++) param_add(pt, c, (ParamKind)k, l, &offset);
     }
+    pt->bucket_offset[L] = offset;
+    param_add(pt, c, P_EMBED, -1, &offset);
+    param_add(pt, c, P_FINAL_NORM, -1, &offset);
+    pt->bucket_offset[L + 1] = offset;
     pt->n_elements = offset;
 }
 
+static void param_table_free(ParamTable* pt) {
+    free(pt->tensors);
+    free(pt->bucket_offset);
+}
+
 static const ParamTensor* param(const ParamTable* pt, ParamKind kind, int layer) {
-    return &pt->tensors[pt->first[kind] + (PARAM_KINDS[kind].per_layer ? layer : 0)];
+    if (kind == P_EMBED) return &pt->tensors[pt->n_tensors - 2];
+    if (kind == P_FINAL_NORM) return &pt->tensors[pt->n_tensors - 1];
+    return &pt->tensors[layer * N_LAYER_KINDS + kind];
 }
 
 static size_t param_count(const ParamTable* pt) {  // without padding
     size_t n = 0;
     for (int i = 0; i < pt->n_tensors; i++) n += (size_t)(pt->tensors[i].rows * pt->tensors[i].cols);
     return n;
+}
+
+// AdamW's view of "what decays": one flag per PARAM_ALIGN elements of the flat buffer (host array
+// of n_elements / PARAM_ALIGN bytes; padding never decays, and stays zero either way).
+static uint8_t* param_decay_flags(const ParamTable* pt) {
+    uint8_t* flags = (uint8_t*)calloc(pt->n_elements / PARAM_ALIGN, 1);
+    for (int i = 0; i < pt->n_tensors; i++) {
+        const ParamTensor* t = &pt->tensors[i];
+        size_t blocks = ((size_t)(t->rows * t->cols) + PARAM_ALIGN - 1) / PARAM_ALIGN;
+        memset(flags + t->offset / PARAM_ALIGN, t->decay ? 1 : 0, blocks);
+    }
+    return flags;
 }
 
 // FLOPs per token of one training step (forward + backward), the convention of ANCHORS.md and of
@@ -229,36 +281,43 @@ typedef struct {
     bf16* d_attn_out;                 // [N, Hq D]        } before the attention's begins
     bf16* d_qkv;                      // [N, (Hq+2Hkv) D] }
     float* partials;                  // per-block partial sums of the deterministic reductions
-    // the step's scalars
-    float* loss_sum;                  // [1]  sum of per-token losses over the step's micro-batches
-    float* grad_norm_sq;              // [1]
-    // the batch on the device: inputs, targets, and the embedding backward's buckets
-    int* tokens;                      // [5N + 1] laid out as in Batch below
 } Activations;
 
 // One micro-batch as it is uploaded: the inputs and targets, and the positions sorted by token for
-// the deterministic embedding backward (see embedding_backward in kernels.cuh).
+// the deterministic embedding backward (see embedding_backward in kernels.cuh). The token groups
+// are the embedding backward's "buckets" (not to be confused with the gradient buckets above).
 typedef struct {
     int* inputs;         // [N]
     int* targets;        // [N]
     int* bucket_pos;     // [N]      positions grouped by token, increasing within a group
     int* bucket_token;   // [N]      the token of each group (first n_buckets entries)
     int* bucket_start;   // [N + 1]  group u is bucket_pos[bucket_start[u] .. bucket_start[u+1])
-    int n_buckets;
+    int* n_buckets;      // [1]      how many groups
 } Batch;
 
-static void batch_layout(Batch* b, int* base, int N) {
-    b->inputs = base;
-    b->targets = base + N;
-    b->bucket_pos = base + 2 * N;
-    b->bucket_token = base + 3 * N;
-    b->bucket_start = base + 4 * N;
+// The ints of one uploaded micro-batch, in the order of Batch's fields.
+static size_t batch_ints(int N) { return 5 * (size_t)N + 2; }
+
+static Batch batch_layout(int* base, int N) {
+    Batch b;
+    b.inputs = base;
+    b.targets = base + N;
+    b.bucket_pos = base + 2 * (size_t)N;
+    b.bucket_token = base + 3 * (size_t)N;
+    b.bucket_start = base + 4 * (size_t)N;
+    b.n_buckets = base + 5 * (size_t)N + 1;
+    return b;
 }
 
 // ----------------------------------------------------------------------------------------------
 // The model on the GPU
 
-typedef struct {
+struct GPT;
+// Called by backward() on the model's stream as soon as gradient bucket `bucket` is complete for
+// this micro-batch (layers L-1 down to 0, then bucket L); comm.h sends it from here.
+typedef void (*GradsReadyHook)(void* ctx, const struct GPT* m, int bucket);
+
+typedef struct GPT {
     ModelConfig cfg;
     ParamTable table;
     int B, T, N;            // micro-batch shape, N = B * T
@@ -271,12 +330,16 @@ typedef struct {
     float* grads;           // fp32, accumulated over micro-batches
     float* adam_m;
     float* adam_v;
+    uint8_t* decay_flags;   // [n_elements / PARAM_ALIGN] what decays, for AdamW
+    OptimScalars* scalars;  // the step's scalars (step, lr, loss, gradient norm), on the device
     Activations act;
     float* rope_cos;        // [T, D/2]
     float* rope_sin;
     void* activation_memory;  // the two allocations the Activations are carved from
     void* scratch_memory;
     cudaStream_t stream;
+    GradsReadyHook grads_ready;  // NULL on one GPU
+    void* grads_ready_ctx;
     size_t bytes_params, bytes_grads, bytes_optimizer, bytes_activations, bytes_scratch;
 } GPT;
 
@@ -344,9 +407,6 @@ static void activations_layout(Activations* a, Arena* kept, Arena* scratch, cons
     size_t qk_partials = (size_t)ceil_div(N * (c->n_head + c->n_kv_head), QK_BWD_TASKS) * 2 * c->head_dim;
     size_t partials = norm_partials > qk_partials ? norm_partials : qk_partials;
     a->partials = (float*)arena_take(scratch, (partials > REDUCE_BLOCKS ? partials : REDUCE_BLOCKS) * 4);
-    a->loss_sum = (float*)arena_take(scratch, 4);
-    a->grad_norm_sq = (float*)arena_take(scratch, 4);
-    a->tokens = (int*)arena_take(scratch, (5 * N + 1) * 4);
 }
 
 // RoPE tables, computed as transformers does (fp32 inverse frequencies, fp32 angles), so that an
@@ -369,6 +429,64 @@ static size_t gpt_bytes_total(const GPT* m) {
            CUBLASLT_WORKSPACE_BYTES;
 }
 
+// Sizes every buffer from the config, before anything is allocated: master and bf16 weights,
+// gradients, both moments, and the activations (measured by laying them out over no memory).
+static void gpt_plan_memory(GPT* m) {
+    size_t P = m->table.n_elements;
+    m->bytes_params = P * (4 + 2);
+    m->bytes_grads = P * 4;
+    m->bytes_optimizer = P * 8;
+    Arena kept = {NULL, 0, 0}, scratch = {NULL, 0, 0};
+    activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute);
+    m->bytes_activations = kept.used;
+    m->bytes_scratch = scratch.used;
+}
+
+// Exits with one line if the plan cannot fit in the GPU's free memory.
+static void gpt_check_fits(const GPT* m) {
+    size_t free_bytes, total_bytes;
+    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    if (gpt_bytes_total(m) > free_bytes) {
+        fprintf(stderr, "train_gpt: this config needs %.2f GiB of GPU memory (activations %.2f) but %.2f GiB are "
+                        "free; lower --batch, or use --recompute 1\n", gib(gpt_bytes_total(m)),
+                gib(m->bytes_activations), gib(free_bytes));
+        exit(1);
+    }
+}
+
+static void gpt_allocate(GPT* m) {
+    size_t P = m->table.n_elements;
+    CUDA_CHECK(cudaMalloc(&m->master, P * 4));
+    CUDA_CHECK(cudaMalloc(&m->params, P * 2));
+    CUDA_CHECK(cudaMalloc(&m->grads, P * 4));
+    CUDA_CHECK(cudaMalloc(&m->adam_m, P * 4));
+    CUDA_CHECK(cudaMalloc(&m->adam_v, P * 4));
+    CUDA_CHECK(cudaMalloc(&m->scalars, sizeof(OptimScalars)));
+    CUDA_CHECK(cudaMemsetAsync(m->grads, 0, P * 4, m->stream));
+    CUDA_CHECK(cudaMemsetAsync(m->adam_m, 0, P * 4, m->stream));
+    CUDA_CHECK(cudaMemsetAsync(m->adam_v, 0, P * 4, m->stream));
+    CUDA_CHECK(cudaMemsetAsync(m->scalars, 0, sizeof(OptimScalars), m->stream));
+    uint8_t* flags = param_decay_flags(&m->table);
+    CUDA_CHECK(cudaMalloc(&m->decay_flags, P / PARAM_ALIGN));
+    CUDA_CHECK(cudaMemcpy(m->decay_flags, flags, P / PARAM_ALIGN, cudaMemcpyHostToDevice));
+    free(flags);
+    Arena kept = {NULL, 0, 0}, scratch = {NULL, 0, 0};
+    CUDA_CHECK(cudaMalloc(&kept.base, m->bytes_activations));
+    CUDA_CHECK(cudaMalloc(&scratch.base, m->bytes_scratch));
+    m->activation_memory = kept.base;
+    m->scratch_memory = scratch.base;
+    activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute);
+
+    int T = m->T, D = m->cfg.head_dim;
+    size_t rope_n = (size_t)T * (D / 2);
+    float* host_rope = (float*)malloc(2 * rope_n * sizeof(float));
+    rope_tables(host_rope, host_rope + rope_n, T, D, m->cfg.rope_theta);
+    CUDA_CHECK(cudaMalloc(&m->rope_cos, 2 * rope_n * sizeof(float)));
+    m->rope_sin = m->rope_cos + rope_n;
+    CUDA_CHECK(cudaMemcpy(m->rope_cos, host_rope, 2 * rope_n * sizeof(float), cudaMemcpyHostToDevice));
+    free(host_rope);
+}
+
 static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recompute, int loss_chunk) {
     memset(m, 0, sizeof(*m));
     m->cfg = *cfg;
@@ -381,71 +499,31 @@ static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recomp
     param_table_build(&m->table, cfg);
     CUDA_CHECK(cudaStreamCreate(&m->stream));
     matmul_init();
-
-    size_t P = m->table.n_elements;
-    m->bytes_params = P * (4 + 2);
-    m->bytes_grads = P * 4;
-    m->bytes_optimizer = P * 8;
-    Arena kept = {NULL, 0, 0}, scratch = {NULL, 0, 0};
-    activations_layout(&m->act, &kept, &scratch, cfg, B, T, m->loss_chunk, recompute);  // measure
-    m->bytes_activations = kept.used;
-    m->bytes_scratch = scratch.used;
-    size_t free_bytes, total_bytes;  // a plan that cannot fit is one line, before any allocation
-    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    if (gpt_bytes_total(m) > free_bytes) {
-        fprintf(stderr, "train_gpt: this config needs %.2f GiB of GPU memory (activations %.2f) but %.2f GiB are "
-                        "free; lower --batch, or use --recompute 1\n", gib(gpt_bytes_total(m)),
-                gib(m->bytes_activations), gib(free_bytes));
-        exit(1);
-    }
-    CUDA_CHECK(cudaMalloc(&m->master, P * 4));
-    CUDA_CHECK(cudaMalloc(&m->params, P * 2));
-    CUDA_CHECK(cudaMalloc(&m->grads, P * 4));
-    CUDA_CHECK(cudaMalloc(&m->adam_m, P * 4));
-    CUDA_CHECK(cudaMalloc(&m->adam_v, P * 4));
-    CUDA_CHECK(cudaMemsetAsync(m->grads, 0, P * 4, m->stream));
-    CUDA_CHECK(cudaMemsetAsync(m->adam_m, 0, P * 4, m->stream));
-    CUDA_CHECK(cudaMemsetAsync(m->adam_v, 0, P * 4, m->stream));
-    CUDA_CHECK(cudaMalloc(&kept.base, kept.used));
-    CUDA_CHECK(cudaMalloc(&scratch.base, scratch.used));
-    m->activation_memory = kept.base;
-    m->scratch_memory = scratch.base;
-    kept.used = scratch.used = 0;
-    activations_layout(&m->act, &kept, &scratch, cfg, B, T, m->loss_chunk, recompute);  // carve
-
-    int D = cfg->head_dim;
-    size_t rope_n = (size_t)T * (D / 2);
-    float* host_rope = (float*)malloc(2 * rope_n * sizeof(float));
-    rope_tables(host_rope, host_rope + rope_n, T, D, cfg->rope_theta);
-    CUDA_CHECK(cudaMalloc(&m->rope_cos, 2 * rope_n * sizeof(float)));
-    m->rope_sin = m->rope_cos + rope_n;
-    CUDA_CHECK(cudaMemcpy(m->rope_cos, host_rope, 2 * rope_n * sizeof(float), cudaMemcpyHostToDevice));
-    free(host_rope);
+    gpt_plan_memory(m);
+    gpt_check_fits(m);  // a plan that cannot fit is one line, before any allocation
+    gpt_allocate(m);
 }
 
 static void gpt_free(GPT* m) {
-    CUDA_CHECK(cudaFree(m->master));
-    CUDA_CHECK(cudaFree(m->params));
-    CUDA_CHECK(cudaFree(m->grads));
-    CUDA_CHECK(cudaFree(m->adam_m));
-    CUDA_CHECK(cudaFree(m->adam_v));
-    CUDA_CHECK(cudaFree(m->activation_memory));
-    CUDA_CHECK(cudaFree(m->scratch_memory));
-    CUDA_CHECK(cudaFree(m->rope_cos));
+    void* buffers[] = {m->master, m->params, m->grads, m->adam_m, m->adam_v, m->decay_flags, m->scalars,
+                       m->activation_memory, m->scratch_memory, m->rope_cos};
+    for (void* p : buffers) CUDA_CHECK(cudaFree(p));
     CUDA_CHECK(cudaStreamDestroy(m->stream));
     matmul_free();
-    free(m->table.tensors);
+    param_table_free(&m->table);
 }
 
 // Initialization as in GPT-2 and torch_baseline.py: matrices N(0, 0.02), norm weights 1.
-// Each tensor draws from its own seed (seed + tensor index), so its values do not depend on the
-// layout of the flat buffer.
+// Each matrix draws from its own stream of the seed, numbered the embedding 0, then kind by kind
+// and layer by layer (1 + kind L + layer), so its values depend neither on the layout of the flat
+// buffer nor on the other tensors.
 static void gpt_init(GPT* m, uint64_t seed) {
     CUDA_CHECK(cudaMemsetAsync(m->master, 0, m->table.n_elements * 4, m->stream));
     for (int i = 0; i < m->table.n_tensors; i++) {
         const ParamTensor* t = &m->table.tensors[i];
         size_t n = (size_t)(t->rows * t->cols);
-        if (PARAM_KINDS[t->kind].decay) init_normal(m->master + t->offset, n, 0.0f, 0.02f, seed * 1000003 + i, m->stream);
+        uint64_t stream = t->kind == P_EMBED ? 0 : 1 + (uint64_t)t->kind * m->cfg.n_layer + t->layer;
+        if (t->decay) init_normal(m->master + t->offset, n, 0.0f, 0.02f, seed * 1000003 + stream, m->stream);
         else init_normal(m->master + t->offset, n, 1.0f, 0.0f, 0, m->stream);
     }
     cast_to_bf16(m->params, m->master, m->table.n_elements, m->stream);
@@ -464,101 +542,130 @@ static void print_memory_plan(const GPT* m) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// Uploading a micro-batch. The host splits the B x (T+1) window into inputs and targets and
+// Uploading micro-batches. The host splits the B x (T+1) window into inputs and targets and
 // counting-sorts the positions by token for the embedding backward; one copy moves it all.
+//
+// The copy runs on its own stream, so that it overlaps the compute of the micro-batch before it.
+// Two slots take turns, each a pinned host buffer and a device buffer. Slot k's copy waits (on the
+// GPU) until the compute stream is done with slot k's previous batch; the compute stream waits
+// (on the GPU) for the copy. The host waits only for slot k's previous copy to have left its
+// pinned buffer, which happened before that batch's compute began: the host never waits for
+// compute, so it can run ahead of the GPU.
 
 typedef struct {
-    int* host;            // pinned, [2][5N + 1] (double-buffered, so the host can prepare the next
-    cudaEvent_t done[2];  //  micro-batch while the previous copy may still be queued)
-    int* counts;          // [V] the counting sort's scratch: occurrences of each token
-    int* cursor;          // [V] and the next free slot of each token's bucket (-1: none yet)
-    int next;
+    int* host[2];            // pinned, batch_ints(N) each
+    int* device[2];
+    cudaEvent_t copied[2];   // the slot's last upload has landed
+    cudaEvent_t consumed[2]; // the compute stream has passed the slot's last batch
+    cudaStream_t copy_stream;
+    int* counts;             // [V] the counting sort's scratch: occurrences of each token
+    int* cursor;             // [V] and the next free slot of each token's bucket (-1: none yet)
+    int next, N;
 } Uploader;
 
 static void uploader_create(Uploader* u, int N, int V) {
-    CUDA_CHECK(cudaMallocHost(&u->host, 2 * (5 * (size_t)N + 1) * sizeof(int)));
-    for (int i = 0; i < 2; i++) CUDA_CHECK(cudaEventCreateWithFlags(&u->done[i], cudaEventDisableTiming));
+    u->N = N;
+    u->next = 0;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&u->copy_stream, cudaStreamNonBlocking));
+    for (int i = 0; i < 2; i++) {
+        CUDA_CHECK(cudaMallocHost(&u->host[i], batch_ints(N) * sizeof(int)));
+        CUDA_CHECK(cudaMalloc(&u->device[i], batch_ints(N) * sizeof(int)));
+        CUDA_CHECK(cudaEventCreateWithFlags(&u->copied[i], cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventCreateWithFlags(&u->consumed[i], cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventRecord(u->copied[i], u->copy_stream));
+        CUDA_CHECK(cudaEventRecord(u->consumed[i], u->copy_stream));
+    }
     u->counts = (int*)calloc(V, sizeof(int));
     u->cursor = (int*)malloc(V * sizeof(int));
     for (int v = 0; v < V; v++) u->cursor[v] = -1;
-    u->next = 0;
 }
 
 static void uploader_free(Uploader* u) {
-    CUDA_CHECK(cudaFreeHost(u->host));
-    for (int i = 0; i < 2; i++) CUDA_CHECK(cudaEventDestroy(u->done[i]));
+    CUDA_CHECK(cudaStreamSynchronize(u->copy_stream));
+    for (int i = 0; i < 2; i++) {
+        CUDA_CHECK(cudaFreeHost(u->host[i]));
+        CUDA_CHECK(cudaFree(u->device[i]));
+        CUDA_CHECK(cudaEventDestroy(u->copied[i]));
+        CUDA_CHECK(cudaEventDestroy(u->consumed[i]));
+    }
+    CUDA_CHECK(cudaStreamDestroy(u->copy_stream));
     free(u->counts);
     free(u->cursor);
 }
 
-// Takes B rows of T+1 tokens; returns the batch's device layout.
-static Batch upload_batch(Uploader* u, GPT* m, const uint16_t* window) {
-    int B = m->B, T = m->T, N = m->N;
-    int* host = u->host + (size_t)u->next * (5 * (size_t)N + 1);
-    CUDA_CHECK(cudaEventSynchronize(u->done[u->next]));  // its previous copy has left
-    Batch h;
-    batch_layout(&h, host, N);
+// Fills h from B rows of T+1 tokens: inputs, targets, and the positions grouped by token (a
+// stable counting sort: count each token, then walk the positions in order, opening a group at a
+// token's first appearance; cursor[tok] is the next free place of its group).
+static void batch_prepare(Uploader* u, Batch* h, const uint16_t* window, int B, int T) {
+    int N = B * T;
     for (int b = 0; b < B; b++)
         for (int t = 0; t < T; t++) {
-            h.inputs[b * T + t] = window[(size_t)b * (T + 1) + t];
-            h.targets[b * T + t] = window[(size_t)b * (T + 1) + t + 1];
+            h->inputs[b * T + t] = window[(size_t)b * (T + 1) + t];
+            h->targets[b * T + t] = window[(size_t)b * (T + 1) + t + 1];
         }
-    // Counting sort by token: count each token, then walk the positions in order, opening a bucket
-    // at a token's first appearance; cursor[tok] is the next free slot of its bucket.
-    for (int n = 0; n < N; n++) u->counts[h.inputs[n]]++;
+    for (int n = 0; n < N; n++) u->counts[h->inputs[n]]++;
     int n_buckets = 0, start = 0;
     for (int n = 0; n < N; n++) {
-        int tok = h.inputs[n];
+        int tok = h->inputs[n];
         if (u->cursor[tok] < 0) {
-            h.bucket_token[n_buckets] = tok;
-            h.bucket_start[n_buckets++] = start;
+            h->bucket_token[n_buckets] = tok;
+            h->bucket_start[n_buckets++] = start;
             u->cursor[tok] = start;
             start += u->counts[tok];
         }
-        h.bucket_pos[u->cursor[tok]++] = n;
+        h->bucket_pos[u->cursor[tok]++] = n;
     }
-    h.bucket_start[n_buckets] = N;
+    h->bucket_start[n_buckets] = N;
+    *h->n_buckets = n_buckets;
     for (int n = 0; n < N; n++) {
-        u->counts[h.inputs[n]] = 0;
-        u->cursor[h.inputs[n]] = -1;
+        u->counts[h->inputs[n]] = 0;
+        u->cursor[h->inputs[n]] = -1;
     }
-    h.n_buckets = n_buckets;
-    CUDA_CHECK(cudaMemcpyAsync(m->act.tokens, host, (5 * (size_t)N + 1) * sizeof(int), cudaMemcpyHostToDevice,
-                               m->stream));
-    CUDA_CHECK(cudaEventRecord(u->done[u->next], m->stream));
-    u->next ^= 1;
-    Batch d;
-    batch_layout(&d, m->act.tokens, N);
-    d.n_buckets = n_buckets;
-    return d;
+}
+
+// Takes B rows of T+1 tokens; returns the batch's device layout, ready for the model's stream.
+static Batch upload_batch(Uploader* u, GPT* m, const uint16_t* window) {
+    int k = u->next;
+    CUDA_CHECK(cudaEventRecord(u->consumed[k ^ 1], m->stream));  // the other slot's batch is in the stream
+    CUDA_CHECK(cudaEventSynchronize(u->copied[k]));                // slot k's pinned buffer is free again
+    Batch h = batch_layout(u->host[k], m->N);
+    batch_prepare(u, &h, window, m->B, m->T);
+    CUDA_CHECK(cudaStreamWaitEvent(u->copy_stream, u->consumed[k], 0));
+    CUDA_CHECK(cudaMemcpyAsync(u->device[k], u->host[k], batch_ints(m->N) * sizeof(int), cudaMemcpyHostToDevice,
+                               u->copy_stream));
+    CUDA_CHECK(cudaEventRecord(u->copied[k], u->copy_stream));
+    CUDA_CHECK(cudaStreamWaitEvent(m->stream, u->copied[k], 0));
+    u->next = k ^ 1;
+    return batch_layout(u->device[k], m->N);
 }
 
 // ----------------------------------------------------------------------------------------------
 // Forward
 
-// The parts of layer l's forward that recompute mode runs again in the backward.
-static void attention_block_inputs(GPT* m, int l) {
+// The parts of layer l's forward that recompute mode runs again in the backward: the two RMSNorms,
+// the QK norm with RoPE, and SwiGLU.
+static void attention_norm(GPT* m, int l) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
     rmsnorm_forward(a->xnorm_attn[l], a->rstd_attn[l], a->residual[l], P(m, P_ATTN_NORM, l), m->N, c->d_model,
                     c->norm_eps, m->stream);
 }
 
-static void attention_rotary(GPT* m, int l) {
+static void qk_norm_rope(GPT* m, int l) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
     qk_norm_rope_forward(a->qkv_rot[l], a->rstd_qk[l], a->qkv[l], P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos,
                          m->rope_sin, m->N, m->T, c->n_head, c->n_kv_head, c->head_dim, c->norm_eps, m->stream);
 }
 
-static void mlp_block_inputs(GPT* m, int l) {
+static void mlp_norm(GPT* m, int l) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
     rmsnorm_forward(a->xnorm_mlp[l], a->rstd_mlp[l], a->residual_mid[l], P(m, P_MLP_NORM, l), m->N, c->d_model,
                     c->norm_eps, m->stream);
 }
 
-static void mlp_activation(GPT* m, int l) {
+static void mlp_swiglu(GPT* m, int l) {
     swiglu_forward(m->act.mlp_act[l], m->act.gate_up[l], m->N, m->cfg.ffn_dim, m->stream);
 }
 
@@ -571,17 +678,17 @@ static void forward_layers(GPT* m, const Batch* batch) {
     embedding_forward(a->residual[0], batch->inputs, P(m, P_EMBED, 0), N, C, m->stream);
     for (int l = 0; l < c->n_layer; l++) {
         // attention block: residual_mid = residual + attention(qk_rope(rmsnorm(residual) W_qkv^T)) W_o^T
-        attention_block_inputs(m, l);
+        attention_norm(m, l);
         linear_forward(a->qkv[l], a->xnorm_attn[l], P(m, P_QKV, l), NULL, N, C, Q, m->stream);
-        attention_rotary(m, l);
+        qk_norm_rope(m, l);
         const bf16* q = a->qkv_rot[l];
         attention_forward(a->attn_out[l], a->lse[l], q, q + Hq * D, q + (Hq + Hkv) * D, Q, m->B, m->T, Hq, Hkv, D,
                           m->stream);
         linear_forward(a->residual_mid[l], a->attn_out[l], P(m, P_ATTN_OUT, l), a->residual[l], N, A, C, m->stream);
         // MLP block: residual' = residual_mid + swiglu(rmsnorm(residual_mid) W_gate_up^T) W_down^T
-        mlp_block_inputs(m, l);
+        mlp_norm(m, l);
         linear_forward(a->gate_up[l], a->xnorm_mlp[l], P(m, P_GATE_UP, l), NULL, N, C, 2 * F, m->stream);
-        mlp_activation(m, l);
+        mlp_swiglu(m, l);
         linear_forward(a->residual[l + 1], a->mlp_act[l], P(m, P_DOWN, l), a->residual_mid[l], N, F, C, m->stream);
     }
     rmsnorm_forward(a->xnorm_final, a->rstd_final, a->residual[c->n_layer], P(m, P_FINAL_NORM, 0), N, C,
@@ -591,9 +698,9 @@ static void forward_layers(GPT* m, const Batch* batch) {
 // The output head and the loss, R rows at a time, so that only an R x V chunk of logits exists.
 // Per chunk: logits = xnorm_final E^T; the cross-entropy kernel turns them into per-token losses
 // and, in place, into dL/dlogits (scaled by d_loss); with `backward`, the chunk's gradient flows
-// on at once: d_xnorm = dlogits E and dE += dlogits^T xnorm_final. Adds the chunk losses' sum to
-// loss_sum (or sets it, when accumulate is false).
-static void head_and_loss(GPT* m, const Batch* batch, float d_loss, bool backward, bool accumulate) {
+// on at once: d_xnorm = dlogits E and dE += dlogits^T xnorm_final. Adds the losses' sum to
+// *loss_sum (or sets it, when accumulate is false).
+static void head_and_loss(GPT* m, const Batch* batch, float d_loss, bool backward, float* loss_sum, bool accumulate) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
     int N = m->N, C = c->d_model, V = c->vocab_size;
@@ -607,12 +714,16 @@ static void head_and_loss(GPT* m, const Batch* batch, float d_loss, bool backwar
             linear_backward_weight(G(m, P_EMBED, 0), a->logits, x, rows, C, V, m->stream);
         }
     }
-    reduce_sum(a->loss_sum, a->losses, N, false, accumulate, a->partials, m->stream);
+    reduce_sum(loss_sum, a->losses, N, false, accumulate, a->partials, m->stream);
 }
 
 // ----------------------------------------------------------------------------------------------
 // Backward: from dL/d(xnorm_final), left in d_xnorm by head_and_loss, down to the embedding.
 // Parameter gradients accumulate (+=); d_residual carries dL/d(residual stream) down the layers.
+
+static void grads_ready(GPT* m, int bucket) {
+    if (m->grads_ready) m->grads_ready(m->grads_ready_ctx, m, bucket);
+}
 
 static void backward(GPT* m, const Batch* batch) {
     const ModelConfig* c = &m->cfg;
@@ -626,8 +737,8 @@ static void backward(GPT* m, const Batch* batch) {
         // MLP block. d_residual = dL/d(residual[l+1]) flows both through the skip connection
         // (unchanged) and through the block, whose contribution rmsnorm_backward adds to it.
         if (m->recompute) {
-            mlp_block_inputs(m, l);
-            mlp_activation(m, l);
+            mlp_norm(m, l);
+            mlp_swiglu(m, l);
         }
         linear_backward_weight(G(m, P_DOWN, l), a->d_residual, a->mlp_act[l], N, F, C, m->stream);
         linear_backward_input(a->d_mlp_act, a->d_residual, P(m, P_DOWN, l), N, F, C, m->stream);
@@ -638,8 +749,8 @@ static void backward(GPT* m, const Batch* batch) {
                          P(m, P_MLP_NORM, l), a->rstd_mlp[l], N, C, m->stream);
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
         if (m->recompute) {
-            attention_block_inputs(m, l);
-            attention_rotary(m, l);
+            attention_norm(m, l);
+            qk_norm_rope(m, l);
         }
         linear_backward_weight(G(m, P_ATTN_OUT, l), a->d_residual, a->attn_out[l], N, A, C, m->stream);
         linear_backward_input(a->d_attn_out, a->d_residual, P(m, P_ATTN_OUT, l), N, A, C, m->stream);
@@ -654,68 +765,34 @@ static void backward(GPT* m, const Batch* batch) {
         linear_backward_input(a->d_xnorm, a->d_qkv, P(m, P_QKV, l), N, C, Q, m->stream);
         rmsnorm_backward(a->d_residual, G(m, P_ATTN_NORM, l), a->partials, a->d_xnorm, a->residual[l],
                          P(m, P_ATTN_NORM, l), a->rstd_attn[l], N, C, m->stream);
+        grads_ready(m, l);  // layer l's gradients are complete
     }
     embedding_backward(G(m, P_EMBED, 0), a->d_residual, batch->bucket_start, batch->bucket_pos, batch->bucket_token,
-                       batch->n_buckets, C, m->stream);
+                       batch->n_buckets, N, c->vocab_size, C, m->stream);
+    grads_ready(m, L);  // and the embedding's and the final norm's
 }
 
-// ----------------------------------------------------------------------------------------------
-// The optimizer step and the learning-rate schedule
-
-typedef struct {
-    float lr, min_lr_frac, weight_decay, beta1, beta2, eps, grad_clip;
-    int warmup_steps, total_steps;
-    int wsd;            // 0: warmup then cosine to min_lr; 1: warmup, stable, then linear decay (WSD)
-    float decay_frac;   // WSD: the last fraction of the steps that decays
-} OptimConfig;
-
-// Warmup: linear from lr/warmup to lr. Then cosine: from lr down to min_lr at the last step;
-// or WSD: lr until the last decay_frac of the steps, then linear down to min_lr.
-static float learning_rate(const OptimConfig* o, int step) {
-    float min_lr = o->lr * o->min_lr_frac;
-    if (step < o->warmup_steps) return o->lr * (step + 1) / o->warmup_steps;
-    if (o->total_steps <= o->warmup_steps) return o->lr;
-    if (o->wsd) {
-        int decay_start = o->total_steps - (int)(o->decay_frac * o->total_steps);
-        if (decay_start < o->warmup_steps) decay_start = o->warmup_steps;
-        if (step < decay_start) return o->lr;
-        float progress = (float)(step - decay_start + 1) / (float)(o->total_steps - decay_start);
-        return o->lr + (min_lr - o->lr) * progress;
-    }
-    int cosine_steps = o->total_steps - 1 - o->warmup_steps;  // the last step reaches min_lr
-    float progress = cosine_steps > 0 ? (float)(step - o->warmup_steps) / cosine_steps : 1.0f;
-    if (progress > 1.0f) progress = 1.0f;
-    return min_lr + 0.5f * (o->lr - min_lr) * (1.0f + cosf((float)M_PI * progress));
-}
-
-// The global gradient norm (kept on the device for the clip inside AdamW), then AdamW.
-static void optimizer_step(GPT* m, const OptimConfig* o, int step, float lr) {
-    Activations* a = &m->act;
-    reduce_sum(a->grad_norm_sq, m->grads, m->table.n_elements, true, false, a->partials, m->stream);
-    float bias_corr1 = 1.0f - powf(o->beta1, (float)(step + 1));
-    float bias_corr2 = 1.0f - powf(o->beta2, (float)(step + 1));
-    adamw_kernel<<<1024, 256, 0, m->stream>>>(m->master, m->params, m->grads, m->adam_m, m->adam_v, 0,
-                                              m->table.n_elements, m->table.decay_end, lr, o->beta1, o->beta2, o->eps,
-                                              o->weight_decay, bias_corr1, bias_corr2, a->grad_norm_sq, o->grad_clip);
-    LAUNCH_CHECK();
-}
-
-// One micro-batch's forward and backward; gradients accumulate.
+// One micro-batch's forward and backward; gradients accumulate, and so does the step's loss sum.
 static void forward_backward(GPT* m, const Batch* batch, float d_loss, bool first_micro) {
     forward_layers(m, batch);
-    head_and_loss(m, batch, d_loss, true, !first_micro);
+    head_and_loss(m, batch, d_loss, true, &m->scalars->loss_sum, !first_micro);
     backward(m, batch);
 }
 
-// The mean loss of one micro-batch, forward only (validation). Leaves the logits' gradient
-// buffer dirty, which nothing reads.
-static float forward_loss(GPT* m, const Batch* batch) {
-    forward_layers(m, batch);
-    head_and_loss(m, batch, 0.0f, false, false);
-    float loss_sum;
-    CUDA_CHECK(cudaMemcpyAsync(&loss_sum, m->act.loss_sum, sizeof(float), cudaMemcpyDeviceToHost, m->stream));
-    CUDA_CHECK(cudaStreamSynchronize(m->stream));
-    return loss_sum / m->N;
+// ----------------------------------------------------------------------------------------------
+// The optimizer step: the global gradient norm (kept on the device for the clip inside AdamW),
+// then AdamW over every parameter. The learning rate and the bias corrections are computed on
+// the device from the step count there (kernels.cuh), so the step takes nothing from the host.
+
+static void optimizer_step(GPT* m, const OptimConfig* o) {
+    reduce_sum(&m->scalars->grad_norm_sq, m->grads, m->table.n_elements, true, false, m->act.partials, m->stream);
+    adamw_step(m->master, m->params, m->grads, m->adam_m, m->adam_v, m->decay_flags, 0, m->table.n_elements, o,
+               m->scalars, m->stream);
+}
+
+// Sets the device's step count (the schedule's position), e.g. on resume.
+static void set_step(GPT* m, int step) {
+    CUDA_CHECK(cudaMemcpy(&m->scalars->step, &step, sizeof(int), cudaMemcpyHostToDevice));
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1195,7 +1272,17 @@ static int option_specs(Options* o, OptionSpec* specs) {
 static void options_default(Options* o) {
     memset(o, 0, sizeof(*o));
     o->model = DEFAULT_CONFIG;
-    o->optim = (OptimConfig){6e-4f, 0.1f, 0.1f, 0.9f, 0.95f, 1e-8f, 1.0f, 30, 300, 0, 0.2f};
+    o->optim.lr = 6e-4f;
+    o->optim.min_lr_frac = 0.1f;
+    o->optim.weight_decay = 0.1f;
+    o->optim.beta1 = 0.9f;
+    o->optim.beta2 = 0.95f;
+    o->optim.eps = 1e-8f;
+    o->optim.grad_clip = 1.0f;
+    o->optim.warmup_steps = 30;
+    o->optim.total_steps = 300;
+    o->optim.wsd = 0;
+    o->optim.decay_frac = 0.2f;
     o->batch_size = 32;
     o->recompute = 1;
     o->deterministic = 1;
@@ -1332,17 +1419,21 @@ static const uint16_t* synthetic_batch(uint16_t* window, int B, int T, int vocab
     return window;
 }
 
-// The mean loss over up to max_batches micro-batches of the validation split.
+// The mean loss over up to max_batches micro-batches of the validation split. The losses add up
+// on the device; the host reads the total once.
 static float validate(GPT* m, Uploader* up, DataLoader* val, int max_batches) {
     loader_rewind(val);
     size_t n = loader_batches_per_epoch(val);
     if (max_batches > 0 && (size_t)max_batches < n) n = max_batches;
-    double sum = 0.0;
     for (size_t i = 0; i < n; i++) {
         Batch b = upload_batch(up, m, loader_next(val));
-        sum += forward_loss(m, &b);
+        forward_layers(m, &b);
+        head_and_loss(m, &b, 0.0f, false, &m->scalars->val_loss_sum, i > 0);
     }
-    return (float)(sum / n);
+    float loss_sum;
+    CUDA_CHECK(cudaMemcpyAsync(&loss_sum, &m->scalars->val_loss_sum, sizeof(float), cudaMemcpyDeviceToHost, m->stream));
+    CUDA_CHECK(cudaStreamSynchronize(m->stream));
+    return (float)(loss_sum / ((double)n * m->N));
 }
 
 // Text from the model: extends the prompt by up to n_new tokens, each drawn from the softmax of
@@ -1354,7 +1445,7 @@ static float validate(GPT* m, Uploader* up, DataLoader* val, int max_batches) {
 // tokenizer's vocabulary only (the padding rows of the embedding are never sampled).
 static void sample_text(GPT* m, Uploader* up, const Tokenizer* tk, const TokenList* prompt, int n_new,
                         float temperature, uint64_t* rng, ByteBuf* text) {
-    const int T = m->T, V = m->cfg.vocab_size, C = m->cfg.d_model, EOT = 50256;
+    const int T = m->T, V = m->cfg.vocab_size, C = m->cfg.d_model, EOT = GPT2_EOT;
     const int n_vocab = tk->vocab_size < V ? tk->vocab_size : V;
     uint16_t* window = (uint16_t*)malloc((size_t)m->B * (T + 1) * sizeof(uint16_t));
     bf16* logits = (bf16*)malloc(V * sizeof(bf16));
@@ -1405,7 +1496,7 @@ static void dump_grads(GPT* m, Uploader* up, const uint16_t* window, const char*
     CUDA_CHECK(cudaMemsetAsync(m->grads, 0, m->table.n_elements * 4, m->stream));
     forward_backward(m, &b, 1.0f / m->N, true);
     float loss_sum;
-    CUDA_CHECK(cudaMemcpyAsync(&loss_sum, m->act.loss_sum, 4, cudaMemcpyDeviceToHost, m->stream));
+    CUDA_CHECK(cudaMemcpyAsync(&loss_sum, &m->scalars->loss_sum, 4, cudaMemcpyDeviceToHost, m->stream));
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
     char err[512];
     float* weights = download_flat(m, m->params, true);
@@ -1524,7 +1615,7 @@ static void checkpointer_free(Checkpointer* c) {
     CUDA_CHECK(cudaEventDestroy(c->copied));
 }
 
-// After a failed checkpoint: stop (exit 1), or say so and carry on, per --ckpt-on-error.
+// After a failed checkpoint: stop (exit 1), or say so and carry on, per --ckpt-keep-going.
 static void checkpoint_failed(const Checkpointer* c, bool keep_going) {
     fprintf(stderr, "train_gpt: checkpoint of step %lld failed: %s; the previous checkpoint is intact%s\n",
             (long long)c->state.step, c->err, keep_going ? "; carrying on, retrying at the next interval" : "");
@@ -1567,219 +1658,362 @@ static void resume_from(GPT* m, const char* which, const char* out_dir, TrainerS
         exit(1);
     }
     gpt_upload_state(m, host, host + n, host + 2 * n);
+    set_step(m, (int)state->step);
     free(host);
     printf("resumed from %s at step %lld\n", dir, (long long)state->step);
 }
 
+// ----------------------------------------------------------------------------------------------
+// The Trainer: what a run owns besides the model (data, the batch uploader, the checkpointer,
+// the log), and the loop's chapters as named functions.
+//
+// The host runs ahead of the GPU: train_step() only enqueues work, and the figures of step k
+// (loss, gradient norm, learning rate, time) are read back once the GPU has finished it, while it
+// already works on step k+1. Each step ends by copying the device's OptimScalars into a pinned
+// slot and recording an event; log_steps() waits for that event. Steps that validate, sample or
+// stop are logged at once, since those need the model as it is after that step.
+
+#define STEPS_IN_FLIGHT 3  // read-back slots: the step being logged, the one running, the next
+
+typedef struct {
+    Options o;
+    GPT model;
+    int accum;                  // micro-batches per optimizer step
+    int start_step;             // steps done before this run (resume)
+    int step;                   // steps enqueued so far, start_step included
+    int logged;                 // steps logged so far
+    DataLoader train, val;
+    bool have_val, sampling, checkpointing;
+    uint16_t* synthetic;        // --bench's window of tokens
+    uint64_t bench_rng, sample_rng;
+    Uploader up;
+    Checkpointer ckpt;
+    Tokenizer tokenizer;
+    TokenList prompt;
+    FILE* log;
+    OptimScalars* readback;     // pinned [STEPS_IN_FLIGHT]: the device's scalars after each step
+    cudaEvent_t step_end[STEPS_IN_FLIGHT];
+    cudaEvent_t run_start;      // before the first step of this run
+    cudaDeviceProp prop;
+    double t_start, t_first_step, t_loop;  // wall clock: launch, first step done, loop entered
+    double bench_ms;            // --bench: GPU time of the timed steps
+    int bench_timed;
+    float last_loss;
+} Trainer;
+
+// Data: the shards, or synthetic tokens for the benchmark; the tokenizer when sampling. Exits
+// with one line naming the problem.
+static void trainer_open_data(Trainer* t) {
+    const Options* o = &t->o;
+    int B = o->batch_size, T = o->model.seq_len;
+    char err[1024];
+    t->synthetic = (uint16_t*)malloc((size_t)B * (T + 1) * sizeof(uint16_t));
+    if (!o->bench) {
+        if (loader_open(&t->train, o->train_data, B, T, 0, 1, 1, o->seed, err, sizeof(err)) != 0) {
+            fprintf(stderr, "train_gpt: %s%s\n", err,
+                    strstr(o->train_data, "data/default/") ? " (run `make data` to prepare the default corpus)" : "");
+            exit(1);
+        }
+        t->have_val = o->val_data && o->val_data[0];
+        if (t->have_val && loader_open(&t->val, o->val_data, B, T, 0, 1, 0, 0, err, sizeof(err)) != 0) {
+            fprintf(stderr, "train_gpt: %s\n", err);
+            exit(1);
+        }
+    }
+    t->sampling = o->sample_every > 0 && !o->bench;
+    if (t->sampling) {
+        if (tokenizer_load(&t->tokenizer, o->tokenizer_dir, err, sizeof(err)) != 0) {
+            fprintf(stderr, "train_gpt: %s (run `make data`, or --sample-every 0)\n", err);
+            exit(1);
+        }
+        tokenizer_encode(&t->tokenizer, o->prompt, strlen(o->prompt), &t->prompt);
+    }
+}
+
+static void trainer_open_log(Trainer* t) {
+    const char* dir = t->o.out_dir;
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
+        fprintf(stderr, "train_gpt: cannot create output directory %s: %s\n", dir, strerror(errno));
+        exit(1);
+    }
+    char path[1024];
+    snprintf(path, sizeof(path), "%s/log.jsonl", dir);
+    t->log = fopen(path, "a");
+    if (!t->log) {
+        fprintf(stderr, "train_gpt: cannot open %s: %s\n", path, strerror(errno));
+        exit(1);
+    }
+}
+
+static void require_gpu(cudaDeviceProp* prop) {
+    int n_devices = 0;
+    cudaError_t status = cudaGetDeviceCount(&n_devices);
+    if (status != cudaSuccess || n_devices == 0) {
+        fprintf(stderr, "train_gpt: no CUDA GPU found (%s); train_gpt needs an NVIDIA GPU\n",
+                status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
+        exit(1);
+    }
+    CUDA_CHECK(cudaGetDeviceProperties(prop, 0));
+}
+
+// The model, its weights (fresh, --init-from or --resume) and the checkpointer.
+static void trainer_open_model(Trainer* t) {
+    const Options* o = &t->o;
+    GPT* m = &t->model;
+    gpt_create(m, &o->model, o->batch_size, o->model.seq_len, o->recompute != 0, o->loss_chunk);
+    m->deterministic = o->deterministic != 0;
+    gpt_init(m, o->seed);
+    if (o->init_from) load_init_from(m, o->init_from);
+    t->bench_rng = o->seed * 0x9E3779B97F4A7C15ull + 1;
+    t->sample_rng = splitmix64(o->sample_seed);
+    if (o->resume) {
+        TrainerState resumed = {};
+        char err[1024];
+        resume_from(m, o->resume, o->out_dir, &resumed);
+        if (resumed.has_loader && !o->bench && loader_set_state(&t->train, &resumed.loader, err, sizeof(err)) != 0) {
+            fprintf(stderr, "train_gpt: --resume: the data loader's state: %s\n", err);
+            exit(1);
+        }
+        t->start_step = (int)resumed.step;
+        t->bench_rng = resumed.bench_rng;
+        t->sample_rng = resumed.sample_rng;
+    }
+    t->checkpointing = o->ckpt_every > 0 && !o->bench;
+    if (t->checkpointing) {
+        char err[1024];
+        if (ckpt_cleanup(o->out_dir, err, sizeof(err)) < 0) {
+            fprintf(stderr, "train_gpt: %s\n", err);
+            exit(1);
+        }
+        checkpointer_create(&t->ckpt, m, o->out_dir, o->keep_last);
+    }
+}
+
+static void trainer_open(Trainer* t, const Options* o) {
+    memset(t, 0, sizeof(*t));
+    t->t_start = now_seconds();
+    t->o = *o;
+    int N = o->batch_size * o->model.seq_len;
+    t->accum = o->total_batch_tokens > 0 ? o->total_batch_tokens / N : 1;
+    if (o->bench) t->o.optim.total_steps = 5 + o->bench_steps;
+    trainer_open_data(t);
+    trainer_open_log(t);
+    require_gpu(&t->prop);
+    trainer_open_model(t);
+    t->step = t->logged = t->start_step;
+    uploader_create(&t->up, N, o->model.vocab_size);
+    CUDA_CHECK(cudaMallocHost(&t->readback, STEPS_IN_FLIGHT * sizeof(OptimScalars)));
+    for (int i = 0; i < STEPS_IN_FLIGHT; i++) CUDA_CHECK(cudaEventCreate(&t->step_end[i]));
+    CUDA_CHECK(cudaEventCreate(&t->run_start));
+}
+
+static void print_run_header(const Trainer* t) {
+    const GPT* m = &t->model;
+    printf("device: %s, %d SMs, %.1f GiB\n", t->prop.name, t->prop.multiProcessorCount, gib(t->prop.totalGlobalMem));
+    print_memory_plan(m);
+    printf("batch: %d x %d tokens, %d micro-batches per step (%d tokens); %d steps\n", m->B, m->T, t->accum,
+           m->N * t->accum, t->o.optim.total_steps);
+}
+
+// The next micro-batch's B rows of T+1 tokens.
+static const uint16_t* next_window(Trainer* t) {
+    const GPT* m = &t->model;
+    if (t->o.bench) return synthetic_batch(t->synthetic, m->B, m->T, m->cfg.vocab_size, &t->bench_rng);
+    return loader_next(&t->train);
+}
+
+// One optimizer step: every micro-batch's forward and backward (gradients accumulate), then the
+// optimizer, then the read-back of the step's scalars. Only enqueues work: nothing here waits
+// for the GPU.
+static void train_step(Trainer* t) {
+    GPT* m = &t->model;
+    if (t->step == t->start_step) CUDA_CHECK(cudaEventRecord(t->run_start, m->stream));
+    CUDA_CHECK(cudaMemsetAsync(m->grads, 0, m->table.n_elements * sizeof(float), m->stream));
+    for (int micro = 0; micro < t->accum; micro++) {
+        Batch batch = upload_batch(&t->up, m, next_window(t));
+        forward_backward(m, &batch, 1.0f / ((float)m->N * t->accum), micro == 0);
+    }
+    // The gradients are complete here.
+    if (t->checkpointing) CUDA_CHECK(cudaStreamWaitEvent(m->stream, t->ckpt.copied, 0));  // last snapshot taken
+    optimizer_step(m, &t->o.optim);
+    int slot = t->step % STEPS_IN_FLIGHT;
+    CUDA_CHECK(cudaMemcpyAsync(&t->readback[slot], m->scalars, sizeof(OptimScalars), cudaMemcpyDeviceToHost,
+                               m->stream));
+    CUDA_CHECK(cudaEventRecord(t->step_end[slot], m->stream));
+    t->step++;
+}
+
+static void format_duration(char* out, size_t len, double seconds) {
+    int s = (int)(seconds + 0.5);
+    if (s >= 3600) snprintf(out, len, "%dh%02dm", s / 3600, s / 60 % 60);
+    else snprintf(out, len, "%dm%02ds", s / 60, s % 60);
+}
+
+// Waits for step `index` (0-based) to finish on the GPU, then prints and appends its figures.
+static void log_one_step(Trainer* t, int index) {
+    const Options* o = &t->o;
+    int slot = index % STEPS_IN_FLIGHT, total = o->optim.total_steps, done = index + 1;
+    CUDA_CHECK(cudaEventSynchronize(t->step_end[slot]));
+    float ms;
+    cudaEvent_t since = index == t->start_step ? t->run_start : t->step_end[(index - 1) % STEPS_IN_FLIGHT];
+    CUDA_CHECK(cudaEventElapsedTime(&ms, since, t->step_end[slot]));
+    const OptimScalars* s = &t->readback[slot];
+    double now = now_seconds(), tokens = (double)t->model.N * t->accum;
+    if (index == t->start_step) t->t_first_step = now - t->t_start;
+    if (index == t->start_step) t->t_loop = now;  // the ETA leaves out the first step's warm-up
+    double per_step = index > t->start_step ? (now - t->t_loop) / (index - t->start_step) : ms / 1e3;
+    double eta = per_step * (total - done), tok_s = tokens / (ms / 1e3);
+    double mfu = tok_s * flops_per_token(&t->model.cfg) / (o->peak_tflops * 1e12);
+    float loss = s->loss_sum / (float)tokens, norm = sqrtf(s->grad_norm_sq);
+    double mem = gib(gpt_bytes_total(&t->model));
+    char eta_text[32];
+    format_duration(eta_text, sizeof(eta_text), eta);
+    printf("step %5d/%d | loss %8.4f | norm %7.4f | lr %.2e | %8.2f ms | %9.0f tok/s | MFU %5.1f%% | mem %.2f GiB | "
+           "eta %s\n", done, total, loss, norm, s->lr, ms, tok_s, 100 * mfu, mem, eta_text);
+    fprintf(t->log, "{\"step\": %d, \"loss\": %.9g, \"grad_norm\": %.9g, \"lr\": %.9g, \"ms\": %.3f, "
+                    "\"tokens_per_s\": %.1f, \"mfu\": %.5f, \"mem_gib\": %.3f, \"elapsed_s\": %.3f, \"eta_s\": %.1f}\n",
+            done, loss, norm, s->lr, ms, tok_s, mfu, mem, now - t->t_start, eta);
+    fflush(t->log);
+    if (o->bench && index >= t->start_step + 5) {
+        t->bench_ms += ms;
+        t->bench_timed++;
+    }
+    t->last_loss = loss;
+    if (!isfinite(loss)) {
+        fprintf(stderr, "train_gpt: loss is %f at step %d; stopping\n", loss, done);
+        exit(1);
+    }
+}
+
+// Logs every step enqueued up to and including `index` that is not logged yet.
+static void log_steps(Trainer* t, int index) {
+    for (; t->logged <= index && t->logged < t->step; t->logged++) log_one_step(t, t->logged);
+}
+
+static bool every(int step_done, int interval) { return interval > 0 && step_done % interval == 0; }
+
+// Checkpoint policy: every --ckpt-every steps and at the last step (--stop-at included). The
+// snapshot is enqueued behind the step's optimizer update; a thread writes it while training goes on.
+static void maybe_checkpoint(Trainer* t, int done, bool last) {
+    if (!t->checkpointing || !(every(done, t->o.ckpt_every) || last)) return;
+    if (!checkpoint_wait(&t->ckpt)) checkpoint_failed(&t->ckpt, t->o.ckpt_keep_going != 0);
+    TrainerState state = {TRAINER_STATE_MAGIC, TRAINER_STATE_VERSION, done, t->bench_rng, t->sample_rng, 1, {}};
+    loader_get_state(&t->train, &state.loader);
+    checkpoint_start(&t->ckpt, &t->model, &state);
+}
+
+static void maybe_validate(Trainer* t, int done, bool last) {
+    if (!t->have_val || !(every(done, t->o.val_every) || last)) return;
+    float val_loss = validate(&t->model, &t->up, &t->val, t->o.val_batches);
+    printf("step %5d/%d | val loss %8.4f\n", done, t->o.optim.total_steps, val_loss);
+    fprintf(t->log, "{\"step\": %d, \"val_loss\": %.6f}\n", done, val_loss);
+    fflush(t->log);
+}
+
+static void maybe_sample(Trainer* t, int done, bool last) {
+    if (!t->sampling || !(every(done, t->o.sample_every) || last)) return;
+    ByteBuf text = {NULL, 0, 0};
+    sample_text(&t->model, &t->up, &t->tokenizer, &t->prompt, t->o.sample_len, t->o.temperature, &t->sample_rng,
+                &text);
+    printf("step %5d/%d | sample: %s%s\n", done, t->o.optim.total_steps, t->o.prompt, byte_buf_cstr(&text));
+    free(text.data);
+}
+
+// What happens after step `index` was enqueued: its checkpoint snapshot, the previous step's log
+// line (the GPU runs this step meanwhile), and, where the policies say so, this step's log line,
+// validation and a sample. Returns false when the run stops here (--stop-at).
+static bool after_step(Trainer* t, int index) {
+    const Options* o = &t->o;
+    int done = index + 1;
+    bool stop = done == o->stop_at, last = done == o->optim.total_steps || stop;
+    maybe_checkpoint(t, done, last);
+    log_steps(t, index - 1);
+    bool look_now = last || (t->have_val && every(done, o->val_every)) || (t->sampling && every(done, o->sample_every));
+    if (look_now) log_steps(t, index);
+    maybe_validate(t, done, last);
+    maybe_sample(t, done, last);
+    if (stop) printf("stopping after step %d (--stop-at)\n", done);
+    return !stop;
+}
+
+static void print_bench_result(const Trainer* t) {
+    const ModelConfig* c = &t->model.cfg;
+    double ms = t->bench_ms / t->bench_timed, tok_s = (double)t->model.N * t->accum / (ms / 1e3);
+    double flops = flops_per_token(c);
+    printf("{\"bench\": \"train_gpt\", \"device\": \"%s\", \"B\": %d, \"T\": %d, \"d_model\": %d, \"layers\": %d, "
+           "\"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"ffn\": %d, \"recompute\": %d, "
+           "\"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, \"mfu\": %.4f, \"flops_per_token\": %.6g, "
+           "\"peak_mem_gib\": %.3f, \"first_step_s\": %.2f, \"final_loss\": %.4f}\n",
+           t->prop.name, t->model.B, t->model.T, c->d_model, c->n_layer, c->n_head, c->n_kv_head, c->head_dim,
+           c->ffn_dim, t->o.recompute, ms, tok_s, tok_s * flops / (t->o.peak_tflops * 1e12), flops,
+           gib(gpt_bytes_total(&t->model)), t->t_first_step, t->last_loss);
+}
+
+// After the loop: the benchmark's line, the export, the gradient dump, the last checkpoint.
+static void trainer_finish(Trainer* t) {
+    const Options* o = &t->o;
+    char err[1024];
+    log_steps(t, t->step - 1);
+    if (o->bench) print_bench_result(t);
+    if (o->export_dir) {
+        float* master = download_flat(&t->model, t->model.master, false);
+        if (!export_hf(&t->model, master, o->export_dir, err, sizeof(err))) {
+            fprintf(stderr, "train_gpt: --export: %s\n", err);
+            exit(1);
+        }
+        printf("exported transformers' Qwen3 checkpoint to %s\n", o->export_dir);
+        free(master);
+    }
+    if (o->dump_grads_dir) dump_grads(&t->model, &t->up, next_window(t), o->dump_grads_dir);
+    if (t->checkpointing && !checkpoint_wait(&t->ckpt)) checkpoint_failed(&t->ckpt, false);
+}
+
+static void trainer_close(Trainer* t) {
+    if (t->checkpointing) checkpointer_free(&t->ckpt);
+    fclose(t->log);
+    if (t->sampling) {
+        tokenizer_free(&t->tokenizer);
+        free(t->prompt.data);
+    }
+    if (!t->o.bench) {
+        loader_close(&t->train);
+        if (t->have_val) loader_close(&t->val);
+    }
+    for (int i = 0; i < STEPS_IN_FLIGHT; i++) CUDA_CHECK(cudaEventDestroy(t->step_end[i]));
+    CUDA_CHECK(cudaEventDestroy(t->run_start));
+    CUDA_CHECK(cudaFreeHost(t->readback));
+    free(t->synthetic);
+    uploader_free(&t->up);
+    gpt_free(&t->model);
+}
+
+// The model flags come from config.json with --init-from.
+static void read_init_from_config(Options* o) {
+    char err[1024];
+    if (o->init_from && !hf_config_read(o->init_from, &o->model, err, sizeof(err))) {
+        fprintf(stderr, "train_gpt: --init-from: %s\n", err);
+        exit(1);
+    }
+}
+
+// A run: read the command line, open the data, the log and the model (fresh, from a transformers
+// checkpoint, or resumed), take optimizer steps, then export and finish the last checkpoint.
 int main(int argc, char** argv) {
-    double t_start = now_seconds();
     Options o;
     options_default(&o);
     parse_args(&o, argc, argv);
-    char err[1024];
-    if (o.init_from && !hf_config_read(o.init_from, &o.model, err, sizeof(err))) {
-        fprintf(stderr, "train_gpt: --init-from: %s\n", err);
-        return 1;
-    }
+    read_init_from_config(&o);
     check_options(&o);
 
-    int n_devices = 0;
-    cudaError_t cuda_status = cudaGetDeviceCount(&n_devices);
-    if (cuda_status != cudaSuccess || n_devices == 0) {
-        fprintf(stderr, "train_gpt: no CUDA GPU found (%s); train_gpt needs an NVIDIA GPU\n",
-                cuda_status != cudaSuccess ? cudaGetErrorString(cuda_status) : "0 devices");
-        return 1;
+    Trainer t;
+    trainer_open(&t, &o);
+    print_run_header(&t);
+    for (int step = t.start_step; step < t.o.optim.total_steps; step++) {
+        train_step(&t);
+        if (!after_step(&t, step)) break;
     }
-    cudaDeviceProp prop;
-    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-
-    const ModelConfig* cfg = &o.model;
-    int B = o.batch_size, T = cfg->seq_len, N = B * T;
-    int accum = o.total_batch_tokens > 0 ? o.total_batch_tokens / N : 1;
-    o.optim.total_steps = o.bench ? 5 + o.bench_steps : o.optim.total_steps;
-
-    // Data: shards, or synthetic tokens for the benchmark.
-    DataLoader train_loader, val_loader;
-    bool have_val = false;
-    if (!o.bench) {
-        if (loader_open(&train_loader, o.train_data, B, T, 0, 1, 1, o.seed, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: %s%s\n", err,
-                    strstr(o.train_data, "data/default/") ? " (run `make data` to prepare the default corpus)" : "");
-            return 1;
-        }
-        have_val = o.val_data && o.val_data[0];
-        if (have_val && loader_open(&val_loader, o.val_data, B, T, 0, 1, 0, 0, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: %s\n", err);
-            return 1;
-        }
-    }
-    Tokenizer tokenizer;
-    TokenList prompt = {NULL, 0, 0};
-    bool sampling = o.sample_every > 0 && !o.bench;
-    if (sampling) {
-        if (tokenizer_load(&tokenizer, o.tokenizer_dir, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: %s (run `make data`, or --sample-every 0)\n", err);
-            return 1;
-        }
-        tokenizer_encode(&tokenizer, o.prompt, strlen(o.prompt), &prompt);
-    }
-    if (mkdir(o.out_dir, 0755) != 0 && errno != EEXIST) {
-        fprintf(stderr, "train_gpt: cannot create output directory %s: %s\n", o.out_dir, strerror(errno));
-        return 1;
-    }
-    char log_path[1024];
-    snprintf(log_path, sizeof(log_path), "%s/log.jsonl", o.out_dir);
-    FILE* log = fopen(log_path, "a");
-    if (!log) {
-        fprintf(stderr, "train_gpt: cannot open %s: %s\n", log_path, strerror(errno));
-        return 1;
-    }
-
-    GPT model;
-    gpt_create(&model, cfg, B, T, o.recompute != 0, o.loss_chunk);
-    model.deterministic = o.deterministic != 0;
-    gpt_init(&model, o.seed);
-    int start_step = 0;
-    if (o.init_from) load_init_from(&model, o.init_from);
-    TrainerState resumed = {};
-    if (o.resume) {
-        resume_from(&model, o.resume, o.out_dir, &resumed);
-        if (resumed.has_loader && !o.bench && loader_set_state(&train_loader, &resumed.loader, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: --resume: the data loader's state: %s\n", err);
-            return 1;
-        }
-        start_step = (int)resumed.step;
-    }
-    Checkpointer ckpt;
-    bool checkpointing = o.ckpt_every > 0 && !o.bench;
-    if (checkpointing) {
-        if (ckpt_cleanup(o.out_dir, err, sizeof(err)) < 0) {
-            fprintf(stderr, "train_gpt: %s\n", err);
-            return 1;
-        }
-        checkpointer_create(&ckpt, &model, o.out_dir, o.keep_last);
-    }
-    printf("device: %s, %d SMs, %.1f GiB\n", prop.name, prop.multiProcessorCount, gib(prop.totalGlobalMem));
-    print_memory_plan(&model);
-    printf("batch: %d x %d tokens, %d micro-batches per step (%d tokens); %d steps\n", B, T, accum, N * accum,
-           o.optim.total_steps);
-    double flops_token = flops_per_token(cfg);
-
-    Uploader up;
-    uploader_create(&up, N, cfg->vocab_size);
-    uint16_t* synthetic = (uint16_t*)malloc((size_t)B * (T + 1) * sizeof(uint16_t));
-    uint64_t rng = o.resume ? resumed.bench_rng : o.seed * 0x9E3779B97F4A7C15ull + 1;  // --bench's tokens
-    uint64_t sample_rng = o.resume ? resumed.sample_rng : splitmix64(o.sample_seed);
-    cudaEvent_t ev_start, ev_end;
-    CUDA_CHECK(cudaEventCreate(&ev_start));
-    CUDA_CHECK(cudaEventCreate(&ev_end));
-    double bench_ms = 0.0, first_step_s = 0.0;
-    int bench_timed = 0;
-    float loss = 0.0f, norm = 0.0f;
-
-    for (int step = start_step; step < o.optim.total_steps; step++) {
-        float lr = learning_rate(&o.optim, step);
-        CUDA_CHECK(cudaEventRecord(ev_start, model.stream));
-        CUDA_CHECK(cudaMemsetAsync(model.grads, 0, model.table.n_elements * 4, model.stream));
-        for (int micro = 0; micro < accum; micro++) {
-            const uint16_t* window = o.bench ? synthetic_batch(synthetic, B, T, cfg->vocab_size, &rng)
-                                             : loader_next(&train_loader);
-            Batch batch = upload_batch(&up, &model, window);
-            forward_backward(&model, &batch, 1.0f / ((float)N * accum), micro == 0);
-        }
-        if (checkpointing) CUDA_CHECK(cudaStreamWaitEvent(model.stream, ckpt.copied, 0));  // snapshot taken
-        optimizer_step(&model, &o.optim, step, lr);
-        CUDA_CHECK(cudaEventRecord(ev_end, model.stream));
-        bool last = step + 1 == o.optim.total_steps || step + 1 == o.stop_at;
-        if (checkpointing && ((step + 1) % o.ckpt_every == 0 || last)) {
-            if (!checkpoint_wait(&ckpt)) checkpoint_failed(&ckpt, o.ckpt_keep_going != 0);
-            TrainerState state = {TRAINER_STATE_MAGIC, TRAINER_STATE_VERSION, step + 1, rng, sample_rng, 1, {}};
-            loader_get_state(&train_loader, &state.loader);
-            checkpoint_start(&ckpt, &model, &state);
-        }
-        float scalars[2];
-        CUDA_CHECK(cudaMemcpyAsync(&scalars[0], model.act.loss_sum, 4, cudaMemcpyDeviceToHost, model.stream));
-        CUDA_CHECK(cudaMemcpyAsync(&scalars[1], model.act.grad_norm_sq, 4, cudaMemcpyDeviceToHost, model.stream));
-        CUDA_CHECK(cudaStreamSynchronize(model.stream));
-        float ms;
-        CUDA_CHECK(cudaEventElapsedTime(&ms, ev_start, ev_end));
-        loss = scalars[0] / ((float)N * accum);
-        norm = sqrtf(scalars[1]);
-        if (step == start_step) first_step_s = now_seconds() - t_start;
-        if (o.bench && step >= start_step + 5) {
-            bench_ms += ms;
-            bench_timed++;
-        }
-        double tok_s = (double)N * accum / (ms / 1e3);
-        double mfu = tok_s * flops_token / (o.peak_tflops * 1e12);
-        printf("step %5d/%d | loss %8.4f | norm %7.4f | lr %.2e | %8.2f ms | %9.0f tok/s | MFU %5.1f%% | mem %.2f GiB\n",
-               step + 1, o.optim.total_steps, loss, norm, lr, ms, tok_s, 100 * mfu, gib(gpt_bytes_total(&model)));
-        fprintf(log, "{\"step\": %d, \"loss\": %.9g, \"grad_norm\": %.9g, \"lr\": %.9g, \"ms\": %.3f, "
-                     "\"tokens_per_s\": %.1f, \"mfu\": %.5f, \"mem_gib\": %.3f, \"elapsed_s\": %.3f}\n",
-                step + 1, loss, norm, lr, ms, tok_s, mfu, gib(gpt_bytes_total(&model)), now_seconds() - t_start);
-        fflush(log);
-        if (!isfinite(loss)) {
-            fprintf(stderr, "train_gpt: loss is %f at step %d; stopping\n", loss, step + 1);
-            return 1;
-        }
-        if (have_val && ((o.val_every > 0 && (step + 1) % o.val_every == 0) || last)) {
-            float val_loss = validate(&model, &up, &val_loader, o.val_batches);
-            printf("step %5d/%d | val loss %8.4f\n", step + 1, o.optim.total_steps, val_loss);
-            fprintf(log, "{\"step\": %d, \"val_loss\": %.6f}\n", step + 1, val_loss);
-            fflush(log);
-        }
-        if (sampling && ((step + 1) % o.sample_every == 0 || last)) {
-            ByteBuf text = {NULL, 0, 0};
-            sample_text(&model, &up, &tokenizer, &prompt, o.sample_len, o.temperature, &sample_rng, &text);
-            printf("step %5d/%d | sample: %s%s\n", step + 1, o.optim.total_steps, o.prompt, byte_buf_cstr(&text));
-            free(text.data);
-        }
-        if (step + 1 == o.stop_at) {
-            printf("stopping after step %d (--stop-at)\n", step + 1);
-            break;
-        }
-    }
-
-    if (o.bench) {
-        double ms = bench_ms / bench_timed, tok_s = (double)N * accum / (ms / 1e3);
-        printf("{\"bench\": \"train_gpt\", \"device\": \"%s\", \"B\": %d, \"T\": %d, \"d_model\": %d, \"layers\": %d, "
-               "\"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"ffn\": %d, \"recompute\": %d, "
-               "\"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, \"mfu\": %.4f, \"flops_per_token\": %.6g, "
-               "\"peak_mem_gib\": %.3f, \"first_step_s\": %.2f, \"final_loss\": %.4f}\n",
-               prop.name, B, T, cfg->d_model, cfg->n_layer, cfg->n_head, cfg->n_kv_head, cfg->head_dim, cfg->ffn_dim,
-               o.recompute, ms, tok_s, tok_s * flops_token / (o.peak_tflops * 1e12), flops_token,
-               gib(gpt_bytes_total(&model)), first_step_s, loss);
-    }
-    if (o.export_dir) {
-        float* master = download_flat(&model, model.master, false);
-        if (!export_hf(&model, master, o.export_dir, err, sizeof(err))) {
-            fprintf(stderr, "train_gpt: --export: %s\n", err);
-            return 1;
-        }
-        printf("exported transformers' Qwen3 checkpoint to %s\n", o.export_dir);
-        free(master);
-    }
-    if (o.dump_grads_dir) {
-        const uint16_t* window = o.bench ? synthetic_batch(synthetic, B, T, cfg->vocab_size, &rng)
-                                         : loader_next(&train_loader);
-        dump_grads(&model, &up, window, o.dump_grads_dir);
-    }
-    if (checkpointing) {
-        if (!checkpoint_wait(&ckpt)) checkpoint_failed(&ckpt, false);
-        checkpointer_free(&ckpt);
-    }
-    fclose(log);
-    if (sampling) {
-        tokenizer_free(&tokenizer);
-        free(prompt.data);
-    }
-    free(synthetic);
-    uploader_free(&up);
-    gpt_free(&model);
-    if (!o.bench) {
-        loader_close(&train_loader);
-        if (have_val) loader_close(&val_loader);
-    }
+    trainer_finish(&t);
+    trainer_close(&t);
     return 0;
 }
 #endif
