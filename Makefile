@@ -4,6 +4,7 @@
 #   make data         fetch and tokenize the default corpus into data/default/
 #   make train        prepare the default data if missing, then train on it
 #   make bench        train on synthetic tokens and print one JSON line of throughput figures
+#   make plot         out/log.jsonl (the last run's log) as out/log.png: loss, tokens/s, lr, grad norm
 NVCC      ?= nvcc
 CC        ?= gcc
 GPU_ARCH  ?= -gencode=arch=compute_90a,code=sm_90a
@@ -12,7 +13,7 @@ CFLAGS    ?= -O2 -std=c11 -Wall -Wextra -Wno-unused-function -Wno-format-truncat
 LIBS      := -lcublasLt -lpthread
 HEADERS   := lib/cuda_check.h kernels.cuh data.h tokenizer.h unicode_classes.h ckpt.h
 
-.PHONY: all test data train bench dev clean
+.PHONY: all test data train bench plot dev clean
 all: train_gpt test_gpt prepro dev
 
 train_gpt: train_gpt.cu $(HEADERS)
@@ -41,6 +42,9 @@ train: train_gpt
 
 bench: train_gpt
 	./train_gpt --bench
+
+plot:
+	python3 scripts/plot_log.py out/log.jsonl out/log.png
 
 clean:
 	rm -f train_gpt test_gpt prepro dev/attention

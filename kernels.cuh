@@ -1768,10 +1768,26 @@ static void matmul_free(void) {
 
 static bool is_fp8(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
 
+// Sets the scale and amax pointers that the call's operands carry (NULL ones are left unset).
+static void matmul_set_scales(cublasLtMatmulDesc_t desc, const MatmulOperand* a, const MatmulOperand* b,
+                              const MatmulOperand* d) {
+    const struct {
+        cublasLtMatmulDescAttributes_t attribute;
+        const void* pointer;
+    } scales[] = {{CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, a->scale},
+                  {CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, b->scale},
+                  {CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, d->scale},
+                  {CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, d->amax}};
+    for (const auto& s : scales)
+        if (s.pointer) CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, s.attribute, &s.pointer, sizeof(s.pointer)));
+}
+
 // Makes the plan for `key`: the descriptor with its fixed attributes, the four layouts, and the
 // heuristic's first algorithm. C has D's type, except that an FP8 result takes a bf16 C
-// (cuBLASLt's rule: C is never FP8).
-static MatmulPlan matmul_plan_make(const MatmulKey* key) {
+// (cuBLASLt's rule: C is never FP8). The heuristic sees the first call's scale and amax pointers:
+// cuBLASLt chooses among its FP8 kernels by which of them are set.
+static MatmulPlan matmul_plan_make(const MatmulKey* key, const MatmulOperand* a, const MatmulOperand* b,
+                                   const MatmulOperand* d) {
     MatmulPlan p;
     p.key = *key;
     const int m = key->m, n = key->n, k = key->k;
@@ -1779,6 +1795,7 @@ static MatmulPlan matmul_plan_make(const MatmulKey* key) {
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+    matmul_set_scales(p.desc, a, b, d);
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_a, (cudaDataType_t)key->a_type, key->trans_a ? k : m, key->trans_a ? m : k,
                                             key->trans_a ? k : m));
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_b, (cudaDataType_t)key->b_type, key->trans_b ? n : k, key->trans_b ? k : n,
@@ -1804,14 +1821,15 @@ static MatmulPlan matmul_plan_make(const MatmulKey* key) {
     return p;
 }
 
-static MatmulPlan* matmul_plan(const MatmulKey* key) {
+static MatmulPlan* matmul_plan(const MatmulKey* key, const MatmulOperand* a, const MatmulOperand* b,
+                               const MatmulOperand* d) {
     for (int i = 0; i < g_n_plans; i++)
         if (!memcmp(&g_plans[i].key, key, sizeof(*key))) return &g_plans[i];
     if (g_n_plans == MATMUL_MAX_PLANS) {
         fprintf(stderr, "matmul: more than %d distinct matmul shapes; raise MATMUL_MAX_PLANS\n", MATMUL_MAX_PLANS);
         exit(1);
     }
-    g_plans[g_n_plans] = matmul_plan_make(key);
+    g_plans[g_n_plans] = matmul_plan_make(key, a, b, d);
     return &g_plans[g_n_plans++];
 }
 
@@ -1826,11 +1844,8 @@ static void matmul(MatmulOperand d, MatmulOperand a, MatmulOperand b, const void
     }
     const MatmulKey key = {m, n, k, trans_a, trans_b, c != NULL, a.scale != NULL, b.scale != NULL, d.scale != NULL,
                            d.amax != NULL, a.type, b.type, d.type};
-    MatmulPlan* plan = matmul_plan(&key);
-    if (a.scale) CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a.scale, sizeof(a.scale)));
-    if (b.scale) CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b.scale, sizeof(b.scale)));
-    if (d.scale) CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, &d.scale, sizeof(d.scale)));
-    if (d.amax) CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &d.amax, sizeof(d.amax)));
+    MatmulPlan* plan = matmul_plan(&key, &a, &b, &d);
+    matmul_set_scales(plan->desc, &a, &b, &d);
     const float alpha = 1.0f;
     const float beta_used = c ? beta : 0.0f;
     CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, plan->desc, &alpha, a.ptr, plan->layout_a, b.ptr, plan->layout_b,

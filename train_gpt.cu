@@ -799,8 +799,12 @@ static void set_step(GPT* m, int step) {
 // Hugging Face export: transformers' Qwen3 names. Our fused qkv and gate_up matrices are row
 // blocks [q; k; v] and [gate; up], so each HF tensor is a contiguous range of rows of ours.
 
+// Longest HF tensor name ("model.layers.255.post_attention_layernorm.weight" is 49 bytes), with
+// room for a prefix such as "exp_avg_sq.".
+#define HF_NAME_MAX 96
+
 typedef struct {
-    char name[80];
+    char name[HF_NAME_MAX];
     size_t offset;       // into the flat buffer
     int64_t rows, cols;  // rows == 1 for vectors (written as 1-d tensors)
 } HfTensor;
@@ -819,7 +823,7 @@ static int hf_tensors(const GPT* m, HfTensor* out) {
         }                                                                     \
         n++;                                                                  \
     } while (0)
-    char name[80];
+    char name[HF_NAME_MAX];
     ADD("model.embed_tokens.weight", param(&m->table, P_EMBED, 0)->offset, c->vocab_size, C);
     ADD("model.norm.weight", param(&m->table, P_FINAL_NORM, 0)->offset, 1, C);
     for (int l = 0; l < c->n_layer; l++) {
@@ -855,21 +859,21 @@ static void hf_config_text(const ModelConfig* c, char* json, size_t len) {
              "  \"rms_norm_eps\": %.9g,\n  \"rope_theta\": %.9g,\n  \"rope_scaling\": null,\n"
              "  \"tie_word_embeddings\": true,\n  \"attention_bias\": false,\n  \"attention_dropout\": 0.0,\n"
              "  \"use_sliding_window\": false,\n  \"sliding_window\": null,\n  \"max_window_layers\": %d,\n"
-             "  \"initializer_range\": 0.02,\n  \"bos_token_id\": 50256,\n  \"eos_token_id\": 50256,\n"
+             "  \"initializer_range\": 0.02,\n  \"bos_token_id\": %d,\n  \"eos_token_id\": %d,\n"
              "  \"torch_dtype\": \"float32\"\n}\n",
              c->vocab_size, c->d_model, c->ffn_dim, c->n_layer, c->n_head, c->n_kv_head, c->head_dim,
-             c->seq_len > 4096 ? c->seq_len : 4096, c->norm_eps, c->rope_theta, c->n_layer);
+             c->seq_len > 4096 ? c->seq_len : 4096, c->norm_eps, c->rope_theta, c->n_layer, GPT2_EOT, GPT2_EOT);
 }
 
 // The safetensors entries of a flat fp32 buffer under HF names, each name prefixed (e.g.
-// "exp_avg."). names must hold n * 96 bytes; returns n.
+// "exp_avg."). names must hold n * HF_NAME_MAX bytes; returns n.
 static int hf_st_tensors(const GPT* m, const float* flat, const char* prefix, StTensor* st, char* names) {
     int n = hf_tensors(m, NULL);
     HfTensor* hf = (HfTensor*)malloc(n * sizeof(HfTensor));
     hf_tensors(m, hf);
     for (int i = 0; i < n; i++) {
-        snprintf(names + i * 96, 96, "%s%s", prefix, hf[i].name);
-        st[i].name = names + i * 96;
+        snprintf(names + i * HF_NAME_MAX, HF_NAME_MAX, "%s%s", prefix, hf[i].name);
+        st[i].name = names + i * HF_NAME_MAX;
         st[i].dtype = ST_F32;
         st[i].ndim = hf[i].rows == 1 ? 1 : 2;
         st[i].shape[0] = hf[i].rows == 1 ? hf[i].cols : hf[i].rows;
@@ -888,7 +892,7 @@ static bool hf_st_load(const GPT* m, const StFile* f, const char* prefix, float*
     hf_tensors(m, hf);
     bool ok = true;
     for (int i = 0; i < n && ok; i++) {
-        char name[128];
+        char name[HF_NAME_MAX];
         snprintf(name, sizeof(name), "%s%s", prefix, hf[i].name);
         const StTensor* t = st_find(f, name);
         int64_t count = hf[i].rows * hf[i].cols;
@@ -939,7 +943,7 @@ static bool export_hf(const GPT* m, const float* weights, const char* dir, char*
     }
     int n = hf_tensors(m, NULL);
     StTensor* st = (StTensor*)calloc(n, sizeof(StTensor));
-    char* names = (char*)malloc((size_t)n * 96);
+    char* names = (char*)malloc((size_t)n * HF_NAME_MAX);
     hf_st_tensors(m, weights, "", st, names);
     char path[1024], config[2048];
     snprintf(path, sizeof(path), "%s/model.safetensors", dir);
@@ -1037,10 +1041,10 @@ static bool checkpoint_write(const GPT* m, const float* master, const float* ada
                              size_t err_len) {
     int n = hf_tensors(m, NULL);
     StTensor* st = (StTensor*)calloc(3 * n, sizeof(StTensor));
-    char* names = (char*)malloc((size_t)3 * n * 96);
+    char* names = (char*)malloc((size_t)3 * n * HF_NAME_MAX);
     hf_st_tensors(m, master, "", st, names);
-    hf_st_tensors(m, adam_m, "exp_avg.", st + n, names + n * 96);
-    hf_st_tensors(m, adam_v, "exp_avg_sq.", st + 2 * n, names + 2 * n * 96);
+    hf_st_tensors(m, adam_m, "exp_avg.", st + n, names + n * HF_NAME_MAX);
+    hf_st_tensors(m, adam_v, "exp_avg_sq.", st + 2 * n, names + 2 * n * HF_NAME_MAX);
     char hf_config[2048];
     hf_config_text(&m->cfg, hf_config, sizeof(hf_config));
     JsonWriter config;

@@ -2,7 +2,8 @@
 # One device call: build everything, run the test suite on the GPU, benchmark train_gpt beside
 # PyTorch (torch_baseline.py, carried in .bench/), and compare an export against transformers.
 # Usage (on the device machine, from the repo root): bash scripts/device_run.sh [steps...]
-#   steps: any of build test dev bench torch train ckpt hf (default: build test bench torch hf). Logs go to $OUT (or /tmp/out).
+#   steps: any of build test dev bench before same torch train ckpt hf (default: build test bench torch hf).
+#   Logs go to $OUT (or /tmp/out). `before` and `same` need an older build carried as .bench/train_gpt_before.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -18,6 +19,17 @@ for step in $steps; do
       for rc in 1 0; do
         ./train_gpt --bench --recompute $rc --out /tmp/bench_out 2>&1 | tee "$OUT/bench_rc$rc.log" | grep -E "memory plan|^\{|error" ;
       done ;;
+    before)
+      for rc in 1 0; do
+        .bench/train_gpt_before --bench --recompute $rc --out /tmp/bench_before 2>&1 | tee "$OUT/before_rc$rc.log" \
+          | grep -E "^\{|error" ;
+      done ;;
+    same)
+      # The same run with the older build and this one: step 1's loss and gradient norm (same init,
+      # same batch) must be identical; later steps agree closely.
+      .bench/train_gpt_before --bench --bench-steps 5 --out /tmp/same_before 2>&1 | grep -E "^step +([1-9]|10)/" > "$OUT/same_before.log"
+      ./train_gpt --bench --bench-steps 5 --out /tmp/same_after 2>&1 | grep -E "^step +([1-9]|10)/" > "$OUT/same_after.log"
+      paste -d'\n' "$OUT/same_before.log" "$OUT/same_after.log" | cut -c1-60 ;;
     torch)
       PYTHONUNBUFFERED=1 python3 .bench/torch_baseline.py --model-size small --n-head 6 --n-kv-head 2 --head-dim 128 \
         --compile default --rope-theta 10000 2>&1 | tee "$OUT/torch_small.log" | tail -2 ;;
