@@ -11,9 +11,9 @@
  * block in a fixed order, so the backward is bitwise deterministic (no floating-point atomics).
  *
  * This is version 2 of the ladder: it lost to versions 3 and 4 and stays here as the story of how
- * we got there. It builds on kernels.cuh, whose attention helpers (exp2, bf16 packing, the softmax
- * step, row stores, the delta kernel, argument checks: attn_*) every version shares; include
- * kernels.cuh first. The cp.async wrappers and the softmax step with O rescaled at once, which
+ * we got there. It builds on lib/attention.cuh, whose attention helpers (exp2, bf16 packing, the
+ * softmax step, row stores, the delta kernel, argument checks: attn_*) every version shares, and
+ * includes it. The cp.async wrappers and the softmax step with O rescaled at once, which
  * version 3 (attention_wgmma.cuh) also uses, are defined here. Public host API, at the bottom:
  *   attention_forward_fa2(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, D, stream)
  *   attention_backward_fa2(dq, dk, dv, delta, dout, out, lse, q, k, v, qkv_stride, dqkv_stride,
@@ -29,8 +29,10 @@
  * T = 512/1024/2048/4096: forward 198/251/290/323 TFLOP/s, backward 141/172/197/205; D=64 (Hq 32):
  * forward 193/237/282/312, backward 120/156/181/199. Errors vs FP64: rel-L2 <= 3.5e-3.
  * Version 3 (attention_wgmma.cuh) has the same API on Hopper's wgmma: at D=128, 6-30% faster
- * forward and 16-40% faster backward (more at long T); version 4 (kernels.cuh) is the trainer's.
+ * forward and 16-40% faster backward (more at long T); version 4 (lib/attention.cuh) is the
+ * trainer's.
  */
+#include "../lib/attention.cuh"
 
 
 static __device__ __forceinline__ void fa2_ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {

@@ -1,16 +1,16 @@
 /*
  * attention_wgmma.cuh - version 3 of the attention ladder: FlashAttention-2's algorithm on Hopper's
  * warpgroup matrix instructions (wgmma, sm_90a), the first wgmma rung. It lost to version 4
- * (kernels.cuh) at every shape, forward and backward, and left the trainer.
+ * (lib/attention.cuh) at every shape, forward and backward, and left the trainer.
  *
- * Same API and layouts as the other versions (kernels.cuh's attention comment). Blocks of two
+ * Same API and layouts as the other versions (lib/attention.cuh's header). Blocks of two
  * warpgroups (256 threads), each owning 64 rows of every accumulator; tiles double-buffered by
  * cp.async from all threads (no TMA, no warp specialization). The backward is three kernels: delta;
  * dK, dV over KV tiles (each block loops over the G query heads and every query tile at or below
  * the diagonal, accumulating in registers); dQ over query tiles, recomputing P and dP: 7 matrix
  * products in all instead of 5, the price of determinism without an ordered dQ sum. It builds on
- * kernels.cuh (the helpers and wgmma wrappers) and attention_fa2.cuh (cp.async, the softmax step):
- * include both first.
+ * lib/attention.cuh (the helpers) and lib/ptx.cuh (the wgmma wrappers), which it includes, and on
+ * attention_fa2.cuh (cp.async, the softmax step), which must be included first.
  * Public host API, at the bottom:
  *   attention_forward_wgmma(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, D, stream)
  *   attention_backward_wgmma(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride,
@@ -18,6 +18,8 @@
  * H100, D = 128, T = 512 / 1024 / 2048 / 4096: forward 209 / 289 / 358 / 419 TFLOP/s, backward
  * 164 / 217 / 266 / 287 (doc/attention.md).
  */
+#include "../lib/ptx.cuh"
+#include "../lib/attention.cuh"
 
 // ----------------------------------------------------------------------------------------------
 // Tile loads into the panel layout: thread i copies chunk i % (D/8) of rows i / (D/8) + n*RSTEP.
@@ -148,8 +150,8 @@ static void wg_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* 
 }
 
 // ----------------------------------------------------------------------------------------------
-// Backward on wgmma: two deterministic kernels (the math is in kernels.cuh's Backward comment above
-// attn_delta_kernel) with every product a warpgroup chain.
+// Backward on wgmma: two deterministic kernels (the math is in lib/attention.cuh's Backward comment
+// above attn_delta_kernel) with every product a warpgroup chain.
 //
 // dK, dV: one block of 2 warpgroups per (128 keys, b, KV head); warpgroup w owns keys 64w .. 64w+63
 // and their dK, dV (64 x D fp32 each) in registers. Per query tile of BM rows (Q, dO, lse, delta
