@@ -132,7 +132,7 @@ __global__ void __launch_bounds__(256, 1)
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         inv[r] = 1.f / l;
         const int t = m0 + wrow + (lane >> 2) + 8 * r;
-        if (t < T && (lane & 3) == 0) lse[((long)b * Hq + h) * T + t] = (row_max[0][r] + __log2f(l)) * 0.69314718056f;
+        if (t < T && (lane & 3) == 0) lse[((long)b * Hq + h) * T + t] = (row_max[0][r] + __log2f(l)) * ATTN_LN2;
     }
     attn_store_rows<D>(out + (long)b * T * Hq * D + h * D, (long)Hq * D, m0 + wrow, T, o[0], inv[0], inv[1], lane);
 }
@@ -145,7 +145,7 @@ static void wg_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* 
     static bool configured = false;
     if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
     kernel<<<dim3(ceil_div(T, 128), B * Hq), 256, smem, stream>>>(out, lse, q, k, v, stride, T, Hq, Hkv,
-                                                                    1.44269504089f / sqrtf((float)D));
+                                                                    ATTN_LOG2E / sqrtf((float)D));
     CUDA_CHECK(cudaGetLastError());
 }
 
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(256, MINB)
         const float* dl_g = delta + ((long)b * Hq + hh) * T;
         for (int i = threadIdx.x; i < BM; i += THREADS) {
             const int t = m0 + i;
-            lse_s[buf * BM + i] = t < T ? lse_g[t] * 1.44269504089f : INFINITY;  // P = 0 past T
+            lse_s[buf * BM + i] = t < T ? lse_g[t] * ATTN_LOG2E : INFINITY;  // P = 0 past T
             dl_s[buf * BM + i] = t < T ? dl_g[t] : 0.f;
         }
     };
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(256, MINB)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int t = m0 + wrow + (lane >> 2) + 8 * r;
-        lse2[r] = t < T ? lse[((long)b * Hq + h) * T + t] * 1.44269504089f : INFINITY;
+        lse2[r] = t < T ? lse[((long)b * Hq + h) * T + t] * ATTN_LOG2E : INFINITY;
         dl[r] = t < T ? delta[((long)b * Hq + h) * T + t] : 0.f;
     }
     float dq_acc[DT][4];
@@ -330,7 +330,7 @@ static void wg_backward_dkdv_launch(bf16* dk, bf16* dv, const bf16* dout, const 
     if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
     const float scale = 1.f / sqrtf((float)D);
     kernel<<<dim3(ceil_div(T, 128), B * Hkv), 256, smem, stream>>>(dk, dv, dout, lse, delta, q, k, v, stride, dstride,
-                                                                     T, Hq, Hkv, scale, scale * 1.44269504089f);
+                                                                     T, Hq, Hkv, scale, scale * ATTN_LOG2E);
     CUDA_CHECK(cudaGetLastError());
 }
 
@@ -344,7 +344,7 @@ static void wg_backward_dq_launch(bf16* dq, const bf16* dout, const float* lse, 
     if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
     const float scale = 1.f / sqrtf((float)D);
     kernel<<<dim3(ceil_div(T, 128), B * Hq), 256, smem, stream>>>(dq, dout, lse, delta, q, k, v, stride, dstride, T, Hq,
-                                                                    Hkv, scale, scale * 1.44269504089f);
+                                                                    Hkv, scale, scale * ATTN_LOG2E);
     CUDA_CHECK(cudaGetLastError());
 }
 

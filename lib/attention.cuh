@@ -28,6 +28,11 @@
 #include "cuda_check.h"
 #include "ptx.cuh"
 
+// The softmax runs in base 2 (exp2 is one instruction): scores are scaled by scale * ATTN_LOG2E,
+// and a base-2 logsumexp times ATTN_LN2 is the natural-log lse that the API keeps.
+static constexpr float ATTN_LOG2E = 1.44269504089f;  // log2(e)
+static constexpr float ATTN_LN2 = 0.69314718056f;    // ln(2) = 1 / log2(e)
+
 // ----------------------------------------------------------------------------------------------
 // The kernels: FlashAttention-3's structure on Hopper. A block is a producer warpgroup, which only
 // moves data (TMA loads on an mbarrier ring; in the backward also the bulk reduce of dQ), and two or
@@ -186,7 +191,7 @@ __global__ void attn_delta_kernel(float* __restrict__ delta, float* __restrict__
     }
     if (lane == 0) {
         delta[row] = acc;
-        if (lse2) lse2[row] = t < T ? lse[bh * T + t] * 1.44269504089f : INFINITY;
+        if (lse2) lse2[row] = t < T ? lse[bh * T + t] * ATTN_LOG2E : INFINITY;
     }
 }
 
@@ -547,7 +552,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
             inv[r] = 1.f / l;
             const int tq = m0 + wrow + (lane >> 2) + 8 * r;
             if (tq < T && (lane & 3) == 0)
-                lse[((long)it.b * Hq + it.h) * T + tq] = (row_max[r] + __log2f(l)) * 0.69314718056f;
+                lse[((long)it.b * Hq + it.h) * T + tq] = (row_max[r] + __log2f(l)) * ATTN_LN2;
         }
         attn_store_rows<D>(out + (long)it.b * T * Hq * D + it.h * D, (long)Hq * D, m0 + wrow, T, o, inv[0], inv[1],
                            lane);
@@ -577,7 +582,7 @@ static void ws_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* 
     const double kv_bytes_per_head = 4.0 * T * D / (Hq / Hkv);
     const int group_heads = (int)fmin((double)B * Hq, fmax(1.0, L2_MIB * 1048576.0 / kv_bytes_per_head));
     kernel<<<grid, 128 * (NC + 1), smem, stream>>>(tq, tk, tv, out, lse, B, T, Hq, Hkv, group_heads,
-                                                   1.44269504089f / sqrtf((float)D));
+                                                   ATTN_LOG2E / sqrtf((float)D));
     CUDA_CHECK(cudaGetLastError());
 }
 
@@ -827,7 +832,7 @@ static void ws_backward_launch(bf16* dq, bf16* dk, bf16* dv, float* scratch, con
     const float scale = 1.f / sqrtf((float)D);
     kernel<<<dim3(ceil_div(T, 128), B * Hkv), 384, smem, stream>>>(tq, tk, tv, tdo, dk, dv, dq_acc, dq_sem, lse2, delta,
                                                                    dstride, T, Tp, Hq, Hkv, scale,
-                                                                   scale * 1.44269504089f);
+                                                                   scale * ATTN_LOG2E);
     CUDA_CHECK(cudaGetLastError());
     ws_dq_convert_kernel<D, BM><<<dim3(Tp / BM, B * Hq), 256, 0, stream>>>(dq, dq_acc, dstride, T, Tp, Hq, scale);
     CUDA_CHECK(cudaGetLastError());
