@@ -305,11 +305,11 @@ static __device__ __forceinline__ void wg_rs_chain(float (&acc)[D / 8][4], const
 }
 
 // ----------------------------------------------------------------------------------------------
-// TMA tensor maps, encoded on the host at each launch.
+// TMA tensor maps, encoded on the host once per distinct set of arguments, then taken from a cache.
 
 // A 3-D map {cols, T, B} over base (row stride `stride` elements, batch stride T*stride), box
 // {64, rows, 1}, 128-byte swizzle, out-of-bounds elements read as zero.
-static CUtensorMap tma_tensor_map(const bf16* base, int cols, int stride, int T, int B, int rows) {
+static CUtensorMap tma_tensor_map_encode(const bf16* base, int cols, int stride, int T, int B, int rows) {
     CUtensorMap m;
     const cuuint64_t dims[3] = {(cuuint64_t)cols, (cuuint64_t)T, (cuuint64_t)B};
     const cuuint64_t strides[2] = {(cuuint64_t)stride * sizeof(bf16), (cuuint64_t)T * stride * sizeof(bf16)};
@@ -323,6 +323,65 @@ static CUtensorMap tma_tensor_map(const bf16* base, int cols, int stride, int T,
         exit(1);
     }
     return m;
+}
+
+// The maps encoded so far, keyed by every argument of tma_tensor_map. A map is a function of those
+// arguments alone, so a hit is exactly what encoding would return, even for a buffer freed and its
+// address reused. The trainer launches attention on the same buffers every step: with recompute on
+// (the default), at most 5 maps in all (q of the forward and of the backward, k, v, dO); without
+// it, at most 4 per layer and dO's, 1025 at 256 layers. The table (open addressing, linear
+// probing) holds those under its 3/4 fill limit; a miss past the limit empties it first. Like the
+// launchers' static state, it assumes one host thread launches attention.
+#define TMA_MAP_SLOTS 2048  // a power of two
+struct TmaMapKey {
+    const bf16* base;
+    int cols, stride, T, B, rows;
+};
+struct TmaMapSlot {
+    TmaMapKey key;
+    bool used;
+    CUtensorMap map;
+};
+static TmaMapSlot tma_map_slots[TMA_MAP_SLOTS];
+static int tma_map_used;
+
+static bool tma_map_key_equal(const TmaMapKey& a, const TmaMapKey& b) {
+    return a.base == b.base && a.cols == b.cols && a.stride == b.stride && a.T == b.T && a.B == b.B &&
+           a.rows == b.rows;
+}
+
+// The home slot of a key: the fields folded in by FNV-1a's step, then murmur3's 64-bit finalizer,
+// so that base addresses which differ only in high bits still spread over the table.
+static int tma_map_home(const TmaMapKey& k) {
+    const uint64_t fields[6] = {(uint64_t)(uintptr_t)k.base, (uint64_t)(uint32_t)k.cols, (uint64_t)(uint32_t)k.stride,
+                                (uint64_t)(uint32_t)k.T, (uint64_t)(uint32_t)k.B, (uint64_t)(uint32_t)k.rows};
+    uint64_t h = 0xCBF29CE484222325ull;
+    for (int i = 0; i < 6; ++i) h = (h ^ fields[i]) * 0x100000001B3ull;
+    h ^= h >> 33;
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 33;
+    h *= 0xC4CEB9FE1A85EC53ull;
+    h ^= h >> 33;
+    return (int)(h & (TMA_MAP_SLOTS - 1));
+}
+
+// The map of tma_tensor_map_encode(base, cols, stride, T, B, rows), encoded on its first use only.
+static CUtensorMap tma_tensor_map(const bf16* base, int cols, int stride, int T, int B, int rows) {
+    const TmaMapKey key = {base, cols, stride, T, B, rows};
+    int i = tma_map_home(key);
+    for (; tma_map_slots[i].used; i = (i + 1) & (TMA_MAP_SLOTS - 1))  // ends: the table is never full
+        if (tma_map_key_equal(tma_map_slots[i].key, key)) return tma_map_slots[i].map;
+    if (tma_map_used >= TMA_MAP_SLOTS / 4 * 3) {  // fuller than the trainer needs: start over
+        for (int j = 0; j < TMA_MAP_SLOTS; ++j) tma_map_slots[j].used = false;
+        tma_map_used = 0;
+        i = tma_map_home(key);
+    }
+    TmaMapSlot* slot = &tma_map_slots[i];
+    slot->key = key;
+    slot->map = tma_tensor_map_encode(base, cols, stride, T, B, rows);
+    slot->used = true;
+    tma_map_used++;
+    return slot->map;
 }
 
 // ----------------------------------------------------------------------------------------------
