@@ -234,7 +234,7 @@ static PFN_cuTensorMapEncodeTiled_v12000 tma_encode_fn() {
         void* p = nullptr;
         CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &qres));
         if (qres != cudaDriverEntryPointSuccess || !p) {
-            fprintf(stderr, "attention: the driver has no cuTensorMapEncodeTiled (query result %d); "
+            fprintf(stderr, "tma_encode_fn: the driver has no cuTensorMapEncodeTiled (query result %d); "
                             "TMA needs a CUDA 12+ driver\n", (int)qres);
             exit(1);
         }
