@@ -11,7 +11,7 @@ GPU_ARCH  ?= -gencode=arch=compute_90a,code=sm_90a
 NVFLAGS   ?= -O3 -std=c++17 $(GPU_ARCH) --use_fast_math -Xcompiler -Wall,-Wno-unused-function,-Wno-format-truncation
 CFLAGS    ?= -O2 -std=c11 -Wall -Wextra -Wno-unused-function -Wno-format-truncation
 LIBS      := -lcublasLt -lpthread
-HEADERS   := lib/cuda_check.h kernels.cuh data.h tokenizer.h unicode_classes.h ckpt.h
+HEADERS   := lib/cuda_check.h lib/ptx.cuh lib/attention.cuh kernels.cuh data.h tokenizer.h unicode_classes.h ckpt.h
 
 .PHONY: all test data train bench plot dev clean
 all: train_gpt test_gpt prepro dev
@@ -27,7 +27,8 @@ prepro: prepro.c data.h tokenizer.h unicode_classes.h
 
 dev: dev/attention
 
-dev/attention: dev/attention.cu dev/common.h $(wildcard dev/*.cuh) kernels.cuh lib/cuda_check.h
+dev/attention: dev/attention.cu dev/common.h $(wildcard dev/*.cuh) kernels.cuh lib/attention.cuh lib/ptx.cuh \
+               lib/cuda_check.h
 	$(NVCC) $(NVFLAGS) -lineinfo $< -o $@ $(LIBS)
 
 test: all

@@ -9,14 +9,14 @@
  *      m16n8k16 on tensor cores, online softmax, causal tiles skipped; deterministic backward in
  *      three kernels (delta, dK/dV over KV tiles, dQ over query tiles). H100, D=128, T=1024..4096:
  *      forward 251-323 TFLOP/s, backward 172-205.
- *   3  Hopper wgmma (attention_wgmma.cuh; its forward in kernels.cuh), first step: version 2's
- *      algorithm with every product a warpgroup wgmma chain (operands straight from shared memory,
- *      P and dS from registers), two warpgroups per block, cp.async loads. H100, D=128,
- *      T=1024..4096: forward 289-419 TFLOP/s, backward 217-287.
- *   4  FlashAttention-3's shape (kernels.cuh: the trainer's kernels): TMA loads (3-D tensor maps,
- *      128-byte swizzle) on mbarrier rings, a producer warpgroup (setmaxnreg 24) and 2 consumer
- *      warpgroups (3 in the forward at D=64, T>1024). Forward: a persistent grid fed by a work
- *      queue, S of the next tile issued before the softmax of this one. Backward: one pass, 5
+ *   3  Hopper wgmma (attention_wgmma.cuh), first step: version 2's algorithm with every product a
+ *      warpgroup wgmma chain (operands straight from shared memory, P and dS from registers), two
+ *      warpgroups per block, cp.async loads. H100, D=128, T=1024..4096: forward 289-419 TFLOP/s,
+ *      backward 217-287.
+ *   4  FlashAttention-3's shape (lib/attention.cuh: the trainer's kernels): TMA loads (3-D tensor
+ *      maps, 128-byte swizzle) on mbarrier rings, a producer warpgroup (setmaxnreg 24) and 2
+ *      consumer warpgroups (3 in the forward at D=64, T>1024). Forward: a persistent grid fed by a
+ *      work queue, S of the next tile issued before the softmax of this one. Backward: one pass, 5
  *      products per tile pair, dQ partial sums bulk-reduced into fp32 global accumulators in a
  *      fixed order (semaphores) or, as "atomic dq", in any order. H100, D=128, T=1024..4096:
  *      forward 385-554 TFLOP/s, backward 265-407.
@@ -34,7 +34,7 @@
  * unmasked half only: forward 4*B*Hq*T^2*D/2, backward 2.5x that. Inputs (>= 128 MiB per shape)
  * exceed the 50 MiB L2, so no rotation is needed.
  */
-#include "../kernels.cuh"  // version 4 (the trainer's) and the helpers the other versions share with it
+#include "../lib/attention.cuh"  // version 4 (the trainer's) and the helpers the other versions share
 #include "common.h"
 #include "attention_naive.cuh"
 #include "attention_fa2.cuh"

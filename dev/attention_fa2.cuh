@@ -11,9 +11,9 @@
  * block in a fixed order, so the backward is bitwise deterministic (no floating-point atomics).
  *
  * This is version 2 of the ladder: it lost to versions 3 and 4 and stays here as the story of how
- * we got there. It builds on kernels.cuh, whose attention helpers (exp2, bf16 packing, the softmax
- * step, row stores, the delta kernel, argument checks: attn_*) every version shares; include
- * kernels.cuh first. The cp.async wrappers and the softmax step with O rescaled at once, which
+ * we got there. It builds on lib/attention.cuh, whose attention helpers (exp2, bf16 packing, the
+ * softmax step, row stores, the delta kernel, argument checks: attn_*) every version shares, and
+ * includes it. The cp.async wrappers and the softmax step with O rescaled at once, which
  * version 3 (attention_wgmma.cuh) also uses, are defined here. Public host API, at the bottom:
  *   attention_forward_fa2(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, D, stream)
  *   attention_backward_fa2(dq, dk, dv, delta, dout, out, lse, q, k, v, qkv_stride, dqkv_stride,
@@ -29,8 +29,10 @@
  * T = 512/1024/2048/4096: forward 198/251/290/323 TFLOP/s, backward 141/172/197/205; D=64 (Hq 32):
  * forward 193/237/282/312, backward 120/156/181/199. Errors vs FP64: rel-L2 <= 3.5e-3.
  * Version 3 (attention_wgmma.cuh) has the same API on Hopper's wgmma: at D=128, 6-30% faster
- * forward and 16-40% faster backward (more at long T); version 4 (kernels.cuh) is the trainer's.
+ * forward and 16-40% faster backward (more at long T); version 4 (lib/attention.cuh) is the
+ * trainer's.
  */
+#include "../lib/attention.cuh"
 
 
 static __device__ __forceinline__ void fa2_ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
@@ -311,7 +313,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
             inv[r] = 1.f / l;
             const int t = m0 + wrow + mt * 16 + (lane >> 2) + 8 * r;
             if (t < T && (lane & 3) == 0)
-                lse[((long)b * Hq + h) * T + t] = (row_max[mt][r] + __log2f(l)) * 0.69314718056f;
+                lse[((long)b * Hq + h) * T + t] = (row_max[mt][r] + __log2f(l)) * ATTN_LN2;
         }
         attn_store_rows<D>(og, (long)Hq * D, m0 + wrow + mt * 16, T, o[mt], inv[0], inv[1], lane);
     }
@@ -362,7 +364,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
         const float* dl_g = delta + ((long)b * Hq + hh) * T;
         for (int i = threadIdx.x; i < BM; i += THREADS) {
             const int t = m0 + i;
-            lse_s[buf * BM + i] = t < T ? lse_g[t] * 1.44269504089f : INFINITY;  // P = 0 past T
+            lse_s[buf * BM + i] = t < T ? lse_g[t] * ATTN_LOG2E : INFINITY;  // P = 0 past T
             dl_s[buf * BM + i] = t < T ? dl_g[t] : 0.f;
         }
     };
@@ -464,7 +466,7 @@ __global__ void __launch_bounds__(WARPS * 32, MINB)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int t = m0 + wrow + (lane >> 2) + 8 * r;
-        lse2[r] = t < T ? lse[((long)b * Hq + h) * T + t] * 1.44269504089f : INFINITY;
+        lse2[r] = t < T ? lse[((long)b * Hq + h) * T + t] * ATTN_LOG2E : INFINITY;
         dl[r] = t < T ? delta[((long)b * Hq + h) * T + t] : 0.f;
     }
     float dq_acc[1][DT][4];
@@ -519,7 +521,7 @@ static void fa2_forward_launch(bf16* out, float* lse, const bf16* q, const bf16*
     const int smem = (BM + 2 * KV_BUFS * BN) * D * (int)sizeof(bf16);
     static bool configured = false;
     if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
-    const float scale_log2 = 1.44269504089f / sqrtf((float)D);
+    const float scale_log2 = ATTN_LOG2E / sqrtf((float)D);
     kernel<<<dim3(ceil_div(T, BM), B * Hq), WARPS * 32, smem, stream>>>(out, lse, q, k, v, stride, T, Hq, Hkv,
                                                                        scale_log2);
     CUDA_CHECK(cudaGetLastError());
@@ -538,7 +540,7 @@ static void fa2_backward_dkdv_launch(bf16* dk, bf16* dv, const bf16* dout, const
     if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
     const float scale = 1.f / sqrtf((float)D);
     kernel<<<dim3(ceil_div(T, BN), B * Hkv), WARPS * 32, smem, stream>>>(
-        dk, dv, dout, lse, delta, q, k, v, stride, dstride, T, Hq, Hkv, scale, scale * 1.44269504089f);
+        dk, dv, dout, lse, delta, q, k, v, stride, dstride, T, Hq, Hkv, scale, scale * ATTN_LOG2E);
     CUDA_CHECK(cudaGetLastError());
 }
 
@@ -553,7 +555,7 @@ static void fa2_backward_dq_launch(bf16* dq, const bf16* dout, const float* lse,
     if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
     const float scale = 1.f / sqrtf((float)D);
     kernel<<<dim3(ceil_div(T, BM), B * Hq), WARPS * 32, smem, stream>>>(
-        dq, dout, lse, delta, q, k, v, stride, dstride, T, Hq, Hkv, scale, scale * 1.44269504089f);
+        dq, dout, lse, delta, q, k, v, stride, dstride, T, Hq, Hkv, scale, scale * ATTN_LOG2E);
     CUDA_CHECK(cudaGetLastError());
 }
 

@@ -9,6 +9,7 @@
  * h / (Hq/Hkv) for query head h). It is slow and memory-hungry by design: it exists to be obviously
  * right, and to show what the fused kernels save.
  */
+#include "../lib/cuda_check.h"
 
 static float* naive_scratch[2] = {nullptr, nullptr};
 static size_t naive_scratch_floats = 0;

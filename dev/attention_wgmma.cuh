@@ -1,16 +1,16 @@
 /*
  * attention_wgmma.cuh - version 3 of the attention ladder: FlashAttention-2's algorithm on Hopper's
  * warpgroup matrix instructions (wgmma, sm_90a), the first wgmma rung. It lost to version 4
- * (kernels.cuh) at every shape, forward and backward, and left the trainer.
+ * (lib/attention.cuh) at every shape, forward and backward, and left the trainer.
  *
- * Same API and layouts as the other versions (kernels.cuh's attention comment). Blocks of two
+ * Same API and layouts as the other versions (lib/attention.cuh's header). Blocks of two
  * warpgroups (256 threads), each owning 64 rows of every accumulator; tiles double-buffered by
  * cp.async from all threads (no TMA, no warp specialization). The backward is three kernels: delta;
  * dK, dV over KV tiles (each block loops over the G query heads and every query tile at or below
  * the diagonal, accumulating in registers); dQ over query tiles, recomputing P and dP: 7 matrix
  * products in all instead of 5, the price of determinism without an ordered dQ sum. It builds on
- * kernels.cuh (the helpers and wgmma wrappers) and attention_fa2.cuh (cp.async, the softmax step):
- * include both first.
+ * lib/attention.cuh (the helpers) and lib/ptx.cuh (the wgmma wrappers), which it includes, and on
+ * attention_fa2.cuh (cp.async, the softmax step), which must be included first.
  * Public host API, at the bottom:
  *   attention_forward_wgmma(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, D, stream)
  *   attention_backward_wgmma(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride,
@@ -18,6 +18,8 @@
  * H100, D = 128, T = 512 / 1024 / 2048 / 4096: forward 209 / 289 / 358 / 419 TFLOP/s, backward
  * 164 / 217 / 266 / 287 (doc/attention.md).
  */
+#include "../lib/ptx.cuh"
+#include "../lib/attention.cuh"
 
 // ----------------------------------------------------------------------------------------------
 // Tile loads into the panel layout: thread i copies chunk i % (D/8) of rows i / (D/8) + n*RSTEP.
@@ -130,7 +132,7 @@ __global__ void __launch_bounds__(256, 1)
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         inv[r] = 1.f / l;
         const int t = m0 + wrow + (lane >> 2) + 8 * r;
-        if (t < T && (lane & 3) == 0) lse[((long)b * Hq + h) * T + t] = (row_max[0][r] + __log2f(l)) * 0.69314718056f;
+        if (t < T && (lane & 3) == 0) lse[((long)b * Hq + h) * T + t] = (row_max[0][r] + __log2f(l)) * ATTN_LN2;
     }
     attn_store_rows<D>(out + (long)b * T * Hq * D + h * D, (long)Hq * D, m0 + wrow, T, o[0], inv[0], inv[1], lane);
 }
@@ -143,13 +145,13 @@ static void wg_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* 
     static bool configured = false;
     if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
     kernel<<<dim3(ceil_div(T, 128), B * Hq), 256, smem, stream>>>(out, lse, q, k, v, stride, T, Hq, Hkv,
-                                                                    1.44269504089f / sqrtf((float)D));
+                                                                    ATTN_LOG2E / sqrtf((float)D));
     CUDA_CHECK(cudaGetLastError());
 }
 
 // ----------------------------------------------------------------------------------------------
-// Backward on wgmma: two deterministic kernels (the math is in kernels.cuh's Backward comment above
-// attn_delta_kernel) with every product a warpgroup chain.
+// Backward on wgmma: two deterministic kernels (the math is in lib/attention.cuh's Backward comment
+// above attn_delta_kernel) with every product a warpgroup chain.
 //
 // dK, dV: one block of 2 warpgroups per (128 keys, b, KV head); warpgroup w owns keys 64w .. 64w+63
 // and their dK, dV (64 x D fp32 each) in registers. Per query tile of BM rows (Q, dO, lse, delta
@@ -190,7 +192,7 @@ __global__ void __launch_bounds__(256, MINB)
         const float* dl_g = delta + ((long)b * Hq + hh) * T;
         for (int i = threadIdx.x; i < BM; i += THREADS) {
             const int t = m0 + i;
-            lse_s[buf * BM + i] = t < T ? lse_g[t] * 1.44269504089f : INFINITY;  // P = 0 past T
+            lse_s[buf * BM + i] = t < T ? lse_g[t] * ATTN_LOG2E : INFINITY;  // P = 0 past T
             dl_s[buf * BM + i] = t < T ? dl_g[t] : 0.f;
         }
     };
@@ -273,7 +275,7 @@ __global__ void __launch_bounds__(256, MINB)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int t = m0 + wrow + (lane >> 2) + 8 * r;
-        lse2[r] = t < T ? lse[((long)b * Hq + h) * T + t] * 1.44269504089f : INFINITY;
+        lse2[r] = t < T ? lse[((long)b * Hq + h) * T + t] * ATTN_LOG2E : INFINITY;
         dl[r] = t < T ? delta[((long)b * Hq + h) * T + t] : 0.f;
     }
     float dq_acc[DT][4];
@@ -328,7 +330,7 @@ static void wg_backward_dkdv_launch(bf16* dk, bf16* dv, const bf16* dout, const 
     if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
     const float scale = 1.f / sqrtf((float)D);
     kernel<<<dim3(ceil_div(T, 128), B * Hkv), 256, smem, stream>>>(dk, dv, dout, lse, delta, q, k, v, stride, dstride,
-                                                                     T, Hq, Hkv, scale, scale * 1.44269504089f);
+                                                                     T, Hq, Hkv, scale, scale * ATTN_LOG2E);
     CUDA_CHECK(cudaGetLastError());
 }
 
@@ -342,7 +344,7 @@ static void wg_backward_dq_launch(bf16* dq, const bf16* dout, const float* lse, 
     if (!configured) { attn_allow_smem(kernel, smem); configured = true; }
     const float scale = 1.f / sqrtf((float)D);
     kernel<<<dim3(ceil_div(T, 128), B * Hq), 256, smem, stream>>>(dq, dout, lse, delta, q, k, v, stride, dstride, T, Hq,
-                                                                    Hkv, scale, scale * 1.44269504089f);
+                                                                    Hkv, scale, scale * ATTN_LOG2E);
     CUDA_CHECK(cudaGetLastError());
 }
 

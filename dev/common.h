@@ -6,8 +6,8 @@
  *
  * Convention: references take the bf16 inputs already widened to float (the exact values the GPU
  * sees) and compute in double; the metrics report max |gpu - ref| and ||gpu - ref|| / ||ref||,
- * and count non-finite GPU values, which always fail a check. The including file includes
- * kernels.cuh first (lib/cuda_check.h's definitions and splitmix64).
+ * and count non-finite GPU values, which always fail a check. It includes kernels.cuh for the
+ * trainer's splitmix64 (and, through it, lib/cuda_check.h's definitions).
  */
 #ifndef DEV_COMMON_H
 #define DEV_COMMON_H
@@ -16,6 +16,7 @@
 #include <string.h>
 #include <algorithm>
 #include <vector>
+#include "../kernels.cuh"  // splitmix64
 
 // ----------------------------------------------------------------------------------------------
 // Random numbers: kernels.cuh's splitmix64, the same generator on host and device.

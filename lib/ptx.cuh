@@ -1,0 +1,246 @@
+/*
+ * lib/ptx.cuh - inline-PTX wrappers for the Hopper (sm_90a) instructions CUDA C++ does not expose:
+ * warpgroup matrix products (wgmma: fence, commit, wait, shared-memory descriptors, the products
+ * with both operands in shared memory and with A in registers), mbarriers, TMA tensor loads (and
+ * cuTensorMapEncodeTiled, fetched through the runtime to encode their maps), setmaxnreg, bulk copies
+ * and bulk reductions with their waits, named barriers, the gpu-scope acquire / release pair, and
+ * the async-proxy fences.
+ *
+ * How it fits: lib/attention.cuh builds its kernels on these, and so do the wgmma versions of the
+ * dev/ attention ladder; each wrapper is one instruction (or one fixed group), named for it.
+ *
+ * Conventions a reader must know: shared-memory operands are 32-bit shared-window addresses
+ * (__cvta_generic_to_shared), not pointers; every wgmma wrapper is issued by all 128 threads of a
+ * warpgroup; descriptors describe wgmma's 128-byte swizzle (64-column bf16 panels of 128-byte rows,
+ * 1024-byte aligned), the layout TMA writes with CU_TENSOR_MAP_SWIZZLE_128B.
+ */
+#ifndef PTX_CUH
+#define PTX_CUH
+
+#include <stdint.h>
+#include <cuda.h>          // CUtensorMap and its enums (types only: no -lcuda)
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled, fetched through the runtime
+#include "cuda_check.h"
+
+// ----------------------------------------------------------------------------------------------
+// wgmma wrappers. Each warpgroup-wide instruction is issued by all 128 threads of a warpgroup.
+
+static __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+static __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+static __device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Orders this thread's earlier generic-proxy shared-memory writes (cp.async data once waited for)
+// before later async-proxy reads (wgmma operands); a barrier must follow.
+static __device__ __forceinline__ void wg_fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Keeps the compiler from moving accumulator registers across a wgmma issue or wait.
+template <int N>
+static __device__ __forceinline__ void wg_fence_regs(float (&d)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading-byte offset (unused
+// here: 16 bytes), stride-byte offset 1024 (eight 128-byte rows), base offset 0.
+static __device__ __forceinline__ uint64_t wg_desc(uint32_t smem_addr) {
+    uint64_t d = 0;
+    d |= (uint64_t)((smem_addr & 0x3FFFF) >> 4);
+    d |= (uint64_t)1 << 16;
+    d |= (uint64_t)(1024 >> 4) << 32;
+    d |= (uint64_t)1 << 62;
+    return d;
+}
+
+// d[N/8][4] (+)= A (64 x 16, shared, K-major) * B (N rows x 16, shared, K-major)^T; SCALE_D = 0
+// overwrites d. Accumulator layout per warp w of the warpgroup: rows 16w + g and 16w + g + 8,
+// columns 8j + 2i, 8j + 2i + 1 in d[j] (lane = 4g + i), the mma.m16n8 layout repeated.
+template <int SCALE_D, int TA = 0, int TB = 0>
+static __device__ __forceinline__ void wg_mma_ss_n32(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, %19, %20;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+        : "l"(desc_a), "l"(desc_b), "n"(SCALE_D), "n"(TA), "n"(TB));
+}
+
+template <int SCALE_D, int TA = 0, int TB = 0>
+static __device__ __forceinline__ void wg_mma_ss_n64(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(desc_a), "l"(desc_b), "n"(SCALE_D), "n"(TA), "n"(TB));
+}
+
+template <int SCALE_D, int TA = 0, int TB = 0>
+static __device__ __forceinline__ void wg_mma_ss_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, %67, %68;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+        : "l"(desc_a), "l"(desc_b), "n"(SCALE_D), "n"(TA), "n"(TB));
+}
+
+// The SS product for N in {32, 64, 128}. TA = 1 reads A MN-major (a [16 k][64 m] panel, each k row
+// 64 contiguous m), TB = 1 reads B MN-major; either then advances 16 rows (2048 bytes) per k-step.
+template <int N, int SCALE_D, int TA = 0, int TB = 0>
+static __device__ __forceinline__ void wg_mma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b) {
+    if constexpr (N == 32) wg_mma_ss_n32<SCALE_D, TA, TB>(d, desc_a, desc_b);
+    else if constexpr (N == 64) wg_mma_ss_n64<SCALE_D, TA, TB>(d, desc_a, desc_b);
+    else wg_mma_ss_n128<SCALE_D, TA, TB>(d, desc_a, desc_b);
+}
+
+// d[OFF .. OFF+7][4] += A (64 x 16 bf16 in registers, the mma.m16n8k16 A layout per warp) *
+// B (16 x 64, shared, MN-major: each k row holds 64 contiguous columns, hence trans-b = 1).
+template <int OFF, int N8>
+static __device__ __forceinline__ void wg_mma_rs_n64_tb(float (&d)[N8][4], const uint32_t (&a)[4], uint64_t desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : "+f"(d[OFF + 0][0]), "+f"(d[OFF + 0][1]), "+f"(d[OFF + 0][2]), "+f"(d[OFF + 0][3]),
+          "+f"(d[OFF + 1][0]), "+f"(d[OFF + 1][1]), "+f"(d[OFF + 1][2]), "+f"(d[OFF + 1][3]),
+          "+f"(d[OFF + 2][0]), "+f"(d[OFF + 2][1]), "+f"(d[OFF + 2][2]), "+f"(d[OFF + 2][3]),
+          "+f"(d[OFF + 3][0]), "+f"(d[OFF + 3][1]), "+f"(d[OFF + 3][2]), "+f"(d[OFF + 3][3]),
+          "+f"(d[OFF + 4][0]), "+f"(d[OFF + 4][1]), "+f"(d[OFF + 4][2]), "+f"(d[OFF + 4][3]),
+          "+f"(d[OFF + 5][0]), "+f"(d[OFF + 5][1]), "+f"(d[OFF + 5][2]), "+f"(d[OFF + 5][3]),
+          "+f"(d[OFF + 6][0]), "+f"(d[OFF + 6][1]), "+f"(d[OFF + 6][2]), "+f"(d[OFF + 6][3]),
+          "+f"(d[OFF + 7][0]), "+f"(d[OFF + 7][1]), "+f"(d[OFF + 7][2]), "+f"(d[OFF + 7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1));
+}
+
+// ----------------------------------------------------------------------------------------------
+// mbarrier, TMA and bulk-copy wrappers (PTX ISA: "mbarrier", "cp.async.bulk", "cp.async.bulk.tensor",
+// "cp.reduce.async.bulk"), named barriers, and the acquire / release pair of the backward's dQ order.
+
+static __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+// The producer's arrival on a full barrier: one arrive, plus bytes the TMA copies will complete.
+static __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+static __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Spins until the barrier's phase with the given parity has completed.
+static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    uint32_t done;
+    do {
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+    } while (!done);
+}
+// One box {64 columns, rows, 1} at (column c0, row t0, batch b) of a 3-D tensor map into shared
+// memory at dst; completes its bytes on bar.
+static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int t0, int b,
+                                                   uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(t0), "r"(b), "r"(bar)
+        : "memory");
+}
+template <int N>
+static __device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+static __device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// bytes (a multiple of 16; both addresses 16-byte aligned) from global src to shared dst, on bar.
+static __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+// dst = src (ADD false) or dst += src (ADD true, fp32 adds in L2), bytes from shared to global, as
+// one committed bulk group of this thread.
+template <bool ADD>
+static __device__ __forceinline__ void bulk_store(float* dst, uint32_t src, uint32_t bytes) {
+    if constexpr (ADD)
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                     "r"(bytes)
+                     : "memory");
+    else
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst), "r"(src), "r"(bytes)
+                     : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until this thread's bulk groups have read their shared source (READ) or fully completed.
+template <bool READ>
+static __device__ __forceinline__ void bulk_wait() {
+    if constexpr (READ) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+static __device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+static __device__ __forceinline__ int load_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+static __device__ __forceinline__ void add_release_gpu(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+// Orders this thread's generic-proxy global accesses with its bulk (async-proxy) ones.
+static __device__ __forceinline__ void fence_proxy_async_global() {
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+// ----------------------------------------------------------------------------------------------
+// TMA tensor maps are encoded on the host, by the driver's cuTensorMapEncodeTiled.
+
+// cuTensorMapEncodeTiled from the driver, through the runtime (so the program needs no -lcuda).
+static PFN_cuTensorMapEncodeTiled_v12000 tma_encode_fn() {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+    if (!fn) {
+        cudaDriverEntryPointQueryResult qres;
+        void* p = nullptr;
+        CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &qres));
+        if (qres != cudaDriverEntryPointSuccess || !p) {
+            fprintf(stderr, "tma_encode_fn: the driver has no cuTensorMapEncodeTiled (query result %d); "
+                            "TMA needs a CUDA 12+ driver\n", (int)qres);
+            exit(1);
+        }
+        fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+    }
+    return fn;
+}
+
+#endif
