@@ -1,11 +1,13 @@
 /*
- * kernels.cuh - every CUDA kernel train_gpt runs, and the one cuBLASLt wrapper all matmuls use.
+ * kernels.cuh - every CUDA kernel train_gpt runs, the optimizer's kernels, and the one matmul
+ * wrapper all matmuls use.
  *
- * Read it top to bottom in the order of a training step: embedding, RMSNorm, the per-head QK norm
- * with rotary embedding, attention (in lib/attention.cuh, included at that place; its PTX wrappers
- * are in lib/ptx.cuh), SwiGLU, the chunked cross-entropy, then the reductions (global gradient
- * norm, loss sum) and the fused AdamW update. Each forward kernel is followed by its backward,
- * whose comment states the derivative it computes.
+ * Read it top to bottom: small helpers, the deterministic reductions (global gradient norm, loss
+ * sum) and initialization; then the kernels in the order of a training step: embedding, RMSNorm,
+ * the per-head QK norm with rotary embedding, attention (in lib/attention.cuh, included at that
+ * place; its PTX wrappers are in lib/ptx.cuh), SwiGLU, the chunked cross-entropy; then the
+ * optimizer (the learning-rate schedule and the fused AdamW update) and the cuBLASLt wrapper.
+ * Each forward kernel is followed by its backward, whose comment states the derivative it computes.
  *
  * Conventions a reader must know:
  *  - Activations are bf16, row-major, one row per token: x[n, c] with n = b*T + t.
@@ -23,9 +25,7 @@
 
 #include <math.h>
 #include <float.h>
-#include <cublasLt.h>
-#include <cuda.h>          // CUtensorMap and its enums (types only: no -lcuda)
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled, fetched through the runtime
+#include <string.h>
 #include "lib/cuda_check.h"
 
 // ----------------------------------------------------------------------------------------------
