@@ -1,8 +1,8 @@
 /*
  * data.h - the trainer's data: token shards on disk, the writer that makes them (prepro), and the
- * DataLoader that turns them into batches on a background thread. Header-only; C11 (prepro.c,
+ * DataLoader that turns them into batches on a background thread. Header-only; C11 (tools/prepro.c,
  * which must define _POSIX_C_SOURCE 200809L before any include) and C++17 (train_gpt.cu). Includes
- * tokenizer.h, the GPT-2 tokenizer.
+ * lib/tokenizer.h, the GPT-2 tokenizer.
  *
  * Shard format (llm.c's): a header of 256 int32 {20240520 (magic), 1 (version), n_tokens, 0...},
  * then n_tokens uint16 token ids, little-endian. Documents follow one another, each preceded by the
@@ -32,7 +32,7 @@
 #include <unistd.h>
 #include <sys/stat.h>
 
-#include "tokenizer.h"
+#include "lib/tokenizer.h"
 
 // ----------------------------------------------------------------------------------------------
 // Shards

@@ -15,10 +15,10 @@
  */
 #define TRAIN_GPT_NO_MAIN
 #include "train_gpt.cu"
-#include "testing.h"
-#include "reference.h"
-#include "test_data.h"
-#include "test_ckpt.h"
+#include "test/testing.h"
+#include "test/reference.h"
+#include "test/test_data.h"
+#include "test/test_ckpt.h"
 #include <sys/wait.h>
 #include <unistd.h>
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# fuzz.sh - builds the libFuzzer harnesses fuzz/fuzz_shard.c and fuzz/fuzz_tokenizer.c with clang
+# fuzz.sh - builds the libFuzzer harnesses test/fuzz/fuzz_shard.c and test/fuzz/fuzz_tokenizer.c with clang
 # (AddressSanitizer and UndefinedBehaviorSanitizer on) and runs each for a bounded time.
 #
 #   bash scripts/fuzz.sh [SECONDS]     default 60 seconds per harness
@@ -44,11 +44,11 @@ fs.writeFileSync(w + "/tokenizer/seed_vocab", Buffer.concat([Buffer.from([1]), B
 
 status=0
 for h in shard tokenizer; do
-    echo "fuzz: building fuzz/fuzz_$h"
+    echo "fuzz: building test/fuzz/fuzz_$h"
     clang -g -O1 -std=c11 -Wall -Wextra -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-        "fuzz/fuzz_$h.c" -o "fuzz/fuzz_$h" -lpthread
+        "test/fuzz/fuzz_$h.c" -o "test/fuzz/fuzz_$h" -lpthread
     echo "fuzz: running fuzz_$h for ${seconds} s (corpus $work/$h)"
-    if ! FUZZ_TOKENIZER_DIR=data/tokenizer "./fuzz/fuzz_$h" "$work/$h" -max_total_time="$seconds" -timeout=10 \
+    if ! FUZZ_TOKENIZER_DIR=data/tokenizer "./test/fuzz/fuzz_$h" "$work/$h" -max_total_time="$seconds" -timeout=10 \
             -max_len=16384 -artifact_prefix="$work/crash_$h-" -print_final_stats=1 >"$work/$h.log" 2>&1; then
         status=1
         tail -n 30 "$work/$h.log"

@@ -1,5 +1,5 @@
 /*
- * test_data.h - tests of data.h and tokenizer.h (and the prepro tool), run by test_gpt.
+ * test/test_data.h - tests of data.h and lib/tokenizer.h (and the prepro tool), run by test_gpt.
  *
  * The tokenizer is checked against an independent reference: the JavaScript encoder of the npm
  * package gpt-3-encoder@1.1.4, run with node (scripts/tokenizer_reference.js), on about 4 MB of
@@ -263,7 +263,7 @@ static int test_tokenizer_known_cases(void) {
     return TEST_RESULT;
 }
 
-// ids from tokenizer.h and from the JavaScript reference, on ~4 MB of generated documents.
+// ids from lib/tokenizer.h and from the JavaScript reference, on ~4 MB of generated documents.
 static int test_tokenizer_matches_node(void) {
     int failed = 0;
     Tokenizer* tk = td_gpt2_tokenizer();
@@ -337,7 +337,7 @@ static int test_tokenizer_matches_node(void) {
     return TEST_RESULT;
 }
 
-// unicode_classes.h against this node's regex engine, code point by code point.
+// lib/unicode_classes.h against this node's regex engine, code point by code point.
 static int test_unicode_classes_match_node(void) {
     int failed = 0;
     if (!td_have_node()) return TEST_SKIP;
@@ -357,7 +357,7 @@ static int test_unicode_classes_match_node(void) {
     EXPECT(classes && len == 0x110000, "node did not write the classes: %s", cmd);
     if (!classes || len != 0x110000) { free(classes); return TEST_RESULT; }
     if (strcmp(version, UNICODE_CLASSES_VERSION) != 0) {
-        printf("    skipped: node has Unicode %s and unicode_classes.h was made from Unicode %s; "
+        printf("    skipped: node has Unicode %s and lib/unicode_classes.h was made from Unicode %s; "
                "regenerate it with scripts/gen_unicode_classes.js to compare\n", version, UNICODE_CLASSES_VERSION);
         free(classes);
         return TEST_SKIP;

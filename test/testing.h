@@ -1,5 +1,5 @@
 /*
- * testing.h - the small test harness behind test_gpt.
+ * test/testing.h - the small test harness behind test_gpt.
  *
  * A test is a function returning TEST_PASS, TEST_FAIL or TEST_SKIP; each subsystem keeps a table
  * of them (name, function) and test_gpt.cu runs every table in turn, printing one line per test

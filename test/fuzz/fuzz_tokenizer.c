@@ -1,5 +1,5 @@
 /*
- * fuzz_tokenizer.c - libFuzzer harness for tokenizer.h. Built and run by scripts/fuzz.sh, which
+ * test/fuzz/fuzz_tokenizer.c - libFuzzer harness for lib/tokenizer.h. Built and run by scripts/fuzz.sh, which
  * fetches the GPT-2 files first (FUZZ_TOKENIZER_DIR, default data/tokenizer).
  *
  * An input whose first byte is even is text: encoding it with GPT-2's tokenizer must give ids of the
@@ -9,7 +9,7 @@
  * files' own text.
  */
 #define _POSIX_C_SOURCE 200809L
-#include "../tokenizer.h"
+#include "../../lib/tokenizer.h"
 
 static Tokenizer g_gpt2;
 static TokenList g_ids;
