@@ -10,7 +10,7 @@ GPU_ARCH  ?= -gencode=arch=compute_90a,code=sm_90a
 NVFLAGS   ?= -O3 -std=c++17 $(GPU_ARCH) --use_fast_math -Xcompiler -Wall,-Wno-unused-function,-Wno-format-truncation
 CFLAGS    ?= -O2 -std=c11 -Wall -Wextra -Wno-unused-function -Wno-format-truncation
 LIBS      := -lcublasLt -lpthread
-HEADERS   := lib/cuda_check.h kernels.cuh data.h lib/tokenizer.h lib/unicode_classes.h ckpt.h
+HEADERS   := lib/cuda_check.h lib/util.h kernels.cuh data.h lib/tokenizer.h lib/unicode_classes.h ckpt.h
 TEST_HEADERS := test/testing.h test/reference.h test/test_data.h test/test_ckpt.h
 
 .PHONY: all test data train bench dev clean
@@ -23,7 +23,7 @@ test_gpt: test_gpt.cu train_gpt.cu $(TEST_HEADERS) $(HEADERS)
 	$(NVCC) $(NVFLAGS) $< -o $@ $(LIBS)
 
 # the tool's source is in tools/, its binary stays at the top (./prepro, as the scripts call it)
-prepro: tools/prepro.c data.h lib/tokenizer.h lib/unicode_classes.h
+prepro: tools/prepro.c data.h lib/util.h lib/tokenizer.h lib/unicode_classes.h
 	$(CC) $(CFLAGS) $< -o $@ -lpthread
 
 dev: dev/attention

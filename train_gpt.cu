@@ -35,6 +35,7 @@
 #include <cuda_fp16.h>
 #include "kernels.cuh"
 #include "data.h"
+#include "lib/tokenizer.h"
 #include "ckpt.h"
 
 // ----------------------------------------------------------------------------------------------

@@ -360,7 +360,7 @@ static int test_safetensors_header_layout(void) {
         EXPECT(st_write(path, &t, 1, NULL, 0, err, sizeof err) == 0, "%s", err);
         char* b;
         size_t n;
-        if (ck_read_file(path, 1 << 20, &b, &n, err, sizeof err)) { EXPECT(0, "%s", err); continue; }
+        if (read_whole_file(path, 1 << 20, &b, &n, err, sizeof err)) { EXPECT(0, "%s", err); continue; }
         uint64_t h = 0;
         for (int k = 0; k < 8; k++) h |= (uint64_t)(uint8_t)b[k] << (8 * k);
         char want[128];
@@ -533,7 +533,7 @@ static int test_ckpt_roundtrip(void) {
     char* latest;
     size_t n;
     ckt_join(path, out, "latest");
-    EXPECT(ck_read_file(path, 64, &latest, &n, err, sizeof err) == 0 && strcmp(latest, "ckpt_10\n") == 0, "latest");
+    EXPECT(read_whole_file(path, 64, &latest, &n, err, sizeof err) == 0 && strcmp(latest, "ckpt_10\n") == 0, "latest");
     free(latest);
     ckt_join(path, out, "ckpt_10.tmp");
     EXPECT(!ckt_exists(path), "%s left behind", path);

@@ -52,6 +52,12 @@ static int td_write_file(const char* path, const void* data, size_t n) {
     return (fclose(f) == 0 && ok) ? 0 : -1;
 }
 
+// The whole file, NUL-terminated (free it), or NULL with err.
+static char* td_read_file(const char* path, size_t* len, char* err, size_t err_len) {
+    char* data;
+    return read_whole_file(path, SIZE_MAX, &data, len, err, err_len) == 0 ? data : NULL;
+}
+
 static uint64_t td_rng = 1;  // every generator below draws from this, seeded per test
 static uint64_t td_rand(void) { return mix64(td_rng++); }
 static uint32_t td_below(uint32_t n) { return (uint32_t)(td_rand() % n); }
@@ -293,7 +299,7 @@ static int test_tokenizer_matches_node(void) {
     double node_seconds = td_seconds() - t0;
     size_t ref_len = 0;
     char err[512];
-    char* ref = rc == 0 ? read_whole_file(ids_path, &ref_len, err, sizeof(err)) : NULL;
+    char* ref = rc == 0 ? td_read_file(ids_path, &ref_len, err, sizeof(err)) : NULL;
     EXPECT(rc == 0 && ref, "the reference encoder failed: %s", cmd);
     if (ref) {
         size_t p = 0, q = 0, n_ids = 0, bad_docs = 0;
@@ -352,7 +358,7 @@ static int test_unicode_classes_match_node(void) {
     version[strcspn(version, "\n")] = '\0';
     size_t len = 0;
     char err[512];
-    char* classes = rc == 0 ? read_whole_file(path, &len, err, sizeof(err)) : NULL;
+    char* classes = rc == 0 ? td_read_file(path, &len, err, sizeof(err)) : NULL;
     td_remove_dir(dir);
     EXPECT(classes && len == 0x110000, "node did not write the classes: %s", cmd);
     if (!classes || len != 0x110000) { free(classes); return TEST_RESULT; }
@@ -424,7 +430,7 @@ static int test_tokenizer_speed(void) {
     if (!tk) return TEST_SKIP;
     size_t len = 0;
     char err[256];
-    char* text = read_whole_file("data/npm/corpus.jsonl", &len, err, sizeof(err));
+    char* text = td_read_file("data/npm/corpus.jsonl", &len, err, sizeof(err));
     const char* what = "the default corpus (data/npm/corpus.jsonl)";
     if (!text) {
         ByteBuf b = {NULL, 0, 0};
@@ -602,6 +608,9 @@ static int test_tokenizer_rejects_bad_files(void) {
         {"{\"a\": 0, \"b\": }", "#v\n", "enc.json: entry 1: expected a token id"},
         {"{\"a\": 0, \"b\": 5}", "#v\n", "not 0..1, each once"},
         {"{\"a\": 0, \"a\\u0\": 1}", "#v\n", "bad \\u escape"},
+        {"{\"a\": 0, \"\\ud800\": 1}", "#v\n", "entry 1: \\u high surrogate not followed by a low one"},
+        {"{\"a\": 0, \"\\udc00\\u0041\": 1}", "#v\n", "entry 1: \\u low surrogate without a high one"},
+        {"{\"a\\x\": 0}", "#v\n", "entry 0: unknown escape"},
         {"{\"a\": 0, \"a\": 1}", "#v\n", "tokens 0 and 1 are the same string"},
         {"{\"\\u0100\": 0", "#v\n", "entry 1: expected ',' or '}'"},
         {"{\"a\": 0, \"\\u4e00\": 1}", "#v\n", "token 1 is not spelled in GPT-2 byte characters"},
@@ -1012,7 +1021,7 @@ static int test_shard_writer(void) {
         int64_t n = shard_probe(path, err, sizeof(err));
         EXPECT(n == expect[k], "shard %d holds %lld tokens, expected %d (%s)", k, (long long)n, expect[k], n < 0 ? err : "");
         size_t len;
-        char* bytes = read_whole_file(path, &len, err, sizeof(err));
+        char* bytes = td_read_file(path, &len, err, sizeof(err));
         for (int i = 0; bytes && n > 0 && i < n; i++) {
             uint16_t t;
             memcpy(&t, bytes + SHARD_HEADER_BYTES + 2 * i, 2);
@@ -1088,7 +1097,7 @@ static int test_prepro_end_to_end(void) {
         snprintf(path, sizeof(path), "%s/out/%s_000000.bin", dir, split ? "val" : "train");
         size_t len = 0;
         char err[1024];
-        char* bytes = read_whole_file(path, &len, err, sizeof(err));
+        char* bytes = td_read_file(path, &len, err, sizeof(err));
         int64_t n = shard_probe(path, err, sizeof(err));
         int same = bytes && n == (int64_t)want.len;
         for (size_t i = 0; same && i < want.len; i++) {
@@ -1111,6 +1120,12 @@ static int test_prepro_end_to_end(void) {
     snprintf(cmd, sizeof(cmd), "./prepro --out %s/out2 %s 2>&1", dir, path);
     EXPECT(td_run(cmd, &out) != 0 && strstr(byte_buf_cstr(&out), "bad.jsonl:2: \"text\" is not a string"), "bad JSONL: '%s'",
            out.data);
+    // a lone surrogate has no UTF-8 form (GPT-2's Python could not encode it either): refused, not replaced
+    const char* lone = "{\"text\": \"a\\ud800b\"}\n";
+    td_write_file(path, lone, strlen(lone));
+    out.len = 0;
+    EXPECT(td_run(cmd, &out) != 0 && strstr(byte_buf_cstr(&out), "bad.jsonl:1: \"text\": \\u high surrogate"),
+           "lone surrogate in JSONL: '%s'", out.data);
     // --encode prints the ids of the whole file; --decode turns them back into the file
     snprintf(path, sizeof(path), "%s/in/sub/b.txt", dir);
     out.len = 0;
