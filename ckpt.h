@@ -1302,7 +1302,7 @@ static int ckpt_commit(CkptWriter* w, const char* config_json, int keep_last, ch
     if (!is_object) return fail(err, err_len, "%s: the config to store in the manifest is not a JSON object", w->tmp_dir);
     if (ckpt_write_manifest(w, config_json, err, err_len)) return -1;
 
-    char final_dir[CK_PATH_MAX], latest[CK_PATH_MAX], name[64];
+    char final_dir[CK_PATH_MAX], latest[CK_PATH_MAX], name[CKPT_NAME_MAX];
     snprintf(name, sizeof name, "ckpt_%" PRId64, w->step);
     if (snprintf(final_dir, sizeof final_dir, "%s/%s", w->out_dir, name) >= (int)sizeof final_dir ||
         snprintf(latest, sizeof latest, "%s/latest", w->out_dir) >= (int)sizeof latest)

@@ -6,7 +6,7 @@
  *
  * Shard format (llm.c's): a header of 256 int32 {20240520 (magic), 1 (version), n_tokens, 0...},
  * then n_tokens uint16 token ids, little-endian. Documents follow one another, each preceded by the
- * end-of-text token (50256).
+ * end-of-text token (GPT2_EOT, 50256, in lib/tokenizer.h).
  *
  * The loader cuts every shard into windows of T+1 tokens; window w of a shard starts at token w*T,
  * so consecutive windows share one token (the last target of one is the first input of the next).

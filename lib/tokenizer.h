@@ -205,6 +205,12 @@ static inline int json_read_string(const char** p, const char* end, ByteBuf* out
 #define TOKENIZER_CACHE_MAX_PIECE 64       // longer pieces are rare: not worth remembering
 #define EOT_TEXT "<|endoftext|>"
 
+// GPT-2's vocabulary, the one `make data` fetches: 50257 tokens, the last of them <|endoftext|>,
+// whose id separates documents in every shard. A loaded Tokenizer finds its own (tk->eot), so other
+// vocabularies work too; these are for code that means GPT-2's in particular.
+#define GPT2_VOCAB_SIZE 50257
+#define GPT2_EOT 50256
+
 // A merge rule: tokens left and right, adjacent in a piece, become token merged.
 typedef struct { int32_t left, right, merged, rank; } MergeRule;
 
@@ -212,8 +218,8 @@ typedef struct { int32_t left, right, merged, rank; } MergeRule;
 typedef struct { uint64_t hash; uint32_t key_off, key_len, ids_off, n_ids; } CachedPiece;
 
 typedef struct Tokenizer {
-    int vocab_size;          // ids are 0 .. vocab_size-1 (50257 for GPT-2)
-    int eot;                 // the id of <|endoftext|>, or -1 if the vocabulary has none
+    int vocab_size;          // ids are 0 .. vocab_size-1 (GPT2_VOCAB_SIZE for GPT-2)
+    int eot;                 // the id of <|endoftext|> (GPT2_EOT for GPT-2), or -1 if the vocabulary has none
     char* token_bytes;       // every token's bytes, back to back
     uint32_t* token_off;     // token i is token_bytes[token_off[i] .. token_off[i+1])
     int byte_token[256];     // the token of each single byte: where BPE starts
