@@ -46,7 +46,8 @@ static inline int fail(char* err, size_t err_len, const char* fmt, ...) {
 // open", path). strerror_r, not strerror, because the loader and the checkpoint writer run on
 // threads of their own; its two signatures (GNU returns the text, POSIX fills the buffer) are told
 // apart here and nowhere else.
-static inline int fail_errno(char* err, size_t err_len, int errnum, const char* fmt, ...) __attribute__((format(printf, 4, 5)));
+static inline int fail_errno(char* err, size_t err_len, int errnum, const char* fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 static inline int fail_errno(char* err, size_t err_len, int errnum, const char* fmt, ...) {
     if (!err || !err_len) return -1;
     va_list ap;
@@ -112,7 +113,8 @@ static inline void* xaligned_alloc(size_t alignment, size_t bytes) {
 // with a NUL after its last byte: 0 with *out and *len, or -1 with err. A file of more than
 // max_bytes is refused (SIZE_MAX: no limit); so is one too large for memory, as an error about the
 // file, not an exit.
-static inline int read_whole_file(const char* path, size_t max_bytes, char** out, size_t* len, char* err, size_t err_len) {
+static inline int read_whole_file(const char* path, size_t max_bytes, char** out, size_t* len,
+                                  char* err, size_t err_len) {
     *out = NULL;
     *len = 0;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -160,7 +162,9 @@ static inline const char* json_skip_space(const char* s, const char* end) {
 
 // The value of hex digit c, or -1.
 static inline int hex_digit(char c) {
-    return (c >= '0' && c <= '9') ? c - '0' : (c >= 'a' && c <= 'f') ? c - 'a' + 10 : (c >= 'A' && c <= 'F') ? c - 'A' + 10 : -1;
+    return (c >= '0' && c <= '9') ? c - '0'
+         : (c >= 'a' && c <= 'f') ? c - 'a' + 10
+         : (c >= 'A' && c <= 'F') ? c - 'A' + 10 : -1;
 }
 
 // Writes code point cp (at most U+10FFFF, not a surrogate) as UTF-8 into out; returns its length.
@@ -232,7 +236,8 @@ static inline int json_string_decode(const char* s, const char* end, char* dst, 
         if (json_hex4(s + 2, end, &cp) < 0) return fail(err, err_len, "bad \\u escape: expected 4 hex digits");
         if (cp >= 0xDC00 && cp <= 0xDFFF) return fail(err, err_len, "\\u low surrogate without a high one");
         if (cp >= 0xD800 && cp <= 0xDBFF) {
-            if (end - s < 12 || s[6] != '\\' || s[7] != 'u' || json_hex4(s + 8, end, &lo) < 0 || lo < 0xDC00 || lo > 0xDFFF)
+            if (end - s < 12 || s[6] != '\\' || s[7] != 'u' || json_hex4(s + 8, end, &lo) < 0 ||
+                lo < 0xDC00 || lo > 0xDFFF)
                 return fail(err, err_len, "\\u high surrogate not followed by a low one");
             cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
             s += 6;
