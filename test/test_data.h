@@ -20,6 +20,8 @@
 #include <time.h>
 #include <sys/wait.h>
 
+#include "testing.h"
+
 // ----------------------------------------------------------------------------------------------
 // Helpers
 
@@ -43,13 +45,6 @@ static double td_seconds(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static int td_write_file(const char* path, const void* data, size_t n) {
-    FILE* f = fopen(path, "wb");
-    if (!f) return -1;
-    int ok = fwrite(data, 1, n, f) == n;
-    return (fclose(f) == 0 && ok) ? 0 : -1;
 }
 
 // The whole file, NUL-terminated (free it), or NULL with err.
@@ -291,7 +286,7 @@ static int test_tokenizer_matches_node(void) {
     char docs_path[256], ids_path[256], cmd[1024];
     snprintf(docs_path, sizeof(docs_path), "%s/docs.bin", dir);
     snprintf(ids_path, sizeof(ids_path), "%s/ids.bin", dir);
-    EXPECT(td_write_file(docs_path, docs.data, docs.len) == 0, "cannot write %s", docs_path);
+    EXPECT(test_write_file(docs_path, docs.data, docs.len) == 0, "cannot write %s", docs_path);
     snprintf(cmd, sizeof(cmd), "node scripts/tokenizer_reference.js encode data/npm/gpt-3-encoder-1.1.4/Encoder.js %s %s",
              docs_path, ids_path);
     double t0 = td_seconds();
@@ -1079,13 +1074,13 @@ static int test_prepro_end_to_end(void) {
     snprintf(cmd, sizeof(cmd), "mkdir -p %s/in/sub", dir);
     EXPECT(system(cmd) == 0, "%s", cmd);
     snprintf(path, sizeof(path), "%s/in/a.txt", dir);
-    td_write_file(path, docs[0], strlen(docs[0]));
+    test_write_file(path, docs[0], strlen(docs[0]));
     snprintf(path, sizeof(path), "%s/in/sub/b.txt", dir);
-    td_write_file(path, docs[1], strlen(docs[1]));
+    test_write_file(path, docs[1], strlen(docs[1]));
     snprintf(path, sizeof(path), "%s/more.jsonl", dir);
     const char* jsonl = "{\"id\": 1, \"meta\": {\"a\": [1, 2, {\"b\": null}]}, \"text\": \"Third, from JSONL: \\\"quoted\\\", "
                         "tab\\there, \\ud83d\\ude00 and a surrogate pair.\"}\n\n{\"text\": \"Fourth\\nline two\\n\"}\n";
-    td_write_file(path, jsonl, strlen(jsonl));
+    test_write_file(path, jsonl, strlen(jsonl));
     snprintf(cmd, sizeof(cmd), "./prepro --out %s/out --val-every 2 --shard-tokens 1000 %s/in %s/more.jsonl > %s/log.txt",
              dir, dir, dir, dir);
     EXPECT(system(cmd) == 0, "%s failed", cmd);
@@ -1117,14 +1112,14 @@ static int test_prepro_end_to_end(void) {
     snprintf(cmd, sizeof(cmd), "./prepro --out %s/out %s/in 2>&1", dir, dir);
     EXPECT(td_run(cmd, &out) != 0 && strstr(byte_buf_cstr(&out), "already exists"), "overwriting: '%s'", out.data);
     snprintf(path, sizeof(path), "%s/bad.jsonl", dir);
-    td_write_file(path, "{\"text\": \"ok\"}\n{\"text\": 5}\n", 27);
+    test_write_file(path, "{\"text\": \"ok\"}\n{\"text\": 5}\n", 27);
     out.len = 0;
     snprintf(cmd, sizeof(cmd), "./prepro --out %s/out2 %s 2>&1", dir, path);
     EXPECT(td_run(cmd, &out) != 0 && strstr(byte_buf_cstr(&out), "bad.jsonl:2: \"text\" is not a string"), "bad JSONL: '%s'",
            out.data);
     // a lone surrogate has no UTF-8 form (GPT-2's Python could not encode it either): refused, not replaced
     const char* lone = "{\"text\": \"a\\ud800b\"}\n";
-    td_write_file(path, lone, strlen(lone));
+    test_write_file(path, lone, strlen(lone));
     out.len = 0;
     EXPECT(td_run(cmd, &out) != 0 && strstr(byte_buf_cstr(&out), "bad.jsonl:1: \"text\": \\u high surrogate"),
            "lone surrogate in JSONL: '%s'", out.data);

@@ -25,6 +25,14 @@ typedef struct {
 /* Set by test_gpt.cu's main before any test runs. */
 static bool g_have_gpu = false;
 
+/* Writes n bytes to path (a test's input file); 0, or -1 if it could not. */
+static int test_write_file(const char* path, const void* data, size_t n) {
+    FILE* f = fopen(path, "wb");
+    if (!f) return -1;
+    int ok = fwrite(data, 1, n, f) == n;
+    return (fclose(f) == 0 && ok) ? 0 : -1;
+}
+
 /* Each test declares `int failed = 0;` and returns TEST_RESULT at the end. */
 #define EXPECT(cond, ...)                                                        \
     do {                                                                         \
