@@ -5,8 +5,8 @@
  * of them (name, function) and test_gpt.cu runs every table in turn, printing one line per test
  * and, last, the totals as `N passed, N failed, N skipped` (the line CI reads). A test that needs
  * a GPU calls REQUIRE_GPU() first, so that on a machine without one it counts as skipped.
- * EXPECT* macros print the failing condition with file and line and make the test fail, but let
- * it run on, so one run shows every broken check.
+ * EXPECT prints the failing condition with file and line and makes the test fail, but lets it run
+ * on, so one run shows every broken check. test_write_file is for tests that make input files.
  */
 #ifndef TESTING_H
 #define TESTING_H
