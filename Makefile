@@ -11,7 +11,8 @@ GPU_ARCH  ?= -gencode=arch=compute_90a,code=sm_90a
 NVFLAGS   ?= -O3 -std=c++17 $(GPU_ARCH) --use_fast_math -Xcompiler -Wall,-Wno-unused-function,-Wno-format-truncation
 CFLAGS    ?= -O2 -std=c11 -Wall -Wextra -Wno-unused-function -Wno-format-truncation
 LIBS      := -lcublasLt -lpthread
-HEADERS   := lib/cuda_check.h lib/ptx.cuh lib/attention.cuh kernels.cuh data.h tokenizer.h unicode_classes.h ckpt.h
+HEADERS   := lib/cuda_check.h lib/util.h lib/ptx.cuh lib/attention.cuh kernels.cuh data.h lib/tokenizer.h lib/unicode_classes.h ckpt.h
+TEST_HEADERS := test/testing.h test/reference.h test/test_data.h test/test_ckpt.h
 
 .PHONY: all test data train bench plot dev clean
 all: train_gpt test_gpt prepro dev
@@ -19,10 +20,11 @@ all: train_gpt test_gpt prepro dev
 train_gpt: train_gpt.cu $(HEADERS)
 	$(NVCC) $(NVFLAGS) $< -o $@ $(LIBS)
 
-test_gpt: test_gpt.cu train_gpt.cu reference.h testing.h test_data.h test_ckpt.h $(HEADERS)
+test_gpt: test_gpt.cu train_gpt.cu $(TEST_HEADERS) $(HEADERS)
 	$(NVCC) $(NVFLAGS) $< -o $@ $(LIBS)
 
-prepro: prepro.c data.h tokenizer.h unicode_classes.h
+# the tool's source is in tools/, its binary stays at the top (./prepro, as the scripts call it)
+prepro: tools/prepro.c data.h lib/util.h lib/tokenizer.h lib/unicode_classes.h
 	$(CC) $(CFLAGS) $< -o $@ -lpthread
 
 dev: dev/attention

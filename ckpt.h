@@ -7,10 +7,12 @@
  * verified. It is plain C/POSIX compiled as C++17 (nvcc or g++), needs no CUDA, keeps no global
  * state beyond the CRC tables, and can run on a writer thread while training goes on.
  *
- * The one convention a reader must know: every function that can fail returns 0 on success and -1
- * on failure, having written one line into the caller's `err` buffer that names the file and the
- * problem (`out/ckpt_50/model.safetensors: CRC32C 0x1a2b3c4d, manifest says 0x5e6f7a8b: ...`).
- * Nothing in here prints, exits or aborts; a failed write leaves the previous checkpoint intact.
+ * The one convention a reader must know is lib/util.h's: every function that can fail returns 0 on
+ * success and -1 on failure, having written one line into the caller's `err` buffer that names the
+ * file and the problem (`out/ckpt_50/model.safetensors: CRC32C 1a2b3c4d, but the manifest says
+ * 5e6f7a8b: the file is corrupted`). Nothing in here prints, exits or aborts, not even when memory
+ * runs out (that comes back as an error too: the writer thread must not take training down); a
+ * failed write leaves the previous checkpoint intact.
  *
  * Sections: CRC32C; JSON writer; JSON reader; atomic files; safetensors; checkpoint directories.
  * doc/checkpoints.md describes the directory layout, the manifest and why each fsync is there.
@@ -22,7 +24,6 @@
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
-#include <stdarg.h>
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
@@ -35,50 +36,14 @@
 #include <sys/mman.h>
 #include <sys/types.h>
 
+#include "lib/util.h"
+
 /* Tensors are written in host byte order and safetensors is little-endian by definition. */
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "ckpt.h writes tensors in host byte order, but safetensors files are little-endian"
 #endif
 
 #define CK_PATH_MAX 4096
-
-/* ----------------------------------------------------------------------------------------------
- * Errors: one line into the caller's buffer, and -1 for the caller to return.
- */
-
-static int ck_fail(char* err, size_t err_len, const char* fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static int ck_fail(char* err, size_t err_len, const char* fmt, ...) {
-    if (err && err_len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, err_len, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
-
-/* Like ck_fail, with ": <the system's text for errnum>" appended. strerror_r, not strerror,
- * because the checkpoint writer runs on its own thread; its two signatures (GNU returns the text,
- * POSIX fills the buffer) are told apart here and nowhere else. */
-static int ck_fail_errno(char* err, size_t err_len, int errnum, const char* fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int ck_fail_errno(char* err, size_t err_len, int errnum, const char* fmt, ...) {
-    if (!err || !err_len) return -1;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, err_len, fmt, ap);
-    va_end(ap);
-    char buf[128];
-#if defined(__GLIBC__) && defined(_GNU_SOURCE)
-    const char* text = strerror_r(errnum, buf, sizeof buf);
-#else
-    const char* text = strerror_r(errnum, buf, sizeof buf) == 0 ? buf : "unknown error";
-#endif
-    size_t used = strlen(err);
-    snprintf(err + used, err_len - used, ": %s", text);
-    return -1;
-}
 
 /* ----------------------------------------------------------------------------------------------
  * CRC32C (Castagnoli, reflected polynomial 0x82F63B78), the checksum of every checkpoint file.
@@ -373,12 +338,10 @@ typedef struct {
 } JsonParser;
 
 static int jp_fail(JsonParser* p, const char* what) {
-    return ck_fail(p->err, p->err_len, "bad JSON at byte %zu: %s", p->pos, what);
+    return fail(p->err, p->err_len, "bad JSON at byte %zu: %s", p->pos, what);
 }
 
-static void jp_skip_ws(JsonParser* p) {
-    while (p->pos < p->len && strchr(" \t\r\n", p->s[p->pos]) && p->s[p->pos]) p->pos++;
-}
+static void jp_skip_ws(JsonParser* p) { p->pos = (size_t)(json_skip_space(p->s + p->pos, p->s + p->len) - p->s); }
 
 static int jp_new_node(JsonParser* p, JsonType type) {
     JsonDoc* d = p->doc;
@@ -396,64 +359,20 @@ static int jp_new_node(JsonParser* p, JsonType type) {
     return d->n++;
 }
 
-static int jp_hex4(JsonParser* p, uint32_t* out) {
-    *out = 0;
-    for (int k = 0; k < 4; k++) {
-        char c = p->pos < p->len ? p->s[p->pos] : 0;
-        int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10
-              : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
-        if (v < 0) return jp_fail(p, "bad \\u escape: expected 4 hex digits");
-        *out = *out * 16 + (uint32_t)v;
-        p->pos++;
-    }
-    return 0;
-}
-
-/* Decodes the string at p->pos (on its opening quote) in place: the decoded form is never longer
- * than the escaped one, so it is written over the text it came from. */
+/* Decodes the string at p->pos (on its opening quote) in place, with lib/util.h's decoder: the
+ * decoded form is never longer than the escaped one, so it is written over the text it came from. */
 static int jp_string(JsonParser* p, const char** out) {
-    char* dst = p->s + ++p->pos;
+    char* dst = p->s + p->pos + 1;
+    const char* after;
+    size_t n;
+    char why[128];
+    int rc = json_string_decode(p->s + p->pos, p->s + p->len, dst, &n, &after, why, sizeof why);
+    p->pos = (size_t)(after - p->s);
+    if (rc) return jp_fail(p, why);
+    if (memchr(dst, '\0', n)) return jp_fail(p, "\\u0000 inside a string is not supported");
+    dst[n] = '\0';  /* over the closing quote at the latest */
     *out = dst;
-    for (;;) {
-        if (p->pos >= p->len) return jp_fail(p, "unterminated string");
-        unsigned char c = (unsigned char)p->s[p->pos];
-        if (c == '"') { *dst = '\0'; p->pos++; return 0; }
-        if (c < 0x20) return jp_fail(p, "control character inside a string");
-        if (c != '\\') { *dst++ = (char)c; p->pos++; continue; }
-        p->pos++;
-        char e = p->pos < p->len ? p->s[p->pos++] : 0;
-        const char* from = "\"\\/bfnrt";
-        const char* to = "\"\\/\b\f\n\r\t";
-        const char* hit = e ? strchr(from, e) : NULL;
-        if (hit) { *dst++ = to[hit - from]; continue; }
-        if (e != 'u') { p->pos--; return jp_fail(p, "unknown escape in string"); }
-        uint32_t cp;
-        if (jp_hex4(p, &cp)) return -1;
-        if (cp >= 0xD800 && cp <= 0xDBFF) {
-            uint32_t lo;
-            if (p->pos + 1 >= p->len || p->s[p->pos] != '\\' || p->s[p->pos + 1] != 'u')
-                return jp_fail(p, "\\u high surrogate not followed by a low one");
-            p->pos += 2;
-            if (jp_hex4(p, &lo)) return -1;
-            if (lo < 0xDC00 || lo > 0xDFFF) return jp_fail(p, "\\u high surrogate not followed by a low one");
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-        } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
-            return jp_fail(p, "\\u low surrogate without a high one");
-        }
-        if (cp == 0) return jp_fail(p, "\\u0000 inside a string is not supported");
-        if (cp < 0x80) *dst++ = (char)cp;
-        else if (cp < 0x800) { *dst++ = (char)(0xC0 | (cp >> 6)); *dst++ = (char)(0x80 | (cp & 0x3F)); }
-        else if (cp < 0x10000) {
-            *dst++ = (char)(0xE0 | (cp >> 12));
-            *dst++ = (char)(0x80 | ((cp >> 6) & 0x3F));
-            *dst++ = (char)(0x80 | (cp & 0x3F));
-        } else {
-            *dst++ = (char)(0xF0 | (cp >> 18));
-            *dst++ = (char)(0x80 | ((cp >> 12) & 0x3F));
-            *dst++ = (char)(0x80 | ((cp >> 6) & 0x3F));
-            *dst++ = (char)(0x80 | (cp & 0x3F));
-        }
-    }
+    return 0;
 }
 
 static int jp_literal(JsonParser* p, const char* word) {
@@ -578,7 +497,7 @@ static void json_free(JsonDoc* doc) {
 static int json_parse(JsonDoc* doc, const char* text, size_t len, char* err, size_t err_len) {
     memset(doc, 0, sizeof *doc);
     doc->text = (char*)malloc(len + 1);
-    if (!doc->text) return ck_fail(err, err_len, "bad JSON: out of memory for %zu bytes", len);
+    if (!doc->text) return fail(err, err_len, "bad JSON: out of memory for %zu bytes", len);
     memcpy(doc->text, text, len);
     doc->text[len] = '\0';
     JsonParser p = {doc, doc->text, 0, len, 0, err, err_len};
@@ -663,8 +582,8 @@ static int ck_write_all(int fd, const void* data, size_t n, const char* what, ch
         size_t chunk = n < ((size_t)1 << 30) ? n : ((size_t)1 << 30);
         ssize_t w = write(fd, p, chunk);
         if (w < 0 && errno == EINTR) continue;
-        if (w < 0) return ck_fail_errno(err, err_len, errno, "write %s", what);
-        if (w == 0) return ck_fail(err, err_len, "write %s: the system wrote 0 bytes", what);
+        if (w < 0) return fail_errno(err, err_len, errno, "write %s", what);
+        if (w == 0) return fail(err, err_len, "write %s: the system wrote 0 bytes", what);
         p += w;
         n -= (size_t)w;
     }
@@ -686,17 +605,17 @@ static int ck_parent_dir(const char* path, char* out, size_t out_len) {
  * cannot fsync a directory and say EINVAL; there is nothing more to do there. */
 static int ck_fsync_dir(const char* dir, char* err, size_t err_len) {
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return ck_fail_errno(err, err_len, errno, "open directory %s to fsync it", dir);
+    if (fd < 0) return fail_errno(err, err_len, errno, "open directory %s to fsync it", dir);
     int rc = fsync(fd);
     int e = errno;
     close(fd);
-    if (rc != 0 && e != EINVAL) return ck_fail_errno(err, err_len, e, "fsync directory %s", dir);
+    if (rc != 0 && e != EINVAL) return fail_errno(err, err_len, e, "fsync directory %s", dir);
     return 0;
 }
 
 static int ck_fsync_parent(const char* path, char* err, size_t err_len) {
     char dir[CK_PATH_MAX];
-    if (ck_parent_dir(path, dir, sizeof dir)) return ck_fail(err, err_len, "%s: path too long", path);
+    if (ck_parent_dir(path, dir, sizeof dir)) return fail(err, err_len, "%s: path too long", path);
     return ck_fsync_dir(dir, err, err_len);
 }
 
@@ -713,13 +632,13 @@ static int af_open(AtomicFile* f, const char* path, char* err, size_t err_len) {
     if (snprintf(f->path, sizeof f->path, "%s", path) >= (int)sizeof f->path ||
         snprintf(f->tmp, sizeof f->tmp, "%s.tmp", path) >= (int)sizeof f->tmp) {
         f->tmp[0] = '\0';
-        return ck_fail(err, err_len, "%s: path too long", path);
+        return fail(err, err_len, "%s: path too long", path);
     }
     f->fd = open(f->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (f->fd < 0) {
         int e = errno;
         f->tmp[0] = '\0';  /* nothing was created, nothing to remove */
-        return ck_fail_errno(err, err_len, e, "create %s.tmp", path);
+        return fail_errno(err, err_len, e, "create %s.tmp", path);
     }
     return 0;
 }
@@ -733,15 +652,15 @@ static int af_write(AtomicFile* f, const void* data, size_t n, char* err, size_t
 
 static int af_commit(AtomicFile* f, char* err, size_t err_len) {
     if (fsync(f->fd) != 0) {
-        ck_fail_errno(err, err_len, errno, "fsync %s", f->tmp);
+        fail_errno(err, err_len, errno, "fsync %s", f->tmp);
         af_abort(f);
         return -1;
     }
     int rc = close(f->fd);
     f->fd = -1;
-    if (rc != 0) { ck_fail_errno(err, err_len, errno, "close %s", f->tmp); af_abort(f); return -1; }
+    if (rc != 0) { fail_errno(err, err_len, errno, "close %s", f->tmp); af_abort(f); return -1; }
     if (rename(f->tmp, f->path) != 0) {
-        ck_fail_errno(err, err_len, errno, "rename %s to %s", f->tmp, f->path);
+        fail_errno(err, err_len, errno, "rename %s to %s", f->tmp, f->path);
         af_abort(f);
         return -1;
     }
@@ -756,47 +675,10 @@ static int ck_write_file_atomic(const char* path, const void* data, size_t n, ch
     return af_commit(&f, err, err_len);
 }
 
-/* Reads a whole file into a malloc'd, NUL-terminated buffer; files over max_bytes are refused. */
-static int ck_read_file(const char* path, size_t max_bytes, char** out, size_t* out_len, char* err, size_t err_len) {
-    *out = NULL;
-    *out_len = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ck_fail_errno(err, err_len, errno, "open %s", path);
-    struct stat st;
-    if (fstat(fd, &st) != 0) { int e = errno; close(fd); return ck_fail_errno(err, err_len, e, "stat %s", path); }
-    if (!S_ISREG(st.st_mode)) { close(fd); return ck_fail(err, err_len, "%s: not a regular file", path); }
-    if ((uint64_t)st.st_size > max_bytes) {
-        close(fd);
-        return ck_fail(err, err_len, "%s: %lld bytes, more than the %zu this file may have", path,
-                       (long long)st.st_size, max_bytes);
-    }
-    size_t n = (size_t)st.st_size;
-    char* buf = (char*)malloc(n + 1);
-    if (!buf) { close(fd); return ck_fail(err, err_len, "%s: out of memory for %zu bytes", path, n); }
-    size_t got = 0;
-    while (got < n) {
-        ssize_t r = read(fd, buf + got, n - got);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) {
-            int e = errno;
-            free(buf);
-            close(fd);
-            if (r == 0) return ck_fail(err, err_len, "%s: file shrank while being read", path);
-            return ck_fail_errno(err, err_len, e, "read %s", path);
-        }
-        got += (size_t)r;
-    }
-    close(fd);
-    buf[n] = '\0';
-    *out = buf;
-    *out_len = n;
-    return 0;
-}
-
 /* mkdir -p; each directory it creates is made durable in its parent. */
 static int ck_mkdir_p(const char* path, char* err, size_t err_len) {
     char buf[CK_PATH_MAX];
-    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) return ck_fail(err, err_len, "%s: path too long", path);
+    if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf) return fail(err, err_len, "%s: path too long", path);
     for (char* p = buf + 1;; p++) {
         if (*p != '/' && *p != '\0') continue;
         char saved = *p;
@@ -805,9 +687,9 @@ static int ck_mkdir_p(const char* path, char* err, size_t err_len) {
         if (mkdir(buf, 0755) == 0) {
             if (ck_fsync_parent(buf, err, err_len)) return -1;
         } else if (errno != EEXIST) {
-            return ck_fail_errno(err, err_len, errno, "create directory %s (at %s)", path, buf);
+            return fail_errno(err, err_len, errno, "create directory %s (at %s)", path, buf);
         } else if (stat(buf, &st) != 0 || !S_ISDIR(st.st_mode)) {
-            return ck_fail(err, err_len, "create directory %s: %s exists and is not a directory", path, buf);
+            return fail(err, err_len, "create directory %s: %s exists and is not a directory", path, buf);
         }
         *p = saved;
         if (saved == '\0') return 0;
@@ -817,25 +699,25 @@ static int ck_mkdir_p(const char* path, char* err, size_t err_len) {
 /* rm -rf, without following symbolic links. A missing path is not an error. */
 static int ck_rmtree(const char* path, char* err, size_t err_len) {
     struct stat st;
-    if (lstat(path, &st) != 0) return errno == ENOENT ? 0 : ck_fail_errno(err, err_len, errno, "stat %s", path);
+    if (lstat(path, &st) != 0) return errno == ENOENT ? 0 : fail_errno(err, err_len, errno, "stat %s", path);
     if (!S_ISDIR(st.st_mode)) {
-        if (unlink(path) != 0) return ck_fail_errno(err, err_len, errno, "remove %s", path);
+        if (unlink(path) != 0) return fail_errno(err, err_len, errno, "remove %s", path);
         return 0;
     }
     DIR* d = opendir(path);
-    if (!d) return ck_fail_errno(err, err_len, errno, "open directory %s", path);
+    if (!d) return fail_errno(err, err_len, errno, "open directory %s", path);
     int rc = 0;
     struct dirent* e;
     while (rc == 0 && (e = readdir(d)) != NULL) {
         if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
         char child[CK_PATH_MAX];
         if (snprintf(child, sizeof child, "%s/%s", path, e->d_name) >= (int)sizeof child)
-            rc = ck_fail(err, err_len, "%s/%s: path too long", path, e->d_name);
+            rc = fail(err, err_len, "%s/%s: path too long", path, e->d_name);
         else
             rc = ck_rmtree(child, err, err_len);
     }
     closedir(d);
-    if (rc == 0 && rmdir(path) != 0) return ck_fail_errno(err, err_len, errno, "remove directory %s", path);
+    if (rc == 0 && rmdir(path) != 0) return fail_errno(err, err_len, errno, "remove directory %s", path);
     return rc;
 }
 
@@ -911,14 +793,14 @@ static int st_check_tensors(const StTensor* t, int n, const char* path, char* er
     for (int i = 0; i < n; i++) {
         const char* name = t[i].name ? t[i].name : "";
         if (!name[0] || strcmp(name, "__metadata__") == 0)
-            return ck_fail(err, err_len, "%s: tensor %d has an invalid name '%s'", path, i, name);
+            return fail(err, err_len, "%s: tensor %d has an invalid name '%s'", path, i, name);
         if (st_dtype_size(t[i].dtype) == 0)
-            return ck_fail(err, err_len, "%s: tensor '%s' has unknown dtype %d", path, name, (int)t[i].dtype);
+            return fail(err, err_len, "%s: tensor '%s' has unknown dtype %d", path, name, (int)t[i].dtype);
         int64_t nbytes = st_nbytes(&t[i]);
-        if (nbytes < 0) return ck_fail(err, err_len, "%s: tensor '%s' has an invalid shape (ndim %d)", path, name, t[i].ndim);
-        if (nbytes > 0 && !t[i].data) return ck_fail(err, err_len, "%s: tensor '%s' has no data", path, name);
+        if (nbytes < 0) return fail(err, err_len, "%s: tensor '%s' has an invalid shape (ndim %d)", path, name, t[i].ndim);
+        if (nbytes > 0 && !t[i].data) return fail(err, err_len, "%s: tensor '%s' has no data", path, name);
         for (int j = 0; j < i; j++)
-            if (strcmp(name, t[j].name) == 0) return ck_fail(err, err_len, "%s: tensor name '%s' appears twice", path, name);
+            if (strcmp(name, t[j].name) == 0) return fail(err, err_len, "%s: tensor name '%s' appears twice", path, name);
     }
     return 0;
 }
@@ -963,16 +845,16 @@ static int st_write_to(AtomicFile* f, const StTensor* t, int n, const char* cons
                        char* err, size_t err_len) {
     if (n < 0 || n_meta < 0 || st_check_tensors(t, n, f->path, err, err_len)) { af_abort(f); return -1; }
     for (int k = 0; k < 2 * n_meta; k++)
-        if (!meta_kv[k]) { af_abort(f); return ck_fail(err, err_len, "%s: metadata entry %d is NULL", f->path, k / 2); }
+        if (!meta_kv[k]) { af_abort(f); return fail(err, err_len, "%s: metadata entry %d is NULL", f->path, k / 2); }
     StOrder* order = (StOrder*)malloc((size_t)(n > 0 ? n : 1) * sizeof(StOrder));
-    if (!order) { af_abort(f); return ck_fail(err, err_len, "%s: out of memory", f->path); }
+    if (!order) { af_abort(f); return fail(err, err_len, "%s: out of memory", f->path); }
     for (int i = 0; i < n; i++) { order[i].size = st_dtype_size(t[i].dtype); order[i].index = i; }
     qsort(order, (size_t)n, sizeof(StOrder), st_order_cmp);
     JsonWriter w;
     int rc = 0;
     if (st_build_header(&w, t, order, n, meta_kv, n_meta)) {
         af_abort(f);
-        rc = ck_fail(err, err_len, "%s: out of memory building the header", f->path);
+        rc = fail(err, err_len, "%s: out of memory building the header", f->path);
     } else {
         uint8_t len_le[8];
         for (int b = 0; b < 8; b++) len_le[b] = (uint8_t)((uint64_t)w.len >> (8 * b));
@@ -1018,22 +900,22 @@ static int st_parse_entry(StFile* f, const JsonNode* e, StTensor* t, StSpan* spa
     const JsonDoc* h = &f->header;
     const char* name = e->key;
     const char* dtype;
-    if (e->type != JSON_OBJECT) return ck_fail(err, err_len, "%s: tensor '%s': entry is not an object", f->path, name);
+    if (e->type != JSON_OBJECT) return fail(err, err_len, "%s: tensor '%s': entry is not an object", f->path, name);
     if (json_get_string(h, e, "dtype", &dtype))
-        return ck_fail(err, err_len, "%s: tensor '%s': no \"dtype\" string", f->path, name);
+        return fail(err, err_len, "%s: tensor '%s': no \"dtype\" string", f->path, name);
     t->name = name;
     t->dtype = ST_N_DTYPES;
     for (int k = 0; k < ST_N_DTYPES; k++)
         if (strcmp(dtype, st_dtypes[k].name) == 0) t->dtype = (StDtype)k;
-    if (t->dtype == ST_N_DTYPES) return ck_fail(err, err_len, "%s: tensor '%s': unknown dtype \"%s\"", f->path, name, dtype);
+    if (t->dtype == ST_N_DTYPES) return fail(err, err_len, "%s: tensor '%s': unknown dtype \"%s\"", f->path, name, dtype);
     const JsonNode* shape = json_get(h, e, "shape");
-    if (!shape || shape->type != JSON_ARRAY) return ck_fail(err, err_len, "%s: tensor '%s': no \"shape\" array", f->path, name);
+    if (!shape || shape->type != JSON_ARRAY) return fail(err, err_len, "%s: tensor '%s': no \"shape\" array", f->path, name);
     if (shape->count > ST_MAX_DIMS)
-        return ck_fail(err, err_len, "%s: tensor '%s': %d dimensions, at most %d are supported", f->path, name, shape->count, ST_MAX_DIMS);
+        return fail(err, err_len, "%s: tensor '%s': %d dimensions, at most %d are supported", f->path, name, shape->count, ST_MAX_DIMS);
     t->ndim = 0;
     for (const JsonNode* d = json_first(h, shape); d; d = json_next(h, d)) {
         if (d->type != JSON_NUMBER || !d->is_int || d->i < 0)
-            return ck_fail(err, err_len, "%s: tensor '%s': shape holds something other than a size", f->path, name);
+            return fail(err, err_len, "%s: tensor '%s': shape holds something other than a size", f->path, name);
         t->shape[t->ndim++] = d->i;
     }
     const JsonNode* offs = json_get(h, e, "data_offsets");
@@ -1041,16 +923,16 @@ static int st_parse_entry(StFile* f, const JsonNode* e, StTensor* t, StSpan* spa
     const JsonNode* en = json_next(h, b);
     if (!offs || offs->type != JSON_ARRAY || offs->count != 2 || b->type != JSON_NUMBER || !b->is_int ||
         en->type != JSON_NUMBER || !en->is_int || b->i < 0 || en->i < b->i)
-        return ck_fail(err, err_len, "%s: tensor '%s': \"data_offsets\" is not [begin, end] with 0 <= begin <= end",
-                       f->path, name);
+        return fail(err, err_len, "%s: tensor '%s': \"data_offsets\" is not [begin, end] with 0 <= begin <= end",
+                    f->path, name);
     if ((uint64_t)en->i > data_len)
-        return ck_fail(err, err_len, "%s: tensor '%s': data_offsets [%" PRId64 ", %" PRId64 "] run past the %" PRIu64
-                       " bytes of data: the file is truncated or the header is wrong", f->path, name, b->i, en->i, data_len);
+        return fail(err, err_len, "%s: tensor '%s': data_offsets [%" PRId64 ", %" PRId64 "] run past the %" PRIu64
+                    " bytes of data: the file is truncated or the header is wrong", f->path, name, b->i, en->i, data_len);
     int64_t need = st_nbytes(t);
-    if (need < 0) return ck_fail(err, err_len, "%s: tensor '%s': shape too large", f->path, name);
+    if (need < 0) return fail(err, err_len, "%s: tensor '%s': shape too large", f->path, name);
     if (need != en->i - b->i)
-        return ck_fail(err, err_len, "%s: tensor '%s': data_offsets [%" PRId64 ", %" PRId64 "] hold %" PRId64
-                       " bytes but %s of that shape needs %" PRId64, f->path, name, b->i, en->i, en->i - b->i, dtype, need);
+        return fail(err, err_len, "%s: tensor '%s': data_offsets [%" PRId64 ", %" PRId64 "] hold %" PRId64
+                    " bytes but %s of that shape needs %" PRId64, f->path, name, b->i, en->i, en->i - b->i, dtype, need);
     span->begin = b->i;
     span->end = en->i;
     return 0;
@@ -1063,15 +945,15 @@ static int st_check_layout(StFile* f, StSpan* spans, const uint8_t* data, uint64
     for (int i = 0; i < n; i++) spans[i].index = i;
     qsort(spans, (size_t)n, sizeof(StSpan), st_span_cmp);
     StTensor* sorted = (StTensor*)malloc((size_t)(n > 0 ? n : 1) * sizeof(StTensor));
-    if (!sorted) return ck_fail(err, err_len, "%s: out of memory", f->path);
+    if (!sorted) return fail(err, err_len, "%s: out of memory", f->path);
     int64_t expect = 0;
     for (int i = 0; i < n; i++) {
         const StTensor* t = &f->tensors[spans[i].index];
         if (spans[i].begin != expect) {
             free(sorted);
-            return ck_fail(err, err_len, "%s: tensor '%s' starts at byte %" PRId64 " of the data, expected %" PRId64
-                           " (%s)", f->path, t->name, spans[i].begin, expect,
-                           spans[i].begin < expect ? "it overlaps the tensor before it" : "a gap before it");
+            return fail(err, err_len, "%s: tensor '%s' starts at byte %" PRId64 " of the data, expected %" PRId64
+                        " (%s)", f->path, t->name, spans[i].begin, expect,
+                        spans[i].begin < expect ? "it overlaps the tensor before it" : "a gap before it");
         }
         expect = spans[i].end;
         sorted[i] = *t;
@@ -1080,19 +962,19 @@ static int st_check_layout(StFile* f, StSpan* spans, const uint8_t* data, uint64
     free(f->tensors);
     f->tensors = sorted;
     if ((uint64_t)expect != data_len)
-        return ck_fail(err, err_len, "%s: the tensors end at byte %" PRId64 " of the data but the file holds %" PRIu64
-                       " bytes after the header", f->path, expect, data_len);
+        return fail(err, err_len, "%s: the tensors end at byte %" PRId64 " of the data but the file holds %" PRIu64
+                    " bytes after the header", f->path, expect, data_len);
     return 0;
 }
 
 static int st_parse_metadata(StFile* f, const JsonNode* e, char* err, size_t err_len) {
     if (e->type != JSON_OBJECT || f->meta)
-        return ck_fail(err, err_len, "%s: __metadata__ is not one object of strings", f->path);
+        return fail(err, err_len, "%s: __metadata__ is not one object of strings", f->path);
     f->meta = (const char**)calloc(2 * (size_t)e->count + 1, sizeof(char*));
-    if (!f->meta) return ck_fail(err, err_len, "%s: out of memory", f->path);
+    if (!f->meta) return fail(err, err_len, "%s: out of memory", f->path);
     for (const JsonNode* m = json_first(&f->header, e); m; m = json_next(&f->header, m)) {
         if (m->type != JSON_STRING)
-            return ck_fail(err, err_len, "%s: __metadata__ value of '%s' is not a string", f->path, m->key);
+            return fail(err, err_len, "%s: __metadata__ value of '%s' is not a string", f->path, m->key);
         f->meta[2 * f->n_meta] = m->key;
         f->meta[2 * f->n_meta + 1] = m->str;
         f->n_meta++;
@@ -1103,10 +985,10 @@ static int st_parse_metadata(StFile* f, const JsonNode* e, char* err, size_t err
 static int st_parse_header(StFile* f, const uint8_t* data, uint64_t data_len, char* err, size_t err_len) {
     const JsonDoc* h = &f->header;
     const JsonNode* root = json_root(h);
-    if (root->type != JSON_OBJECT) return ck_fail(err, err_len, "%s: the header is not a JSON object", f->path);
+    if (root->type != JSON_OBJECT) return fail(err, err_len, "%s: the header is not a JSON object", f->path);
     f->tensors = (StTensor*)calloc((size_t)root->count + 1, sizeof(StTensor));
     StSpan* spans = (StSpan*)calloc((size_t)root->count + 1, sizeof(StSpan));
-    if (!f->tensors || !spans) { free(spans); return ck_fail(err, err_len, "%s: out of memory", f->path); }
+    if (!f->tensors || !spans) { free(spans); return fail(err, err_len, "%s: out of memory", f->path); }
     int rc = 0;
     for (const JsonNode* e = json_first(h, root); e && !rc; e = json_next(h, e)) {
         if (strcmp(e->key, "__metadata__") == 0) {
@@ -1115,7 +997,7 @@ static int st_parse_header(StFile* f, const uint8_t* data, uint64_t data_len, ch
         }
         for (int j = 0; j < f->n_tensors && !rc; j++)
             if (strcmp(f->tensors[j].name, e->key) == 0)
-                rc = ck_fail(err, err_len, "%s: tensor '%s' appears twice in the header", f->path, e->key);
+                rc = fail(err, err_len, "%s: tensor '%s' appears twice in the header", f->path, e->key);
         if (!rc) rc = st_parse_entry(f, e, &f->tensors[f->n_tensors], &spans[f->n_tensors], data_len, err, err_len);
         f->n_tensors++;
     }
@@ -1128,21 +1010,21 @@ static int st_parse_header(StFile* f, const uint8_t* data, uint64_t data_len, ch
  * tile the data exactly. On failure f is left closed. */
 static int st_open(StFile* f, const char* path, char* err, size_t err_len) {
     memset(f, 0, sizeof *f);
-    if (snprintf(f->path, sizeof f->path, "%s", path) >= (int)sizeof f->path) return ck_fail(err, err_len, "%s: path too long", path);
+    if (snprintf(f->path, sizeof f->path, "%s", path) >= (int)sizeof f->path) return fail(err, err_len, "%s: path too long", path);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ck_fail_errno(err, err_len, errno, "open %s", path);
+    if (fd < 0) return fail_errno(err, err_len, errno, "open %s", path);
     struct stat st;
-    if (fstat(fd, &st) != 0) { int e = errno; close(fd); return ck_fail_errno(err, err_len, e, "stat %s", path); }
+    if (fstat(fd, &st) != 0) { int e = errno; close(fd); return fail_errno(err, err_len, e, "stat %s", path); }
     uint64_t size = (uint64_t)st.st_size;
     if (!S_ISREG(st.st_mode) || size < 8) {
         close(fd);
-        return ck_fail(err, err_len, "%s: %" PRIu64 " bytes, too short for a safetensors file (8-byte header length, "
-                       "then the header): truncated?", path, size);
+        return fail(err, err_len, "%s: %" PRIu64 " bytes, too short for a safetensors file (8-byte header length, "
+                    "then the header): truncated?", path, size);
     }
     void* map = mmap(NULL, (size_t)size, PROT_READ, MAP_PRIVATE, fd, 0);
     int e = errno;
     close(fd);
-    if (map == MAP_FAILED) return ck_fail_errno(err, err_len, e, "mmap %s", path);
+    if (map == MAP_FAILED) return fail_errno(err, err_len, e, "mmap %s", path);
     f->map = (const uint8_t*)map;
     f->map_len = (size_t)size;
     uint64_t n = 0;
@@ -1150,14 +1032,14 @@ static int st_open(StFile* f, const char* path, char* err, size_t err_len) {
     int rc = 0;
     char why[256];
     if (n > size - 8)
-        rc = ck_fail(err, err_len, "%s: header length %" PRIu64 " runs past the end of the %" PRIu64
-                     "-byte file: truncated, or not a safetensors file", path, n, size);
+        rc = fail(err, err_len, "%s: header length %" PRIu64 " runs past the end of the %" PRIu64
+                  "-byte file: truncated, or not a safetensors file", path, n, size);
     else if (n > ST_MAX_HEADER)
-        rc = ck_fail(err, err_len, "%s: header length %" PRIu64 " is over the %d-byte limit", path, n, ST_MAX_HEADER);
+        rc = fail(err, err_len, "%s: header length %" PRIu64 " is over the %d-byte limit", path, n, ST_MAX_HEADER);
     else if (n == 0 || f->map[8] != '{')
-        rc = ck_fail(err, err_len, "%s: the header does not start with '{': not a safetensors file", path);
+        rc = fail(err, err_len, "%s: the header does not start with '{': not a safetensors file", path);
     else if (json_parse(&f->header, (const char*)f->map + 8, (size_t)n, why, sizeof why))
-        rc = ck_fail(err, err_len, "%s: header: %s", path, why);
+        rc = fail(err, err_len, "%s: header: %s", path, why);
     else
         rc = st_parse_header(f, f->map + 8 + n, size - 8 - n, err, err_len);
     if (rc) st_close(f);
@@ -1254,12 +1136,12 @@ static void ckpt_abort(CkptWriter* w) {
 /* Starts checkpoint `step` in out_dir (created if missing); a stale ckpt_<step>.tmp is replaced. */
 static int ckpt_begin(CkptWriter* w, const char* out_dir, int64_t step, char* err, size_t err_len) {
     memset(w, 0, sizeof *w);
-    if (step < 0) return ck_fail(err, err_len, "checkpoint step %" PRId64 " is negative", step);
+    if (step < 0) return fail(err, err_len, "checkpoint step %" PRId64 " is negative", step);
     if (snprintf(w->out_dir, sizeof w->out_dir, "%s", out_dir) >= (int)sizeof w->out_dir ||
         snprintf(w->tmp_dir, sizeof w->tmp_dir, "%s/ckpt_%" PRId64 ".tmp", out_dir, step) >= (int)sizeof w->tmp_dir)
-        return ck_fail(err, err_len, "%s: path too long", out_dir);
+        return fail(err, err_len, "%s: path too long", out_dir);
     if (ck_mkdir_p(out_dir, err, err_len) || ck_rmtree(w->tmp_dir, err, err_len)) return -1;
-    if (mkdir(w->tmp_dir, 0755) != 0) return ck_fail_errno(err, err_len, errno, "create directory %s", w->tmp_dir);
+    if (mkdir(w->tmp_dir, 0755) != 0) return fail_errno(err, err_len, errno, "create directory %s", w->tmp_dir);
     w->step = step;
     w->active = 1;
     return 0;
@@ -1267,15 +1149,15 @@ static int ckpt_begin(CkptWriter* w, const char* out_dir, int64_t step, char* er
 
 /* Opens `name` in the unfinished checkpoint for writing; ckpt_file_end records it. */
 static int ckpt_file_begin(CkptWriter* w, const char* name, AtomicFile* f, char* err, size_t err_len) {
-    if (!w->active) return ck_fail(err, err_len, "checkpoint file %s: no checkpoint in progress (call ckpt_begin)", name);
+    if (!w->active) return fail(err, err_len, "checkpoint file %s: no checkpoint in progress (call ckpt_begin)", name);
     if (!ckpt_valid_name(name) || strcmp(name, CKPT_MANIFEST) == 0)
-        return ck_fail(err, err_len, "checkpoint file '%s': names are letters, digits, '.', '_' and '-' (not "
-                       "starting with '.', at most %d characters), and not " CKPT_MANIFEST, name, CKPT_NAME_MAX - 1);
+        return fail(err, err_len, "checkpoint file '%s': names are letters, digits, '.', '_' and '-' (not "
+                    "starting with '.', at most %d characters), and not " CKPT_MANIFEST, name, CKPT_NAME_MAX - 1);
     for (int i = 0; i < w->n_files; i++)
-        if (strcmp(w->files[i].name, name) == 0) return ck_fail(err, err_len, "%s/%s: written twice", w->tmp_dir, name);
+        if (strcmp(w->files[i].name, name) == 0) return fail(err, err_len, "%s/%s: written twice", w->tmp_dir, name);
     char path[CK_PATH_MAX];
     if (snprintf(path, sizeof path, "%s/%s", w->tmp_dir, name) >= (int)sizeof path)
-        return ck_fail(err, err_len, "%s/%s: path too long", w->tmp_dir, name);
+        return fail(err, err_len, "%s/%s: path too long", w->tmp_dir, name);
     return af_open(f, path, err, err_len);
 }
 
@@ -1283,7 +1165,7 @@ static int ckpt_file_end(CkptWriter* w, const char* name, AtomicFile* f, char* e
     if (w->n_files == w->cap_files) {
         int cap = w->cap_files ? 2 * w->cap_files : 8;
         CkptFileInfo* files = (CkptFileInfo*)realloc(w->files, (size_t)cap * sizeof(CkptFileInfo));
-        if (!files) { af_abort(f); return ck_fail(err, err_len, "%s: out of memory", f->path); }
+        if (!files) { af_abort(f); return fail(err, err_len, "%s: out of memory", f->path); }
         w->files = files;
         w->cap_files = cap;
     }
@@ -1340,9 +1222,9 @@ static int ckpt_write_manifest(CkptWriter* w, const char* config_json, char* err
     jw_puts(&j, "\n");
     int rc;
     char path[CK_PATH_MAX];
-    if (!jw_text(&j)) rc = ck_fail(err, err_len, "%s: out of memory building the manifest", w->tmp_dir);
+    if (!jw_text(&j)) rc = fail(err, err_len, "%s: out of memory building the manifest", w->tmp_dir);
     else if (snprintf(path, sizeof path, "%s/" CKPT_MANIFEST, w->tmp_dir) >= (int)sizeof path)
-        rc = ck_fail(err, err_len, "%s: path too long", w->tmp_dir);
+        rc = fail(err, err_len, "%s: path too long", w->tmp_dir);
     else
         rc = ck_write_file_atomic(path, j.buf, j.len, err, err_len);
     jw_free(&j);
@@ -1355,9 +1237,9 @@ static int ckpt_remove_dir(const char* out_dir, int64_t step, char* err, size_t 
     char dir[CK_PATH_MAX], doomed[CK_PATH_MAX];
     if (snprintf(dir, sizeof dir, "%s/ckpt_%" PRId64, out_dir, step) >= (int)sizeof dir ||
         snprintf(doomed, sizeof doomed, "%s.del.tmp", dir) >= (int)sizeof doomed)
-        return ck_fail(err, err_len, "%s: path too long", out_dir);
+        return fail(err, err_len, "%s: path too long", out_dir);
     if (ck_rmtree(doomed, err, err_len)) return -1;
-    if (rename(dir, doomed) != 0) return ck_fail_errno(err, err_len, errno, "rename %s to %s", dir, doomed);
+    if (rename(dir, doomed) != 0) return fail_errno(err, err_len, errno, "rename %s to %s", dir, doomed);
     if (ck_fsync_dir(out_dir, err, err_len)) return -1;
     return ck_rmtree(doomed, err, err_len);
 }
@@ -1372,7 +1254,7 @@ static int ckpt_list(const char* out_dir, int64_t** steps, int* n, char* err, si
     *steps = NULL;
     *n = 0;
     DIR* d = opendir(out_dir);
-    if (!d) return ck_fail_errno(err, err_len, errno, "open directory %s", out_dir);
+    if (!d) return fail_errno(err, err_len, errno, "open directory %s", out_dir);
     int cap = 0;
     struct dirent* e;
     while ((e = readdir(d)) != NULL) {
@@ -1381,7 +1263,7 @@ static int ckpt_list(const char* out_dir, int64_t** steps, int* n, char* err, si
         if (*n == cap) {
             cap = cap ? 2 * cap : 16;
             int64_t* grown = (int64_t*)realloc(*steps, (size_t)cap * sizeof(int64_t));
-            if (!grown) { closedir(d); free(*steps); *steps = NULL; return ck_fail(err, err_len, "%s: out of memory", out_dir); }
+            if (!grown) { closedir(d); free(*steps); *steps = NULL; return fail(err, err_len, "%s: out of memory", out_dir); }
             *steps = grown;
         }
         (*steps)[(*n)++] = step;
@@ -1409,28 +1291,28 @@ static int ckpt_prune(const char* out_dir, int64_t step, int keep_last, char* er
 /* Completes the checkpoint: manifest (with config_json, a JSON object, or NULL for {}), rename to
  * ckpt_<step>, `latest`, then pruning to the keep_last newest (0 keeps all). */
 static int ckpt_commit(CkptWriter* w, const char* config_json, int keep_last, char* err, size_t err_len) {
-    if (!w->active) return ck_fail(err, err_len, "ckpt_commit: no checkpoint in progress (call ckpt_begin)");
+    if (!w->active) return fail(err, err_len, "ckpt_commit: no checkpoint in progress (call ckpt_begin)");
     if (!config_json) config_json = "{}";
     JsonDoc cfg;
     char why[256];
     if (json_parse(&cfg, config_json, strlen(config_json), why, sizeof why))
-        return ck_fail(err, err_len, "%s: the config to store in the manifest is not valid JSON: %s", w->tmp_dir, why);
+        return fail(err, err_len, "%s: the config to store in the manifest is not valid JSON: %s", w->tmp_dir, why);
     int is_object = json_root(&cfg)->type == JSON_OBJECT;
     json_free(&cfg);
-    if (!is_object) return ck_fail(err, err_len, "%s: the config to store in the manifest is not a JSON object", w->tmp_dir);
+    if (!is_object) return fail(err, err_len, "%s: the config to store in the manifest is not a JSON object", w->tmp_dir);
     if (ckpt_write_manifest(w, config_json, err, err_len)) return -1;
 
-    char final_dir[CK_PATH_MAX], latest[CK_PATH_MAX], name[64];
+    char final_dir[CK_PATH_MAX], latest[CK_PATH_MAX], name[CKPT_NAME_MAX];
     snprintf(name, sizeof name, "ckpt_%" PRId64, w->step);
     if (snprintf(final_dir, sizeof final_dir, "%s/%s", w->out_dir, name) >= (int)sizeof final_dir ||
         snprintf(latest, sizeof latest, "%s/latest", w->out_dir) >= (int)sizeof latest)
-        return ck_fail(err, err_len, "%s: path too long", w->out_dir);
+        return fail(err, err_len, "%s: path too long", w->out_dir);
     /* a ckpt_<step> already there is from an earlier attempt at this step (a crash after its rename
      * but before `latest` moved, or a run resumed from an earlier checkpoint): replace it */
     struct stat st;
     if (lstat(final_dir, &st) == 0 && ckpt_remove_dir(w->out_dir, w->step, err, err_len)) return -1;
     if (rename(w->tmp_dir, final_dir) != 0)
-        return ck_fail_errno(err, err_len, errno, "rename %s to %s", w->tmp_dir, final_dir);
+        return fail_errno(err, err_len, errno, "rename %s to %s", w->tmp_dir, final_dir);
     w->active = 0;  /* the tmp directory is gone; from here on the checkpoint exists */
     if (ck_fsync_dir(w->out_dir, err, err_len)) return -1;
     strcat(name, "\n");
@@ -1444,7 +1326,7 @@ static int ckpt_commit(CkptWriter* w, const char* config_json, int keep_last, ch
  * startup, before the first ckpt_begin. Returns the number of entries removed, or -1. */
 static int ckpt_cleanup(const char* out_dir, char* err, size_t err_len) {
     DIR* d = opendir(out_dir);
-    if (!d) return errno == ENOENT ? 0 : ck_fail_errno(err, err_len, errno, "open directory %s", out_dir);
+    if (!d) return errno == ENOENT ? 0 : fail_errno(err, err_len, errno, "open directory %s", out_dir);
     int removed = 0, rc = 0;
     struct dirent* e;
     while (rc == 0 && (e = readdir(d)) != NULL) {
@@ -1454,7 +1336,7 @@ static int ckpt_cleanup(const char* out_dir, char* err, size_t err_len) {
         if (!stale) continue;
         char path[CK_PATH_MAX];
         if (snprintf(path, sizeof path, "%s/%s", out_dir, e->d_name) >= (int)sizeof path)
-            rc = ck_fail(err, err_len, "%s/%s: path too long", out_dir, e->d_name);
+            rc = fail(err, err_len, "%s/%s: path too long", out_dir, e->d_name);
         else if (!(rc = ck_rmtree(path, err, err_len)))
             removed++;
     }
@@ -1473,8 +1355,8 @@ static int ckpt_resolve_latest(const char* out_dir, char* path, size_t path_len,
     size_t n;
     struct stat st;
     if (snprintf(latest, sizeof latest, "%s/latest", out_dir) >= (int)sizeof latest)
-        return ck_fail(err, err_len, "%s: path too long", out_dir);
-    if (ck_read_file(latest, 256, &text, &n, why, sizeof why) == 0) {
+        return fail(err, err_len, "%s: path too long", out_dir);
+    if (read_whole_file(latest, 256, &text, &n, why, sizeof why) == 0) {
         while (n && (text[n - 1] == '\n' || text[n - 1] == ' ')) text[--n] = '\0';
         int ok = ckpt_parse_dirname(text) >= 0 &&
                  snprintf(path, path_len, "%s/%s", out_dir, text) < (int)path_len;
@@ -1487,10 +1369,10 @@ static int ckpt_resolve_latest(const char* out_dir, char* path, size_t path_len,
     if (ckpt_list(out_dir, &steps, &count, err, err_len)) return -1;
     int64_t newest = count ? steps[0] : -1;
     free(steps);
-    if (newest < 0) return ck_fail(err, err_len, "%s: no checkpoint to resume from (%s)", out_dir, why);
+    if (newest < 0) return fail(err, err_len, "%s: no checkpoint to resume from (%s)", out_dir, why);
     if (snprintf(path, path_len, "%s/ckpt_%" PRId64, out_dir, newest) >= (int)path_len)
-        return ck_fail(err, err_len, "%s: path too long", out_dir);
-    ck_fail(err, err_len, "%s; using %s, the newest checkpoint directory", why, path);
+        return fail(err, err_len, "%s: path too long", out_dir);
+    fail(err, err_len, "%s; using %s, the newest checkpoint directory", why, path);
     return 1;
 }
 
@@ -1510,8 +1392,7 @@ static const CkptFileInfo* ckpt_find_file(const CkptReader* r, const char* name)
 static int ckpt_parse_crc(const char* s, uint32_t* out) {
     uint32_t v = 0;
     for (int i = 0; i < 8; i++) {
-        char c = s[i];
-        int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : c >= 'A' && c <= 'F' ? c - 'A' + 10 : -1;
+        int d = hex_digit(s[i]);
         if (d < 0) return -1;
         v = v * 16 + (uint32_t)d;
     }
@@ -1523,37 +1404,37 @@ static int ckpt_parse_crc(const char* s, uint32_t* out) {
 /* Parses and checks manifest.json into r (files, step, config). */
 static int ckpt_parse_manifest(CkptReader* r, const char* mpath, const char* text, size_t len, char* err, size_t err_len) {
     char why[256];
-    if (json_parse(&r->manifest, text, len, why, sizeof why)) return ck_fail(err, err_len, "%s: %s", mpath, why);
+    if (json_parse(&r->manifest, text, len, why, sizeof why)) return fail(err, err_len, "%s: %s", mpath, why);
     const JsonDoc* m = &r->manifest;
     const JsonNode* root = json_root(m);
     const char* format;
     int64_t version;
     if (json_get_string(m, root, "format", &format) || strcmp(format, CKPT_FORMAT) != 0)
-        return ck_fail(err, err_len, "%s: not a train_gpt checkpoint manifest (no \"format\": \"" CKPT_FORMAT "\")", mpath);
+        return fail(err, err_len, "%s: not a train_gpt checkpoint manifest (no \"format\": \"" CKPT_FORMAT "\")", mpath);
     if (json_get_int(m, root, "version", &version))
-        return ck_fail(err, err_len, "%s: no integer \"version\"", mpath);
+        return fail(err, err_len, "%s: no integer \"version\"", mpath);
     if (version != CKPT_VERSION)
-        return ck_fail(err, err_len, "%s: format version %" PRId64 ", but this train_gpt reads version %d",
-                       mpath, version, CKPT_VERSION);
+        return fail(err, err_len, "%s: format version %" PRId64 ", but this train_gpt reads version %d",
+                    mpath, version, CKPT_VERSION);
     if (json_get_int(m, root, "step", &r->step) || r->step < 0)
-        return ck_fail(err, err_len, "%s: no \"step\" (a non-negative integer)", mpath);
+        return fail(err, err_len, "%s: no \"step\" (a non-negative integer)", mpath);
     r->config = json_get(m, root, "config");
-    if (!r->config || r->config->type != JSON_OBJECT) return ck_fail(err, err_len, "%s: no \"config\" object", mpath);
+    if (!r->config || r->config->type != JSON_OBJECT) return fail(err, err_len, "%s: no \"config\" object", mpath);
     const JsonNode* files = json_get(m, root, "files");
-    if (!files || files->type != JSON_OBJECT) return ck_fail(err, err_len, "%s: no \"files\" object", mpath);
+    if (!files || files->type != JSON_OBJECT) return fail(err, err_len, "%s: no \"files\" object", mpath);
     r->files = (CkptFileInfo*)calloc((size_t)files->count + 1, sizeof(CkptFileInfo));
-    if (!r->files) return ck_fail(err, err_len, "%s: out of memory", mpath);
+    if (!r->files) return fail(err, err_len, "%s: out of memory", mpath);
     for (const JsonNode* f = json_first(m, files); f; f = json_next(m, f)) {
         int64_t bytes;
         const char* crc;
         uint32_t crc_value;
         if (!ckpt_valid_name(f->key) || strcmp(f->key, CKPT_MANIFEST) == 0)
-            return ck_fail(err, err_len, "%s: invalid file name '%s'", mpath, f->key);
-        if (ckpt_find_file(r, f->key)) return ck_fail(err, err_len, "%s: file '%s' listed twice", mpath, f->key);
+            return fail(err, err_len, "%s: invalid file name '%s'", mpath, f->key);
+        if (ckpt_find_file(r, f->key)) return fail(err, err_len, "%s: file '%s' listed twice", mpath, f->key);
         if (json_get_int(m, f, "bytes", &bytes) || bytes < 0 || json_get_string(m, f, "crc32c", &crc) ||
             ckpt_parse_crc(crc, &crc_value))
-            return ck_fail(err, err_len, "%s: file '%s' needs \"bytes\" (an integer) and \"crc32c\" (8 hex digits)",
-                           mpath, f->key);
+            return fail(err, err_len, "%s: file '%s' needs \"bytes\" (an integer) and \"crc32c\" (8 hex digits)",
+                        mpath, f->key);
         CkptFileInfo* info = &r->files[r->n_files++];
         snprintf(info->name, sizeof info->name, "%s", f->key);
         info->bytes = (uint64_t)bytes;
@@ -1566,35 +1447,35 @@ static int ckpt_parse_manifest(CkptReader* r, const char* mpath, const char* tex
 static int ckpt_verify_file(const CkptReader* r, const CkptFileInfo* info, char* err, size_t err_len) {
     char path[CK_PATH_MAX];
     if (snprintf(path, sizeof path, "%s/%s", r->dir, info->name) >= (int)sizeof path)
-        return ck_fail(err, err_len, "%s/%s: path too long", r->dir, info->name);
+        return fail(err, err_len, "%s/%s: path too long", r->dir, info->name);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ck_fail_errno(err, err_len, errno, "%s: listed in the manifest but cannot be opened", path);
+    if (fd < 0) return fail_errno(err, err_len, errno, "%s: listed in the manifest but cannot be opened", path);
     struct stat st;
-    if (fstat(fd, &st) != 0) { int e = errno; close(fd); return ck_fail_errno(err, err_len, e, "stat %s", path); }
+    if (fstat(fd, &st) != 0) { int e = errno; close(fd); return fail_errno(err, err_len, e, "stat %s", path); }
     if ((uint64_t)st.st_size != info->bytes) {
         close(fd);
-        return ck_fail(err, err_len, "%s: %lld bytes, but the manifest says %" PRIu64 ": the file is %s",
-                       path, (long long)st.st_size, info->bytes,
-                       (uint64_t)st.st_size < info->bytes ? "truncated" : "not the one the manifest describes");
+        return fail(err, err_len, "%s: %lld bytes, but the manifest says %" PRIu64 ": the file is %s",
+                    path, (long long)st.st_size, info->bytes,
+                    (uint64_t)st.st_size < info->bytes ? "truncated" : "not the one the manifest describes");
     }
     size_t cap = (size_t)8 << 20;
     uint8_t* buf = (uint8_t*)malloc(cap);
-    if (!buf) { close(fd); return ck_fail(err, err_len, "%s: out of memory", path); }
+    if (!buf) { close(fd); return fail(err, err_len, "%s: out of memory", path); }
     uint32_t crc = 0;
     uint64_t left = info->bytes;
     int rc = 0;
     while (left && !rc) {
         ssize_t got = read(fd, buf, left < cap ? (size_t)left : cap);
         if (got < 0 && errno == EINTR) continue;
-        if (got < 0) rc = ck_fail_errno(err, err_len, errno, "read %s", path);
-        else if (got == 0) rc = ck_fail(err, err_len, "%s: file shrank while being read", path);
+        if (got < 0) rc = fail_errno(err, err_len, errno, "read %s", path);
+        else if (got == 0) rc = fail(err, err_len, "%s: file shrank while being read", path);
         else { crc = crc32c(crc, buf, (size_t)got); left -= (uint64_t)got; }
     }
     free(buf);
     close(fd);
     if (!rc && crc != info->crc32c)
-        rc = ck_fail(err, err_len, "%s: CRC32C %08x, but the manifest says %08x: the file is corrupted",
-                     path, crc, info->crc32c);
+        rc = fail(err, err_len, "%s: CRC32C %08x, but the manifest says %08x: the file is corrupted",
+                  path, crc, info->crc32c);
     return rc;
 }
 
@@ -1605,10 +1486,10 @@ static int ckpt_open(CkptReader* r, const char* dir, char* err, size_t err_len) 
     char mpath[CK_PATH_MAX];
     if (snprintf(r->dir, sizeof r->dir, "%s", dir) >= (int)sizeof r->dir ||
         snprintf(mpath, sizeof mpath, "%s/" CKPT_MANIFEST, dir) >= (int)sizeof mpath)
-        return ck_fail(err, err_len, "%s: path too long", dir);
+        return fail(err, err_len, "%s: path too long", dir);
     char* text;
     size_t len;
-    if (ck_read_file(mpath, CKPT_MANIFEST_MAX, &text, &len, err, err_len)) return -1;
+    if (read_whole_file(mpath, CKPT_MANIFEST_MAX, &text, &len, err, err_len)) return -1;
     int rc = ckpt_parse_manifest(r, mpath, text, len, err, err_len);
     free(text);
     for (int i = 0; i < r->n_files && !rc; i++) rc = ckpt_verify_file(r, &r->files[i], err, err_len);
@@ -1622,18 +1503,18 @@ static int ckpt_read_file(const CkptReader* r, const char* name, void** data, si
     *data = NULL;
     *n = 0;
     const CkptFileInfo* info = ckpt_find_file(r, name);
-    if (!info) return ck_fail(err, err_len, "%s: the manifest lists no file '%s'", r->dir, name);
+    if (!info) return fail(err, err_len, "%s: the manifest lists no file '%s'", r->dir, name);
     char path[CK_PATH_MAX];
     if (snprintf(path, sizeof path, "%s/%s", r->dir, name) >= (int)sizeof path)
-        return ck_fail(err, err_len, "%s/%s: path too long", r->dir, name);
+        return fail(err, err_len, "%s/%s: path too long", r->dir, name);
     char* buf;
     size_t len;
-    if (ck_read_file(path, (size_t)info->bytes, &buf, &len, err, err_len)) return -1;
+    if (read_whole_file(path, (size_t)info->bytes, &buf, &len, err, err_len)) return -1;
     uint32_t crc = crc32c(0, buf, len);
     if (len != info->bytes || crc != info->crc32c) {
         free(buf);
-        return ck_fail(err, err_len, "%s: %zu bytes with CRC32C %08x, but the manifest says %" PRIu64 " bytes with %08x",
-                       path, len, crc, info->bytes, info->crc32c);
+        return fail(err, err_len, "%s: %zu bytes with CRC32C %08x, but the manifest says %" PRIu64 " bytes with %08x",
+                    path, len, crc, info->bytes, info->crc32c);
     }
     *data = buf;
     *n = len;
@@ -1643,10 +1524,10 @@ static int ckpt_read_file(const CkptReader* r, const char* name, void** data, si
 /* Opens a listed safetensors file of the checkpoint (verified by ckpt_open). */
 static int ckpt_open_safetensors(const CkptReader* r, const char* name, StFile* f, char* err, size_t err_len) {
     memset(f, 0, sizeof *f);
-    if (!ckpt_find_file(r, name)) return ck_fail(err, err_len, "%s: the manifest lists no file '%s'", r->dir, name);
+    if (!ckpt_find_file(r, name)) return fail(err, err_len, "%s: the manifest lists no file '%s'", r->dir, name);
     char path[CK_PATH_MAX];
     if (snprintf(path, sizeof path, "%s/%s", r->dir, name) >= (int)sizeof path)
-        return ck_fail(err, err_len, "%s/%s: path too long", r->dir, name);
+        return fail(err, err_len, "%s/%s: path too long", r->dir, name);
     return st_open(f, path, err, err_len);
 }
 

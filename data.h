@@ -1,12 +1,12 @@
 /*
  * data.h - the trainer's data: token shards on disk, the writer that makes them (prepro), and the
- * DataLoader that turns them into batches on a background thread. Header-only; C11 (prepro.c,
- * which must define _POSIX_C_SOURCE 200809L before any include) and C++17 (train_gpt.cu). Includes
- * tokenizer.h, the GPT-2 tokenizer.
+ * DataLoader that turns them into batches on a background thread. Header-only; C11 (tools/prepro.c,
+ * which must define _POSIX_C_SOURCE 200809L before any include) and C++17 (train_gpt.cu). Errors
+ * follow lib/util.h's convention, except in loader_next and loader_rewind (see there).
  *
  * Shard format (llm.c's): a header of 256 int32 {20240520 (magic), 1 (version), n_tokens, 0...},
  * then n_tokens uint16 token ids, little-endian. Documents follow one another, each preceded by the
- * end-of-text token (50256).
+ * end-of-text token (GPT2_EOT, 50256, in lib/tokenizer.h).
  *
  * The loader cuts every shard into windows of T+1 tokens; window w of a shard starts at token w*T,
  * so consecutive windows share one token (the last target of one is the first input of the next).
@@ -32,7 +32,7 @@
 #include <unistd.h>
 #include <sys/stat.h>
 
-#include "tokenizer.h"
+#include "lib/util.h"
 
 // ----------------------------------------------------------------------------------------------
 // Shards
@@ -70,15 +70,15 @@ static inline int64_t shard_check_header(const char* path, const void* header, s
 // Opens a shard and checks its header; returns the token count, or -1 with err.
 static inline int64_t shard_probe(const char* path, char* err, size_t err_len) {
     int fd = open(path, O_RDONLY);
-    if (fd < 0) return fail(err, err_len, "shard %s: cannot open: %s", path, strerror(errno));
+    if (fd < 0) return fail_errno(err, err_len, errno, "shard %s: cannot open", path);
     struct stat st;
     uint8_t header[SHARD_HEADER_BYTES];
     ssize_t got = 0;
     int64_t n;
-    if (fstat(fd, &st) != 0) n = fail(err, err_len, "shard %s: cannot stat: %s", path, strerror(errno));
+    if (fstat(fd, &st) != 0) n = fail_errno(err, err_len, errno, "shard %s: cannot stat", path);
     else if (!S_ISREG(st.st_mode)) n = fail(err, err_len, "shard %s: not a regular file", path);
     else if ((got = pread(fd, header, sizeof(header), 0)) < 0)
-        n = fail(err, err_len, "shard %s: cannot read: %s", path, strerror(errno));
+        n = fail_errno(err, err_len, errno, "shard %s: cannot read", path);
     else n = shard_check_header(path, header, (size_t)got, (uint64_t)st.st_size, err, err_len);
     close(fd);
     return n;
@@ -93,7 +93,7 @@ static inline int shard_write(const char* path, const uint16_t* tokens, size_t n
     if (snprintf(tmp, sizeof(tmp), "%s.tmp", path) >= (int)sizeof(tmp))
         return fail(err, err_len, "shard %.200s...: path too long", path);
     FILE* f = fopen(tmp, "wb");
-    if (!f) return fail(err, err_len, "shard %s: cannot create: %s", tmp, strerror(errno));
+    if (!f) return fail_errno(err, err_len, errno, "shard %s: cannot create", tmp);
     int32_t header[SHARD_HEADER_INTS] = {0};
     header[0] = SHARD_MAGIC;
     header[1] = SHARD_VERSION;
@@ -103,7 +103,7 @@ static inline int shard_write(const char* path, const uint16_t* tokens, size_t n
     if (!ok || rename(tmp, path) != 0) {
         int e = errno;
         remove(tmp);
-        return fail(err, err_len, "shard %s: write failed: %s", path, strerror(e));
+        return fail_errno(err, err_len, e, "shard %s: write failed", path);
     }
     return 0;
 }
@@ -295,17 +295,21 @@ static inline int loader_read_batch(DataLoader* L, uint64_t step, uint16_t* dst)
             L->fd_shard = -1;
             L->fd = open(L->paths[shard], O_RDONLY);
             if (L->fd < 0)
-                return fail(L->thread_error, sizeof(L->thread_error), "shard %s: cannot open: %s",
-                            L->paths[shard], strerror(errno));
+                return fail_errno(L->thread_error, sizeof(L->thread_error), errno, "shard %s: cannot open",
+                                  L->paths[shard]);
             L->fd_shard = shard;
         }
         size_t bytes = row * sizeof(uint16_t);
         off_t offset = (off_t)(SHARD_HEADER_BYTES + window * (uint64_t)L->T * sizeof(uint16_t));
         ssize_t got = pread(L->fd, dst + (size_t)b * row, bytes, offset);
+        if (got < 0)
+            return fail_errno(L->thread_error, sizeof(L->thread_error), errno,
+                              "shard %s: reading %zu bytes at offset %lld failed", L->paths[shard], bytes,
+                              (long long)offset);
         if (got != (ssize_t)bytes)
             return fail(L->thread_error, sizeof(L->thread_error),
-                        "shard %s: reading %zu bytes at offset %lld failed: %s", L->paths[shard], bytes,
-                        (long long)offset, got < 0 ? strerror(errno) : "the file is shorter than when it was opened");
+                        "shard %s: reading %zu bytes at offset %lld failed: the file is shorter than when it "
+                        "was opened", L->paths[shard], bytes, (long long)offset);
     }
     return 0;
 }
@@ -353,7 +357,7 @@ static inline int loader_start_thread(DataLoader* L, char* err, size_t err_len) 
     L->start_step = L->next_step;
     L->thread_error[0] = '\0';
     int rc = pthread_create(&L->thread, NULL, loader_thread_main, L);
-    if (rc != 0) return fail(err, err_len, "loader: cannot start its thread: %s", strerror(rc));
+    if (rc != 0) return fail_errno(err, err_len, rc, "loader: cannot start its thread");
     L->thread_running = 1;
     return 0;
 }
@@ -448,12 +452,7 @@ static inline int loader_open(DataLoader* L, const char* pattern, int B, int T, 
     L->perm_shard = L->fd_shard = -1;
     L->ring_bytes = (size_t)LOADER_PREFETCH * (size_t)B * ((size_t)T + 1) * sizeof(uint16_t);
     L->ring_bytes = (L->ring_bytes + 4095) / 4096 * 4096;
-    void* ring = NULL;
-    if (posix_memalign(&ring, 4096, L->ring_bytes) != 0) {
-        fprintf(stderr, "out of memory allocating %zu bytes\n", L->ring_bytes);
-        exit(1);
-    }
-    L->ring = (uint16_t*)ring;
+    L->ring = (uint16_t*)xaligned_alloc(4096, L->ring_bytes);
     if (loader_start_thread(L, err, err_len) < 0) {
         loader_close(L);
         return -1;
@@ -464,7 +463,8 @@ static inline int loader_open(DataLoader* L, const char* pattern, int B, int T, 
 // The next batch: B rows of T+1 tokens, row b = window b. Valid until the next call (or rewind, or
 // set_state); a caller that copies it asynchronously must finish the copy before calling again.
 // Normally ready at once: the thread stays up to LOADER_PREFETCH batches ahead. A read error (a
-// shard changed under a running loader) is reported on stderr and exits.
+// shard changed under a running loader) is printed on stderr and exits: with loader_rewind, the
+// exception to lib/util.h's error convention, as neither returns a status for the trainer to act on.
 static inline const uint16_t* loader_next(DataLoader* L) {
     pthread_mutex_lock(&L->mu);
     if (L->holding) {  // the previous batch's slot is free again
@@ -495,7 +495,8 @@ static inline uint64_t loader_epoch(const DataLoader* L) {
     return L->next_step * (uint64_t)L->B * (uint64_t)L->world / L->windows_per_epoch;
 }
 
-// Back to the start of epoch 0; the validation loop calls this before each evaluation.
+// Back to the start of epoch 0; the validation loop calls this before each evaluation. When the
+// thread cannot be restarted, the reason is printed on stderr and it exits (see loader_next).
 static inline void loader_rewind(DataLoader* L) {
     L->next_step = 0;
     char err[256];

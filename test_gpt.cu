@@ -15,10 +15,10 @@
  */
 #define TRAIN_GPT_NO_MAIN
 #include "train_gpt.cu"
-#include "testing.h"
-#include "reference.h"
-#include "test_data.h"
-#include "test_ckpt.h"
+#include "test/testing.h"
+#include "test/reference.h"
+#include "test/test_data.h"
+#include "test/test_ckpt.h"
 #include <cuda_fp8.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -251,7 +251,7 @@ static int test_learning_rate_schedules(void) {
 
 static int test_flops_per_token(void) {
     int failed = 0;
-    // ANCHORS.md / torch_baseline.py, written out for the default model:
+    // the same count written out for the default model, as the PyTorch baseline counts it:
     double d = 768, L = 12, V = 50304, dq = 768, dkv = 256, F = 2048, T = 1024;
     double expect = 6 * (L * (d * dq + 2 * d * dkv + dq * d + 3 * d * F) + V * d) + 12 * L * dq * T;
     EXPECT(fabs(flops_per_token(&DEFAULT_CONFIG) - expect) < 1.0, "%.0f vs %.0f", flops_per_token(&DEFAULT_CONFIG),

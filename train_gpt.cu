@@ -39,10 +39,8 @@
 #include <cuda_fp16.h>
 #include "kernels.cuh"
 #include "data.h"
+#include "lib/tokenizer.h"
 #include "ckpt.h"
-#ifndef GPT2_EOT
-#define GPT2_EOT 50256
-#endif
 
 // ----------------------------------------------------------------------------------------------
 // The model's configuration
@@ -235,8 +233,8 @@ static uint8_t* param_decay_flags(const ParamTable* pt) {
     return flags;
 }
 
-// FLOPs per token of one training step (forward + backward), the convention of ANCHORS.md and of
-// torch_baseline.py: 6 per matmul weight (2 forward, 4 backward; the tied embedding counted once,
+// FLOPs per token of one training step (forward + backward), the convention of PaLM's MFU and of
+// the PyTorch baseline we measure against: 6 per matmul weight (2 forward, 4 backward; the tied embedding counted once,
 // as the output head; the lookup is no matmul) plus attention's two T x T products counted in full
 // (12 L Hq D T), ignoring the causal mask, as PaLM and nanoGPT do. Norms, RoPE, softmax and the
 // optimizer are not counted.

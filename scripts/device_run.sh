@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build everything, run the test suite on the GPU, benchmark train_gpt beside
-# PyTorch (torch_baseline.py, carried in .bench/), and compare an export against transformers.
+# PyTorch (torch_baseline.py: not in this repository; put it in the ignored .bench/), and compare
+# an export against transformers.
 # Usage (on the device machine, from the repo root): bash scripts/device_run.sh [steps...]
 #   steps: any of build test dev bench before same torch train ckpt hf (default: build test bench torch hf).
 #   Logs go to $OUT (or /tmp/out). `before` and `same` need an older build carried as .bench/train_gpt_before.
@@ -49,7 +50,8 @@ for step in $steps; do
         grep -a "checkpoint of step" "$OUT/ckpt_every$every.log"; ls /tmp/ckpt_out | tr '\n' ' '; echo
       done ;;
     sizes)
-      # ANCHORS.md's medium and 1b models, ours and PyTorch's, then a config that cannot fit.
+      # torch_baseline.py's medium and 1b models (--model-size), ours and PyTorch's, then a config
+      # that cannot fit.
       ./train_gpt --bench --d-model 1024 --layers 28 --heads 16 --kv-heads 8 --head-dim 128 --ffn 3072 --batch 16 \
         --rope-theta 1e6 2>&1 | tee "$OUT/bench_medium.log" | grep -aE "^\{|error"
       PYTHONUNBUFFERED=1 python3 .bench/torch_baseline.py --model-size medium --compile default 2>&1 \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# fuzz.sh - builds the libFuzzer harnesses fuzz/fuzz_shard.c and fuzz/fuzz_tokenizer.c with clang
+# fuzz.sh - builds the libFuzzer harnesses test/fuzz/fuzz_{shard,tokenizer,json}.c with clang
 # (AddressSanitizer and UndefinedBehaviorSanitizer on) and runs each for a bounded time.
 #
 #   bash scripts/fuzz.sh [SECONDS]     default 60 seconds per harness
@@ -16,14 +16,15 @@ work=${FUZZ_WORK:-/tmp/train_gpt_fuzz}
 die() { echo "fuzz: $*" >&2; exit 1; }
 
 command -v clang >/dev/null || die "clang is not installed (apt-get install clang)"
-mkdir -p "$work/shard" "$work/tokenizer"
+mkdir -p "$work/shard" "$work/tokenizer" "$work/json"
 echo 'int LLVMFuzzerTestOneInput(const char* d, unsigned long n) { (void)d; (void)n; return 0; }' >"$work/probe.c"
 clang -fsanitize=fuzzer "$work/probe.c" -o "$work/probe" 2>/dev/null ||
     die "clang cannot link libFuzzer (-fsanitize=fuzzer): install its runtime (apt-get install libclang-rt-14-dev, or the one of your clang version)"
 rm -f "$work/probe" "$work/probe.c"
 bash scripts/prepare_data.sh --tokenizer-only
 
-# seeds: a valid shard (B and T from its spare header ints), GPT-2 text, and a tiny vocabulary pair
+# seeds: a valid shard (B and T from its spare header ints), GPT-2 text, a tiny vocabulary pair, and
+# JSON string literals
 node -e '
 const fs = require("fs"), w = process.argv[1];
 const h = Buffer.alloc(1024 + 2 * 300);
@@ -40,15 +41,17 @@ const enc = {}; for (let b = 0; b < 256; b++) enc[spell[b]] = b;
 enc["ab"] = 256; enc["abc"] = 257; enc["<|endoftext|>"] = 258;
 fs.writeFileSync(w + "/tokenizer/seed_vocab", Buffer.concat([Buffer.from([1]), Buffer.from(JSON.stringify(enc)),
     Buffer.from([0]), Buffer.from("#version: 0.2\na b\nab c\n")]));
+fs.writeFileSync(w + "/json/seed_escapes", String.raw`"a\"\\\/\b\f\n\r\t\u00e9\u4e00\ud83d\ude00z", 1`);
+fs.writeFileSync(w + "/json/seed_lone", String.raw`"\ud800\u0041"`);
 ' "$work"
 
 status=0
-for h in shard tokenizer; do
-    echo "fuzz: building fuzz/fuzz_$h"
+for h in shard tokenizer json; do
+    echo "fuzz: building test/fuzz/fuzz_$h"
     clang -g -O1 -std=c11 -Wall -Wextra -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-        "fuzz/fuzz_$h.c" -o "fuzz/fuzz_$h" -lpthread
+        "test/fuzz/fuzz_$h.c" -o "test/fuzz/fuzz_$h" -lpthread
     echo "fuzz: running fuzz_$h for ${seconds} s (corpus $work/$h)"
-    if ! FUZZ_TOKENIZER_DIR=data/tokenizer "./fuzz/fuzz_$h" "$work/$h" -max_total_time="$seconds" -timeout=10 \
+    if ! FUZZ_TOKENIZER_DIR=data/tokenizer "./test/fuzz/fuzz_$h" "$work/$h" -max_total_time="$seconds" -timeout=10 \
             -max_len=16384 -artifact_prefix="$work/crash_$h-" -print_final_stats=1 >"$work/$h.log" 2>&1; then
         status=1
         tail -n 30 "$work/$h.log"

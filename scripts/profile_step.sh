@@ -1,3 +1,8 @@
+#!/usr/bin/env bash
+# profile_step.sh - where one training step's GPU time goes: builds train_gpt, runs a window of
+# `./train_gpt --bench` launches under Nsight Compute (kernel durations only, clocks not locked),
+# and prints the time per kernel over one step (from one AdamW launch to the next), largest first.
+# On the GPU machine, from the repository root, with $OUT set: writes $OUT/ncu.csv and $OUT/ncu.err.
 set -uo pipefail
 make -j16 train_gpt > /dev/null 2>&1 || { echo build failed; exit 1; }
 # one step's kernels: skip the first steps' launches, then take a little more than one step

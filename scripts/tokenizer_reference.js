@@ -1,15 +1,15 @@
-// tokenizer_reference.js - the reference side of test_data.h's tokenizer tests: encodes documents
+// tokenizer_reference.js - the reference side of test/test_data.h's tokenizer tests: encodes documents
 // with the JavaScript GPT-2 encoder of gpt-3-encoder@1.1.4 (its own regex, byte map and BPE, run
 // unchanged), or prints this node's regex classes of every code point.
 //
 //   node scripts/tokenizer_reference.js encode ENCODER_JS DOCS IDS
 //       DOCS: documents as (uint32 length, bytes)...; IDS: per document (uint32 count, uint32 ids...)
 //   node scripts/tokenizer_reference.js classes OUT
-//       OUT: one byte per code point 0..0x10FFFF: 0 other, 1 \p{L}, 2 \p{N}, 3 \s (as unicode_classes.h)
+//       OUT: one byte per code point 0..0x10FFFF: 0 other, 1 \p{L}, 2 \p{N}, 3 \s (as lib/unicode_classes.h)
 //
 // Documents are bytes and need not be valid UTF-8, but the encoder takes a JS string. Each byte that
 // starts no valid UTF-8 sequence is carried as the lone surrogate U+DC00+byte (Python's
-// surrogateescape; lone surrogates are "other" to the regex, as invalid bytes are to tokenizer.h),
+// surrogateescape; lone surrogates are "other" to the regex, as invalid bytes are to lib/tokenizer.h),
 // and the TextEncoder the encoder uses to get a piece's bytes is replaced by one that turns those
 // surrogates back into their bytes. Valid text never contains a lone surrogate, so nothing else
 // changes.
@@ -28,7 +28,7 @@ class BytePreservingEncoder {
     }
 }
 
-// The byte-to-string step, with tokenizer.h's validity rules (shortest form, no surrogates, <= U+10FFFF).
+// The byte-to-string step, with lib/tokenizer.h's validity rules (shortest form, no surrogates, <= U+10FFFF).
 function decodeBytes(b) {
     let s = '';
     for (let i = 0; i < b.length;) {

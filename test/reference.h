@@ -1,5 +1,5 @@
 /*
- * reference.h - the CPU reference: the same model's forward and backward in plain C, in double.
+ * test/reference.h - the CPU reference: the same model's forward and backward in plain C, in double.
  *
  * It shares train_gpt.cu's ModelConfig and parameter table (it is included after train_gpt.cu),
  * so that a flat buffer of parameters or gradients means the same thing on both sides; only the

@@ -1,5 +1,5 @@
 /*
- * prepro.c - turns text into the token shards that train_gpt reads (data.h's format), and shows
+ * tools/prepro.c - turns text into the token shards that train_gpt reads (data.h's format), and shows
  * how the GPT-2 tokenizer cuts a text.
  *
  *   prepro [options] INPUT...        text files, directories of them, or JSONL files -> shards
@@ -18,7 +18,8 @@
 #include <dirent.h>
 #include <time.h>
 
-#include "data.h"
+#include "../data.h"
+#include "../lib/tokenizer.h"
 
 #define DEFAULT_TOKENIZER_DIR "data/tokenizer"
 #define DEFAULT_VAL_EVERY 10
@@ -98,11 +99,7 @@ static void add_document(Prepro* p, const char* text, size_t len) {
 static const char* json_skip_value(const char* s, const char* end, int depth) {
     s = json_skip_space(s, end);
     if (s >= end || depth > 64) return NULL;
-    if (*s == '"') {
-        for (s++; s < end && *s != '"'; s++)
-            if (*s == '\\') s++;
-        return s < end ? s + 1 : NULL;
-    }
+    if (*s == '"') return json_string_end(s, end);
     if (*s == '{' || *s == '[') {
         char close = *s == '{' ? '}' : ']';
         s = json_skip_space(s + 1, end);
@@ -184,8 +181,8 @@ static void add_jsonl(Prepro* p, const char* path) {
 static void add_text_file(Prepro* p, const char* path) {
     size_t len;
     char err[4096 + 128];
-    char* text = read_whole_file(path, &len, err, sizeof(err));
-    if (!text) die("%s", err);
+    char* text;
+    if (read_whole_file(path, SIZE_MAX, &text, &len, err, sizeof(err)) < 0) die("%s", err);
     add_document(p, text, len);
     free(text);
 }
@@ -301,8 +298,7 @@ static void encode_file(const char* path, const char* tokenizer_dir) {
         while ((got = fread(chunk, 1, sizeof(chunk), stdin)) > 0) byte_buf_append(&text, chunk, got);
         if (ferror(stdin)) die("standard input: read error");
     } else {
-        text.data = read_whole_file(path, &text.len, err, sizeof(err));
-        if (!text.data) die("%s", err);
+        if (read_whole_file(path, SIZE_MAX, &text.data, &text.len, err, sizeof(err)) < 0) die("%s", err);
     }
     TokenList ids = {NULL, 0, 0};
     tokenizer_encode(&tk, text.data, text.len, &ids);

@@ -1,15 +1,15 @@
 /*
- * fuzz_tokenizer.c - libFuzzer harness for tokenizer.h. Built and run by scripts/fuzz.sh, which
- * fetches the GPT-2 files first (FUZZ_TOKENIZER_DIR, default data/tokenizer).
+ * test/fuzz/fuzz_tokenizer.c - libFuzzer harness for lib/tokenizer.h. Built and run by
+ * scripts/fuzz.sh, which fetches the GPT-2 files first (FUZZ_TOKENIZER_DIR, default data/tokenizer).
  *
- * An input whose first byte is even is text: encoding it with GPT-2's tokenizer must give ids of the
- * vocabulary, never the end-of-text token, and decoding them must give the text back, byte for byte. An odd first
- * byte makes the rest a pair of tokenizer files, encoder.json and vocab.bpe, split at the first NUL:
- * loading them must fail with one line or succeed, and a loaded toy tokenizer must round-trip the
- * files' own text.
+ * An input whose first byte is even is text: encoding it with GPT-2's tokenizer must give ids of
+ * the vocabulary, never the end-of-text token, and decoding them must give the text back, byte for
+ * byte. An odd first byte makes the rest a pair of tokenizer files, encoder.json and vocab.bpe,
+ * split at the first NUL: loading them must fail with one line or succeed, and a loaded toy
+ * tokenizer must round-trip the files' own text.
  */
 #define _POSIX_C_SOURCE 200809L
-#include "../tokenizer.h"
+#include "../../lib/tokenizer.h"
 
 static Tokenizer g_gpt2;
 static TokenList g_ids;
