@@ -233,11 +233,11 @@ static uint8_t* param_decay_flags(const ParamTable* pt) {
     return flags;
 }
 
-// FLOPs per token of one training step (forward + backward), the convention of PaLM's MFU and of
-// the PyTorch baseline we measure against: 6 per matmul weight (2 forward, 4 backward; the tied embedding counted once,
-// as the output head; the lookup is no matmul) plus attention's two T x T products counted in full
-// (12 L Hq D T), ignoring the causal mask, as PaLM and nanoGPT do. Norms, RoPE, softmax and the
-// optimizer are not counted.
+// FLOPs per token of one training step (forward + backward), as the PyTorch baseline we measure
+// against counts them: 6 per matmul weight (2 forward, 4 backward; the tied embedding counted
+// once, as the output head; the lookup is no matmul) plus attention's two T x T products counted
+// in full (12 L Hq D T), ignoring the causal mask, as PaLM and nanoGPT do. Norms, RoPE, softmax
+// and the optimizer are not counted.
 static double flops_per_token(const ModelConfig* c) {
     double C = c->d_model, Dq = (double)c->n_head * c->head_dim, Dkv = (double)c->n_kv_head * c->head_dim;
     double per_layer = C * Dq + 2 * C * Dkv + Dq * C + 3 * C * c->ffn_dim;
