@@ -780,8 +780,11 @@ static void matmul(MatmulOperand d, MatmulOperand a, MatmulOperand b, const void
     matmul_set_scales(plan->desc, &a, &b, &d);
     const float alpha = 1.0f;
     const float beta_used = c ? beta : 0.0f;
+    // Without a C, D is passed as C (unread with beta 0), except for an FP8 D, whose C layout is
+    // bf16: cuBLASLt refuses C == D with different layouts, and takes a null C there.
+    const void* c_ptr = c ? c : is_fp8(d.type) ? NULL : d.ptr;
     CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, plan->desc, &alpha, a.ptr, plan->layout_a, b.ptr, plan->layout_b,
-                                &beta_used, c ? c : d.ptr, plan->layout_c, d.ptr, plan->layout_d, &plan->algo,
+                                &beta_used, c_ptr, plan->layout_c, d.ptr, plan->layout_d, &plan->algo,
                                 g_cublaslt_workspace, CUBLASLT_WORKSPACE_BYTES, stream));
 }
 

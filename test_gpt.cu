@@ -698,7 +698,11 @@ static int test_kernel_matmul_fp8(void) {
     bf16* d_y = (bf16*)device_alloc_poisoned((size_t)N * O * 2);
     uint8_t* d_y8 = (uint8_t*)device_alloc_poisoned((size_t)N * O);
     MatmulOperand x_op = {d_x, CUDA_R_8F_E5M2, d_scales, NULL}, W_op = {d_W, CUDA_R_8F_E4M3, d_scales + 1, NULL};
+    printf("    e4m3 W x e5m2 x -> bf16\n");
+    fflush(stdout);
     matmul(mm_bf16(d_y), W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0);
+    printf("    e4m3 W x e5m2 x -> e4m3 with its scale and amax\n");
+    fflush(stdout);
     MatmulOperand y8_op = {d_y8, CUDA_R_8F_E4M3, d_scales + 2, d_scales + 3};
     matmul(y8_op, W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0);
     double* y = (double*)malloc((size_t)N * O * 8);
@@ -1244,7 +1248,6 @@ static const TestCase model_tests[] = {
     {"gpu_kernel_swiglu", test_kernel_swiglu},
     {"gpu_kernel_cross_entropy", test_kernel_cross_entropy},
     {"gpu_kernel_matmuls", test_kernel_matmuls},
-    {"gpu_kernel_matmul_fp8", test_kernel_matmul_fp8},
     {"gpu_kernel_embedding_and_reductions", test_kernel_embedding_and_reductions},
     {"gpu_kernel_adamw", test_kernel_adamw},
     {"gpu_model_matches_reference", test_model_matches_reference},
@@ -1255,6 +1258,7 @@ static const TestCase model_tests[] = {
     {"gpu_kill_during_checkpoint_then_resume", test_kill_during_checkpoint_then_resume},
     {"gpu_checkpoint_on_full_disk", test_checkpoint_on_full_disk},
     {"gpu_export_then_init_from", test_export_then_init_from},
+    {"gpu_kernel_matmul_fp8", test_kernel_matmul_fp8},
 };
 
 int main(int argc, char** argv) {

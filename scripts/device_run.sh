@@ -3,7 +3,7 @@
 # PyTorch (torch_baseline.py: not in this repository; put it in the ignored .bench/), and compare
 # an export against transformers.
 # Usage (on the device machine, from the repo root): bash scripts/device_run.sh [steps...]
-#   steps: any of build test dev bench before same torch train ckpt hf (default: build test bench torch hf).
+#   steps: any of build test dev bench before same plot torch train ckpt hf (default: build test bench torch hf).
 #   Logs go to $OUT (or /tmp/out). `before` and `same` need an older build carried as .bench/train_gpt_before.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -31,6 +31,10 @@ for step in $steps; do
       .bench/train_gpt_before --bench --bench-steps 5 --out /tmp/same_before 2>&1 | grep -E "^step +([1-9]|10)/" > "$OUT/same_before.log"
       ./train_gpt --bench --bench-steps 5 --out /tmp/same_after 2>&1 | grep -E "^step +([1-9]|10)/" > "$OUT/same_after.log"
       paste -d'\n' "$OUT/same_before.log" "$OUT/same_after.log" | cut -c1-60 ;;
+    plot)
+      # A real run as `make train` starts it (the default corpus, carried in data/), then make plot.
+      rm -rf out && ./train_gpt 2>&1 | tee "$OUT/train_default.log" | grep -aE "step +(1|50|100|200|300)/|val|sample|error|checkpoint"
+      make plot && cp out/log.png out/log.jsonl "$OUT/" ;;
     torch)
       PYTHONUNBUFFERED=1 python3 .bench/torch_baseline.py --model-size small --n-head 6 --n-kv-head 2 --head-dim 128 \
         --compile default --rope-theta 10000 2>&1 | tee "$OUT/torch_small.log" | tail -2 ;;
