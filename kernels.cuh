@@ -642,14 +642,17 @@ static void adamw_step(float* master, bf16* params, const float* grads, float* m
 // talks to cuBLASLt, for every operand type: bf16 and fp32, and FP8 (E4M3, E5M2) with a scale per
 // tensor. cuBLASLt's FP8 kernels take only the "TN" form (trans_a and not trans_b) and want every
 // leading dimension a multiple of 16 bytes; the per-tensor scales are device pointers, so nothing
-// about them ever goes through the host.
+// about them ever goes through the host. Measured on an H100 with CUDA 13's cuBLASLt: a scale or
+// amax pointer must be 16-byte aligned (else the call is "not supported"), and an amax is
+// computed only for an FP8 result. matmul() checks both rules and says so in one line.
 //
 // Descriptors, layouts and the heuristic's choice of algorithm are made once per shape and kept
 // in a plan; a call finds its plan, sets the scale pointers, and launches.
 
 // One operand of a matmul: where it is, its element type, and for FP8 the device pointer of the
-// factor that turns its stored values into real ones (NULL: unscaled). For the result, `scale`
-// divides (FP8 results are stored as real / scale) and `amax`, when not NULL, receives max |real|.
+// factor that turns its stored values into real ones (NULL: unscaled). For the result it is the
+// other way round: `scale` multiplies (an FP8 result is stored as real * scale), and `amax`, when
+// not NULL, receives max |real| over the result, before that scale.
 typedef struct {
     void* ptr;
     cudaDataType_t type;
@@ -766,12 +769,23 @@ static MatmulPlan* matmul_plan(const MatmulKey* key, const MatmulOperand* a, con
 }
 
 // Column-major D[m, n] = op(A)[m, k] op(B)[k, n] (+ beta C, of D's shape, when c is not NULL),
-// accumulated in fp32. Scales (FP8): D = scale_d^-1 * (scale_a scale_b op(A) op(B) + beta C).
+// accumulated in fp32 (FP8 products: in the tensor cores' narrower accumulators, promoted to fp32
+// along k). Scales (FP8): D = scale_d * (scale_a scale_b op(A) op(B) + beta C).
 // All pointers are 256-byte aligned and every leading dimension is the stored matrix's row count.
 static void matmul(MatmulOperand d, MatmulOperand a, MatmulOperand b, const void* c, float beta, int m, int n, int k,
                    bool trans_a, bool trans_b, cudaStream_t stream) {
     if ((is_fp8(a.type) || is_fp8(b.type)) && (!trans_a || trans_b)) {
         fprintf(stderr, "matmul: FP8 operands need the TN form (trans_a and not trans_b)\n");
+        exit(1);
+    }
+    const void* scale_pointers[] = {a.scale, b.scale, d.scale, d.amax};
+    for (const void* p : scale_pointers)
+        if ((uintptr_t)p % 16 != 0) {
+            fprintf(stderr, "matmul: scale and amax pointers must be 16-byte aligned (%p is not)\n", p);
+            exit(1);
+        }
+    if (d.amax && !is_fp8(d.type)) {
+        fprintf(stderr, "matmul: cuBLASLt computes the amax of FP8 results only\n");
         exit(1);
     }
     const MatmulKey key = {m, n, k, trans_a, trans_b, c != NULL, a.scale != NULL, b.scale != NULL, d.scale != NULL,

@@ -667,8 +667,8 @@ static int test_kernel_matmuls(void) {
 }
 
 // FP8 through the same matmul wrapper: operands whose values are exact in E4M3 / E5M2 (so only
-// the product's fp32 accumulation and the output's rounding differ from fp64), per-tensor scales
-// as device pointers, a bf16 result, and an E4M3 result with its own scale and amax.
+// the product's accumulation and the output's rounding differ from fp64), per-tensor scales as
+// device pointers, a bf16 result, and an E4M3 result with its own scale and amax.
 static double fp8_round(double x, bool e5m2) {  // the value the GPU stores (round to nearest even)
     return e5m2 ? (double)(float)__nv_fp8_e5m2((float)x) : (double)(float)__nv_fp8_e4m3((float)x);
 }
@@ -693,23 +693,21 @@ static int test_kernel_matmul_fp8(void) {
     for (size_t i = 0; i < (size_t)N * I; i++) x[i] = fp8_round(x[i], true);
     for (size_t i = 0; i < (size_t)O * I; i++) W[i] = fp8_round(W[i], false);
     void *d_x = to_device_fp8(x, (size_t)N * I, true), *d_W = to_device_fp8(W, (size_t)O * I, false);
-    double scales_host[4] = {0.5, 0.25, 8.0, 0.0};  // x's, W's, y8's (a result's scale divides), amax
-    float* d_scales = to_device_f32(scales_host, 4);
+    // x's, W's and y8's scales (a result's scale multiplies: stored = real * scale) and y8's amax,
+    // 16 bytes apart (cuBLASLt's alignment for scale pointers)
+    double scales_host[16] = {0.5, 0, 0, 0, 0.25, 0, 0, 0, 8.0, 0, 0, 0, 0.0};
+    float* d_scales = to_device_f32(scales_host, 16);
     bf16* d_y = (bf16*)device_alloc_poisoned((size_t)N * O * 2);
     uint8_t* d_y8 = (uint8_t*)device_alloc_poisoned((size_t)N * O);
-    MatmulOperand x_op = {d_x, CUDA_R_8F_E5M2, d_scales, NULL}, W_op = {d_W, CUDA_R_8F_E4M3, d_scales + 1, NULL};
-    printf("    e4m3 W x e5m2 x -> bf16\n");
-    fflush(stdout);
+    MatmulOperand x_op = {d_x, CUDA_R_8F_E5M2, d_scales, NULL}, W_op = {d_W, CUDA_R_8F_E4M3, d_scales + 4, NULL};
     matmul(mm_bf16(d_y), W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0);
-    printf("    e4m3 W x e5m2 x -> e4m3 with its scale and amax\n");
-    fflush(stdout);
-    MatmulOperand y8_op = {d_y8, CUDA_R_8F_E4M3, d_scales + 2, d_scales + 3};
+    MatmulOperand y8_op = {d_y8, CUDA_R_8F_E4M3, d_scales + 8, d_scales + 12};
     matmul(y8_op, W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0);
     double* y = (double*)malloc((size_t)N * O * 8);
     ref_linear_forward(y, x, W, N, I, O);
     double amax = 0;
     for (size_t i = 0; i < (size_t)N * O; i++) {
-        y[i] *= scales_host[0] * scales_host[1];
+        y[i] *= scales_host[0] * scales_host[4];
         amax = fmax(amax, fabs(y[i]));
     }
     double* gy = from_device_bf16(d_y, (size_t)N * O);
@@ -721,11 +719,13 @@ static int test_kernel_matmul_fp8(void) {
         __nv_fp8_e4m3 v;
         v.__x = y8[i];
         gy8[i] = (double)(float)v;
-        want8[i] = fp8_round(y[i] / scales_host[2], false);
+        want8[i] = fp8_round(y[i] * scales_host[8], false);
     }
     CHECK_CLOSE("fp8 x fp8 -> e4m3 (scaled)", gy8, want8, (size_t)N * O, 4e-2);
-    double* got_amax = from_device_f32(d_scales + 3, 1);
-    EXPECT(fabs(*got_amax - amax) < 1e-5 * amax, "amax %.7g vs %.7g", *got_amax, amax);
+    double* got_amax = from_device_f32(d_scales + 12, 1);
+    // Hopper's FP8 products accumulate in narrower registers than fp32 before cuBLASLt promotes
+    // them (we saw 2.6e-5 relative on this shape), so the amax is held to 1e-3
+    EXPECT(fabs(*got_amax - amax) < 1e-3 * amax, "amax %.7g vs %.7g", *got_amax, amax);
     free(x); free(W); free(y); free(gy); free(y8); free(gy8); free(want8); free(got_amax);
     void* dev[] = {d_x, d_W, d_scales, d_y, d_y8};
     for (void* d : dev) CUDA_CHECK(cudaFree(d));
@@ -1248,6 +1248,7 @@ static const TestCase model_tests[] = {
     {"gpu_kernel_swiglu", test_kernel_swiglu},
     {"gpu_kernel_cross_entropy", test_kernel_cross_entropy},
     {"gpu_kernel_matmuls", test_kernel_matmuls},
+    {"gpu_kernel_matmul_fp8", test_kernel_matmul_fp8},
     {"gpu_kernel_embedding_and_reductions", test_kernel_embedding_and_reductions},
     {"gpu_kernel_adamw", test_kernel_adamw},
     {"gpu_model_matches_reference", test_model_matches_reference},
@@ -1258,7 +1259,6 @@ static const TestCase model_tests[] = {
     {"gpu_kill_during_checkpoint_then_resume", test_kill_during_checkpoint_then_resume},
     {"gpu_checkpoint_on_full_disk", test_checkpoint_on_full_disk},
     {"gpu_export_then_init_from", test_export_then_init_from},
-    {"gpu_kernel_matmul_fp8", test_kernel_matmul_fp8},
 };
 
 int main(int argc, char** argv) {
