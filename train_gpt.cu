@@ -1671,8 +1671,9 @@ static void resume_from(GPT* m, const char* which, const char* out_dir, TrainerS
 //
 // The host runs ahead of the GPU: train_step() only enqueues work, and the figures of step k
 // (loss, gradient norm, learning rate, time) are read back once the GPU has finished it, while it
-// already works on step k+1. Each step ends by copying the device's OptimScalars into a pinned
-// slot and recording an event; log_steps() waits for that event. Steps that validate, sample or
+// already works on step k+1. Each step is bracketed by two events (its time on the GPU, stalls
+// inside it included, validation between steps not) and ends by copying the device's
+// OptimScalars into a pinned slot; log_steps() waits for the end event. Steps that validate, sample or
 // stop are logged at once, since those need the model as it is after that step.
 
 #define STEPS_IN_FLIGHT 3  // read-back slots: the step being logged, the one running, the next
@@ -1694,8 +1695,7 @@ typedef struct {
     TokenList prompt;
     FILE* log;
     OptimScalars* readback;     // pinned [STEPS_IN_FLIGHT]: the device's scalars after each step
-    cudaEvent_t step_end[STEPS_IN_FLIGHT];
-    cudaEvent_t run_start;      // before the first step of this run
+    cudaEvent_t step_start[STEPS_IN_FLIGHT], step_end[STEPS_IN_FLIGHT];  // a step's time is between them
     cudaDeviceProp prop;
     double t_start, t_first_step, t_loop;  // wall clock: launch, first step done, loop entered
     double bench_ms;            // --bench: GPU time of the timed steps
@@ -1805,8 +1805,10 @@ static void trainer_open(Trainer* t, const Options* o) {
     t->step = t->logged = t->start_step;
     uploader_create(&t->up, N, o->model.vocab_size);
     CUDA_CHECK(cudaMallocHost(&t->readback, STEPS_IN_FLIGHT * sizeof(OptimScalars)));
-    for (int i = 0; i < STEPS_IN_FLIGHT; i++) CUDA_CHECK(cudaEventCreate(&t->step_end[i]));
-    CUDA_CHECK(cudaEventCreate(&t->run_start));
+    for (int i = 0; i < STEPS_IN_FLIGHT; i++) {
+        CUDA_CHECK(cudaEventCreate(&t->step_start[i]));
+        CUDA_CHECK(cudaEventCreate(&t->step_end[i]));
+    }
 }
 
 static void print_run_header(const Trainer* t) {
@@ -1829,7 +1831,8 @@ static const uint16_t* next_window(Trainer* t) {
 // for the GPU.
 static void train_step(Trainer* t) {
     GPT* m = &t->model;
-    if (t->step == t->start_step) CUDA_CHECK(cudaEventRecord(t->run_start, m->stream));
+    int slot = t->step % STEPS_IN_FLIGHT;
+    CUDA_CHECK(cudaEventRecord(t->step_start[slot], m->stream));
     CUDA_CHECK(cudaMemsetAsync(m->grads, 0, m->table.n_elements * sizeof(float), m->stream));
     for (int micro = 0; micro < t->accum; micro++) {
         Batch batch = upload_batch(&t->up, m, next_window(t));
@@ -1838,7 +1841,6 @@ static void train_step(Trainer* t) {
     // The gradients are complete here.
     if (t->checkpointing) CUDA_CHECK(cudaStreamWaitEvent(m->stream, t->ckpt.copied, 0));  // last snapshot taken
     optimizer_step(m, &t->o.optim);
-    int slot = t->step % STEPS_IN_FLIGHT;
     CUDA_CHECK(cudaMemcpyAsync(&t->readback[slot], m->scalars, sizeof(OptimScalars), cudaMemcpyDeviceToHost,
                                m->stream));
     CUDA_CHECK(cudaEventRecord(t->step_end[slot], m->stream));
@@ -1857,8 +1859,7 @@ static void log_one_step(Trainer* t, int index) {
     int slot = index % STEPS_IN_FLIGHT, total = o->optim.total_steps, done = index + 1;
     CUDA_CHECK(cudaEventSynchronize(t->step_end[slot]));
     float ms;
-    cudaEvent_t since = index == t->start_step ? t->run_start : t->step_end[(index - 1) % STEPS_IN_FLIGHT];
-    CUDA_CHECK(cudaEventElapsedTime(&ms, since, t->step_end[slot]));
+    CUDA_CHECK(cudaEventElapsedTime(&ms, t->step_start[slot], t->step_end[slot]));
     const OptimScalars* s = &t->readback[slot];
     double now = now_seconds(), tokens = (double)t->model.N * t->accum;
     if (index == t->start_step) t->t_first_step = now - t->t_start;
@@ -1981,8 +1982,10 @@ static void trainer_close(Trainer* t) {
         loader_close(&t->train);
         if (t->have_val) loader_close(&t->val);
     }
-    for (int i = 0; i < STEPS_IN_FLIGHT; i++) CUDA_CHECK(cudaEventDestroy(t->step_end[i]));
-    CUDA_CHECK(cudaEventDestroy(t->run_start));
+    for (int i = 0; i < STEPS_IN_FLIGHT; i++) {
+        CUDA_CHECK(cudaEventDestroy(t->step_start[i]));
+        CUDA_CHECK(cudaEventDestroy(t->step_end[i]));
+    }
     CUDA_CHECK(cudaFreeHost(t->readback));
     free(t->synthetic);
     uploader_free(&t->up);
