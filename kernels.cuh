@@ -244,6 +244,7 @@ static void rmsnorm_forward(bf16* out, float* rstd, const bf16* in, const bf16* 
 // each of its 4 warps keeps its own fp32 dw row in shared memory, and the block writes their sum
 // as its partial (sum_partials adds the blocks' partials in order).
 #define RMSNORM_BWD_ROWS 64
+#define RMSNORM_MAX_C 8192  // the widest row: 4 warps keep one fp32 row each in shared memory (128 KiB)
 #define RMSNORM_BWD_WARPS 4
 __global__ void rmsnorm_backward_kernel(bf16* d_residual, float* dw_partials, const bf16* dy, const bf16* in,
                                         const bf16* weight, const float* rstd, int N, int C) {
@@ -290,7 +291,12 @@ static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partia
                              const bf16* weight, const float* rstd, int N, int C, cudaStream_t s) {
     int blocks = ceil_div(N, RMSNORM_BWD_ROWS);
     size_t smem = RMSNORM_BWD_WARPS * C * sizeof(float);
-    CUDA_CHECK(cudaFuncSetAttribute(rmsnorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    static bool configured = false;  // once, for the widest row allowed, so no launch sets it again
+    if (!configured) {
+        int most = RMSNORM_BWD_WARPS * RMSNORM_MAX_C * (int)sizeof(float);
+        CUDA_CHECK(cudaFuncSetAttribute(rmsnorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
+        configured = true;
+    }
     rmsnorm_backward_kernel<<<blocks, 32 * RMSNORM_BWD_WARPS, smem, s>>>(d_residual, dw_partials, dy, in, weight,
                                                                          rstd, N, C);
     LAUNCH_CHECK();

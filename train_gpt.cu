@@ -89,9 +89,9 @@ static bool config_check(const ModelConfig* c, char* err, size_t err_len) {
     } while (0)
     REQUIRE(c->vocab_size > 0 && c->vocab_size <= 65536 && c->vocab_size % 8 == 0,
             "vocab size %d must be a multiple of 8 in [8, 65536] (tokens are uint16)", c->vocab_size);
-    REQUIRE(c->d_model > 0 && c->d_model % 8 == 0 && c->d_model <= 8192,
-            "d_model %d must be a positive multiple of 8, at most 8192 (the RMSNorm backward keeps 4 fp32 rows "
-            "of d_model in shared memory)", c->d_model);
+    REQUIRE(c->d_model > 0 && c->d_model % 8 == 0 && c->d_model <= RMSNORM_MAX_C,
+            "d_model %d must be a positive multiple of 8, at most %d (the RMSNorm backward keeps 4 fp32 rows "
+            "of d_model in shared memory)", c->d_model, RMSNORM_MAX_C);
     REQUIRE(c->n_layer >= 1 && c->n_layer <= MAX_LAYERS, "n_layer %d must be in [1, %d]", c->n_layer, MAX_LAYERS);
     REQUIRE(c->n_head >= 1 && c->n_kv_head >= 1, "n_head %d and n_kv_head %d must be positive", c->n_head,
             c->n_kv_head);
