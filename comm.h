@@ -14,7 +14,8 @@
  *
  * The convention: a function that can fail returns 0 (or a file descriptor) on success and -1 on
  * failure, with one line in (err, err_len) naming what failed and what to do about it. Nothing here
- * prints or exits, except NCCL_CHECK, the twin of lib/cuda_check.h's CUDA_CHECK. Every wait has a
+ * prints or exits (NCCL_CHECK, for the calls that cannot fail for a peer's sake, lives beside
+ * CUDA_CHECK in lib/cuda_check.h). Every wait has a
  * deadline: a rank that never arrives is an error naming it, never a hang. The bootstrap moves
  * bytes and knows nothing of NCCL, so test/test_comm.h runs it between real processes, no GPU.
  */
@@ -35,32 +36,11 @@
 #include <sys/types.h>
 #include <sys/socket.h>
 #include <netinet/in.h>
-#include <cuda_runtime.h>
-#include <nccl.h>
+#include "lib/util.h"
+#include "lib/cuda_check.h"
 
 // ----------------------------------------------------------------------------------------------
 // Errors and clocks
-
-static int comm_fail(char* err, size_t err_len, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
-static int comm_fail(char* err, size_t err_len, const char* fmt, ...) {
-    if (err && err_len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, err_len, fmt, ap);
-        va_end(ap);
-    }
-    return -1;
-}
-
-// The system's text for errnum. strerror_r, not strerror, since ranks may bootstrap from a thread;
-// its two signatures (GNU returns the text, POSIX fills the buffer) are told apart here only.
-static const char* comm_strerror(int errnum, char* buf, size_t n) {
-#if defined(__GLIBC__) && defined(_GNU_SOURCE)
-    return strerror_r(errnum, buf, n);
-#else
-    return strerror_r(errnum, buf, n) == 0 ? buf : "unknown error";
-#endif
-}
 
 // Puts `prefix` in front of the message already in err (cut at the end if it no longer fits), so
 // that a helper's message gains the caller's context ("bootstrap, rank 3 of 8: ..."). Returns -1.
@@ -121,27 +101,27 @@ static const char* comm_getenv(const char* name) { return getenv(name); }
 // A whole number in lo..hi written in plain decimal digits: no sign, no spaces, nothing after it.
 static int comm_parse_int(const char* name, const char* text, long lo, long hi, int* out, char* err,
                           size_t err_len) {
-    if (!text) return comm_fail(err, err_len, "%s is not set", name);
-    if (!*text) return comm_fail(err, err_len, "%s is empty; it must be a whole number in %ld..%ld", name, lo, hi);
+    if (!text) return fail(err, err_len, "%s is not set", name);
+    if (!*text) return fail(err, err_len, "%s is empty; it must be a whole number in %ld..%ld", name, lo, hi);
     long v = 0;
     for (const char* p = text; *p; p++) {
         if (*p < '0' || *p > '9')
-            return comm_fail(err, err_len, "%s='%.64s' is not a whole number in %ld..%ld", name, text, lo, hi);
+            return fail(err, err_len, "%s='%.64s' is not a whole number in %ld..%ld", name, text, lo, hi);
         v = v * 10 + (*p - '0');
-        if (v > hi) return comm_fail(err, err_len, "%s=%.64s is outside %ld..%ld", name, text, lo, hi);
+        if (v > hi) return fail(err, err_len, "%s=%.64s is outside %ld..%ld", name, text, lo, hi);
     }
-    if (v < lo) return comm_fail(err, err_len, "%s=%s is outside %ld..%ld", name, text, lo, hi);
+    if (v < lo) return fail(err, err_len, "%s=%s is outside %ld..%ld", name, text, lo, hi);
     *out = (int)v;
     return 0;
 }
 
 static int comm_set_addr(CommEnv* e, const char* name, const char* addr, size_t len, char* err, size_t err_len) {
-    if (len == 0) return comm_fail(err, err_len, "%s is empty; it must name rank 0's host", name);
+    if (len == 0) return fail(err, err_len, "%s is empty; it must name rank 0's host", name);
     if (len >= sizeof(e->master_addr))
-        return comm_fail(err, err_len, "%s is %zu characters long; at most %zu fit", name, len, sizeof(e->master_addr) - 1);
+        return fail(err, err_len, "%s is %zu characters long; at most %zu fit", name, len, sizeof(e->master_addr) - 1);
     for (size_t i = 0; i < len; i++)
         if (addr[i] == ' ' || addr[i] == '\t' || addr[i] == '\n')
-            return comm_fail(err, err_len, "%s='%.*s' has a space in it", name, (int)len, addr);
+            return fail(err, err_len, "%s='%.*s' has a space in it", name, (int)len, addr);
     memcpy(e->master_addr, addr, len);
     e->master_addr[len] = '\0';
     return 0;
@@ -150,7 +130,7 @@ static int comm_set_addr(CommEnv* e, const char* name, const char* addr, size_t 
 // "host:port" as the caller's flag gives it; an IPv6 address goes in brackets: "[fe80::1]:29500".
 static int comm_parse_master(CommEnv* e, const char* flag, char* err, size_t err_len) {
     const char* colon = strrchr(flag, ':');
-    if (!colon) return comm_fail(err, err_len, "--master '%.64s' is not host:port", flag);
+    if (!colon) return fail(err, err_len, "--master '%.64s' is not host:port", flag);
     const char* host = flag;
     size_t len = (size_t)(colon - flag);
     if (len >= 2 && host[0] == '[' && host[len - 1] == ']') host++, len -= 2;
@@ -164,15 +144,15 @@ static int comm_parse_master(CommEnv* e, const char* flag, char* err, size_t err
 static int comm_env_master(CommEnv* e, CommGetenv get, const char* flag, char* err, size_t err_len) {
     const char* addr = get("MASTER_ADDR");
     const char* port = get("MASTER_PORT");
-    if (addr && !port) return comm_fail(err, err_len, "MASTER_ADDR is set but MASTER_PORT is not; set both");
-    if (port && !addr) return comm_fail(err, err_len, "MASTER_PORT is set but MASTER_ADDR is not; set both");
+    if (addr && !port) return fail(err, err_len, "MASTER_ADDR is set but MASTER_PORT is not; set both");
+    if (port && !addr) return fail(err, err_len, "MASTER_PORT is set but MASTER_ADDR is not; set both");
     if (addr)
         return comm_set_addr(e, "MASTER_ADDR", addr, strlen(addr), err, err_len) ||
                        comm_parse_int("MASTER_PORT", port, 1, 65535, &e->master_port, err, err_len)
                    ? -1
                    : 0;
     if (flag) return comm_parse_master(e, flag, err, err_len);
-    return comm_fail(err, err_len,
+    return fail(err, err_len,
                      "Slurm names no rank 0 address: export MASTER_ADDR and MASTER_PORT in the job script "
                      "(MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1), "
                      "MASTER_PORT=29500) or pass --master host:port");
@@ -182,12 +162,12 @@ static int comm_env_master(CommEnv* e, CommGetenv get, const char* flag, char* e
 // gave rank, world, local_rank and local_world.
 static int comm_env_check(const CommEnv* e, const char* const names[4], char* err, size_t err_len) {
     if (e->rank >= e->world)
-        return comm_fail(err, err_len, "%s=%d must be less than %s=%d", names[0], e->rank, names[1], e->world);
+        return fail(err, err_len, "%s=%d must be less than %s=%d", names[0], e->rank, names[1], e->world);
     if (e->local_rank >= e->local_world)
-        return comm_fail(err, err_len, "%s=%d must be less than %s=%d", names[2], e->local_rank, names[3],
+        return fail(err, err_len, "%s=%d must be less than %s=%d", names[2], e->local_rank, names[3],
                          e->local_world);
     if (e->local_world > e->world)
-        return comm_fail(err, err_len, "%s=%d exceeds %s=%d", names[3], e->local_world, names[1], e->world);
+        return fail(err, err_len, "%s=%d exceeds %s=%d", names[3], e->local_world, names[1], e->world);
     return 0;
 }
 
@@ -202,13 +182,13 @@ static int comm_env_torchrun(CommEnv* e, CommGetenv get, char* err, size_t err_l
     if (comm_env_check(e, names, err, err_len)) return -1;
     if (e->world == 1) return 0;  // nobody to meet
     const char* addr = get("MASTER_ADDR");
-    if (!addr) return comm_fail(err, err_len, "MASTER_ADDR is not set (torchrun sets it; WORLD_SIZE=%d)", e->world);
+    if (!addr) return fail(err, err_len, "MASTER_ADDR is not set (torchrun sets it; WORLD_SIZE=%d)", e->world);
     int port = 0;
     if (comm_set_addr(e, "MASTER_ADDR", addr, strlen(addr), err, err_len) ||
         comm_parse_int("MASTER_PORT", get("MASTER_PORT"), 1, 65535, &port, err, err_len))
         return -1;
     if (port == 65535)
-        return comm_fail(err, err_len, "MASTER_PORT=65535 leaves no port for the bootstrap, which listens on "
+        return fail(err, err_len, "MASTER_PORT=65535 leaves no port for the bootstrap, which listens on "
                                        "MASTER_PORT + 1 (torchrun's own store holds MASTER_PORT); pick a lower one");
     e->master_port = port + 1;
     return 0;
@@ -231,20 +211,20 @@ static int comm_slurm_tasks_on_node(const char* text, int node, int* out, char* 
         }
         if (node >= 0 && node >= n_nodes && node < n_nodes + repeat) tasks = count;
         if (node < 0 && tasks >= 0 && tasks != count)
-            return comm_fail(err, err_len, "SLURM_TASKS_PER_NODE='%.64s' differs between nodes and SLURM_NODEID "
+            return fail(err, err_len, "SLURM_TASKS_PER_NODE='%.64s' differs between nodes and SLURM_NODEID "
                                            "is not set, so this node's count is unknown", text);
         if (node < 0) tasks = count;
         n_nodes += repeat;
         if (*p == '\0') {
             if (tasks < 0)
-                return comm_fail(err, err_len, "SLURM_NODEID=%d but SLURM_TASKS_PER_NODE='%.64s' lists %ld nodes",
+                return fail(err, err_len, "SLURM_NODEID=%d but SLURM_TASKS_PER_NODE='%.64s' lists %ld nodes",
                                  node, text, n_nodes);
             *out = (int)tasks;
             return 0;
         }
         if (*p++ != ',') break;
     }
-    return comm_fail(err, err_len, "SLURM_TASKS_PER_NODE='%.64s' is not a list like 4(x2),3", text);
+    return fail(err, err_len, "SLURM_TASKS_PER_NODE='%.64s' is not a list like 4(x2),3", text);
 }
 
 static int comm_env_slurm(CommEnv* e, CommGetenv get, const char* master_flag, char* err, size_t err_len) {
@@ -265,7 +245,7 @@ static int comm_env_slurm(CommEnv* e, CommGetenv get, const char* master_flag, c
             return -1;
         if (comm_slurm_tasks_on_node(list, node, &e->local_world, err, err_len)) return -1;
     } else {
-        return comm_fail(err, err_len, "SLURM_PROCID is set but neither SLURM_NTASKS_PER_NODE nor "
+        return fail(err, err_len, "SLURM_PROCID is set but neither SLURM_NTASKS_PER_NODE nor "
                                        "SLURM_TASKS_PER_NODE is: start train_gpt with srun");
     }
     const char* const names[4] = {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
@@ -326,11 +306,11 @@ static int comm_send_all(int fd, const void* buf, size_t n, double deadline, con
             if (r > 0) continue;
             if (r == 0) {
                 errno = ETIMEDOUT;
-                return comm_fail(err, err_len, "sending to %s timed out after %zu of %zu bytes", to, done, n);
+                return fail(err, err_len, "sending to %s timed out after %zu of %zu bytes", to, done, n);
             }
         }
-        return comm_fail(err, err_len, "sending to %s failed after %zu of %zu bytes: %s", to, done, n,
-                         comm_strerror(errno, text, sizeof(text)));
+        return fail(err, err_len, "sending to %s failed after %zu of %zu bytes: %s", to, done, n,
+                         system_error_text(errno, text, sizeof(text)));
     }
     return 0;
 }
@@ -345,18 +325,18 @@ static int comm_recv_all(int fd, void* buf, size_t n, double deadline, const cha
         ssize_t r = recv(fd, p + done, n - done, 0);
         if (r > 0) { done += (size_t)r; continue; }
         if (r == 0)
-            return comm_fail(err, err_len, "%s closed the connection after %zu of %zu bytes", from, done, n);
+            return fail(err, err_len, "%s closed the connection after %zu of %zu bytes", from, done, n);
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
             int w = comm_wait_fd(fd, POLLIN, deadline);
             if (w > 0) continue;
             if (w == 0) {
                 errno = ETIMEDOUT;
-                return comm_fail(err, err_len, "receiving from %s timed out after %zu of %zu bytes", from, done, n);
+                return fail(err, err_len, "receiving from %s timed out after %zu of %zu bytes", from, done, n);
             }
         }
-        return comm_fail(err, err_len, "receiving from %s failed after %zu of %zu bytes: %s", from, done, n,
-                         comm_strerror(errno, text, sizeof(text)));
+        return fail(err, err_len, "receiving from %s failed after %zu of %zu bytes: %s", from, done, n,
+                         system_error_text(errno, text, sizeof(text)));
     }
     return 0;
 }
@@ -387,15 +367,15 @@ static int comm_listen(int port, char* err, size_t err_len) {
         addr_len = sizeof(*a4);
     }
     char text[128];
-    if (fd < 0) return comm_fail(err, err_len, "socket: %s", comm_strerror(errno, text, sizeof(text)));
+    if (fd < 0) return fail(err, err_len, "socket: %s", system_error_text(errno, text, sizeof(text)));
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
     if (bind(fd, (struct sockaddr*)&addr, addr_len) != 0 || listen(fd, SOMAXCONN) != 0) {
         int e = errno;
         close(fd);
         if (e == EADDRINUSE)
-            return comm_fail(err, err_len, "port %d is already in use on this machine (another job, or a "
+            return fail(err, err_len, "port %d is already in use on this machine (another job, or a "
                                            "previous run still exiting); choose another port", port);
-        return comm_fail(err, err_len, "cannot listen on port %d: %s", port, comm_strerror(e, text, sizeof(text)));
+        return fail(err, err_len, "cannot listen on port %d: %s", port, system_error_text(e, text, sizeof(text)));
     }
     return fd;
 }
@@ -478,26 +458,26 @@ static int comm_root_check(CommRoot* s, CommConn* c, char* err, size_t err_len) 
     if (magic != COMM_MAGIC) return 0;
     if (version != COMM_PROTOCOL) {
         comm_reply(c->fd, COMM_BAD_VERSION, COMM_PROTOCOL);
-        return comm_fail(err, err_len, "rank %u (%s) speaks bootstrap protocol %u, rank 0 speaks %d: every rank "
+        return fail(err, err_len, "rank %u (%s) speaks bootstrap protocol %u, rank 0 speaks %d: every rank "
                          "must run the same train_gpt", rank, c->from, version, COMM_PROTOCOL);
     }
     if (world != our_world) {
         comm_reply(c->fd, COMM_BAD_WORLD, our_world);
-        return comm_fail(err, err_len, "rank %u (%s) was launched with a world of %u ranks, rank 0 with %u: "
+        return fail(err, err_len, "rank %u (%s) was launched with a world of %u ranks, rank 0 with %u: "
                          "every rank must have the same world size", rank, c->from, world, our_world);
     }
     if (rank == 0 || rank >= our_world) {
         comm_reply(c->fd, COMM_BAD_RANK, our_world);
-        return comm_fail(err, err_len, "a process at %s says it is rank %u, outside 1..%u", c->from, rank,
+        return fail(err, err_len, "a process at %s says it is rank %u, outside 1..%u", c->from, rank,
                          our_world - 1);
     }
     if (len != our_len) {
         comm_reply(c->fd, COMM_BAD_LEN, our_len);
-        return comm_fail(err, err_len, "rank %u (%s) expects %u bytes, rank 0 sends %u", rank, c->from, len, our_len);
+        return fail(err, err_len, "rank %u (%s) expects %u bytes, rank 0 sends %u", rank, c->from, len, our_len);
     }
     if (s->ranks[rank].fd >= 0) {
         comm_reply(c->fd, COMM_DUPLICATE, rank);
-        return comm_fail(err, err_len, "rank %u connected twice (from %s and from %s): two processes were given "
+        return fail(err, err_len, "rank %u connected twice (from %s and from %s): two processes were given "
                          "the same rank", rank, s->ranks[rank].from, c->from);
     }
     s->ranks[rank] = *c;
@@ -539,14 +519,14 @@ static void comm_root_missing(const CommRoot* s, char* out, size_t n) {
 // Accepts connections and reads hellos until every rank has arrived or the deadline has passed.
 static int comm_root_gather(CommRoot* s, double deadline, double timeout_s, char* err, size_t err_len) {
     struct pollfd* fds = (struct pollfd*)malloc(sizeof(struct pollfd) * (size_t)(s->max_pending + 1));
-    if (!fds) return comm_fail(err, err_len, "out of memory");
+    if (!fds) return fail(err, err_len, "out of memory");
     int rc = 0;
     while (rc == 0 && s->arrived < s->env->world - 1) {
         int ms = comm_ms_left(deadline);
         if (ms == 0) {
             char missing[256];
             comm_root_missing(s, missing, sizeof(missing));
-            rc = comm_fail(err, err_len, "%s did not connect within %.1f s (%d of %d arrived): are they running, "
+            rc = fail(err, err_len, "%s did not connect within %.1f s (%d of %d arrived): are they running, "
                            "with rank 0's address (%s) and the same port?", missing, timeout_s, s->arrived,
                            s->env->world - 1, s->env->master_addr);
             break;
@@ -558,7 +538,7 @@ static int comm_root_gather(CommRoot* s, double deadline, double timeout_s, char
         int r = poll(fds, (nfds_t)(n_polled + 1), ms);
         if (r < 0 && errno != EINTR) {
             char text[128];
-            rc = comm_fail(err, err_len, "poll: %s", comm_strerror(errno, text, sizeof(text)));
+            rc = fail(err, err_len, "poll: %s", system_error_text(errno, text, sizeof(text)));
         }
         if (r <= 0) continue;
         // Back to front, since comm_root_read moves the last pending connection into a freed slot.
@@ -598,7 +578,7 @@ static int comm_bootstrap_root(const CommEnv* env, const void* blob, size_t len,
         close(s.listen_fd);
         free(s.pending);
         free(s.ranks);
-        return comm_fail(err, err_len, "out of memory for %d connections", env->world);
+        return fail(err, err_len, "out of memory for %d connections", env->world);
     }
     for (int r = 0; r < env->world; r++) s.ranks[r].fd = -1;
     int rc = comm_root_gather(&s, deadline, timeout_s, err, err_len);
@@ -629,7 +609,7 @@ static struct addrinfo* comm_resolve(const CommEnv* env, double deadline, char* 
         int rc = getaddrinfo(env->master_addr, port, &hints, &list);
         if (rc == 0) return list;
         if (rc != EAI_AGAIN || comm_now() >= deadline) {
-            comm_fail(err, err_len, "cannot resolve rank 0's address '%s': %s", env->master_addr, gai_strerror(rc));
+            fail(err, err_len, "cannot resolve rank 0's address '%s': %s", env->master_addr, gai_strerror(rc));
             return NULL;
         }
         comm_sleep(0.1);
@@ -681,9 +661,9 @@ static int comm_peer_connect(const CommEnv* env, double deadline, double timeout
     }
     freeaddrinfo(list);
     char text[128];
-    return comm_fail(err, err_len, "could not connect to rank 0 at %s port %d within %.1f s (last error: %s): is "
+    return fail(err, err_len, "could not connect to rank 0 at %s port %d within %.1f s (last error: %s): is "
                      "rank 0 running, and is its address right?", env->master_addr, env->master_port, timeout_s,
-                     comm_strerror(last_errno, text, sizeof(text)));
+                     system_error_text(last_errno, text, sizeof(text)));
 }
 
 // Rank 0's refusal, in this rank's words.
@@ -691,22 +671,22 @@ static int comm_peer_refused(const CommEnv* env, uint32_t status, uint32_t detai
                              size_t err_len) {
     switch (status) {
     case COMM_BAD_VERSION:
-        return comm_fail(err, err_len, "rank 0 speaks bootstrap protocol %u, this rank %d: every rank must run "
+        return fail(err, err_len, "rank 0 speaks bootstrap protocol %u, this rank %d: every rank must run "
                          "the same train_gpt", detail, COMM_PROTOCOL);
     case COMM_BAD_WORLD:
-        return comm_fail(err, err_len, "rank 0 was launched with a world of %u ranks, this rank with %d: every "
+        return fail(err, err_len, "rank 0 was launched with a world of %u ranks, this rank with %d: every "
                          "rank must have the same world size", detail, env->world);
     case COMM_BAD_LEN:
-        return comm_fail(err, err_len, "rank 0 sends %u bytes, this rank expects %zu", detail, len);
+        return fail(err, err_len, "rank 0 sends %u bytes, this rank expects %zu", detail, len);
     case COMM_BAD_RANK:
-        return comm_fail(err, err_len, "rank 0 expects ranks 1..%u, not %d", detail - 1, env->rank);
+        return fail(err, err_len, "rank 0 expects ranks 1..%u, not %d", detail - 1, env->rank);
     case COMM_DUPLICATE:
-        return comm_fail(err, err_len, "rank 0 already has a rank %u: two processes were given the same rank",
+        return fail(err, err_len, "rank 0 already has a rank %u: two processes were given the same rank",
                          detail);
     case COMM_GAVE_UP:
-        return comm_fail(err, err_len, "rank 0 gave up before every rank had arrived (its error says why)");
+        return fail(err, err_len, "rank 0 gave up before every rank had arrived (its error says why)");
     default:
-        return comm_fail(err, err_len, "rank 0 refused this rank for a reason unknown here (%u)", status);
+        return fail(err, err_len, "rank 0 refused this rank for a reason unknown here (%u)", status);
     }
 }
 
@@ -722,11 +702,11 @@ static int comm_bootstrap_peer(const CommEnv* env, void* blob, size_t len, doubl
     if (rc == 0 && comm_recv_all(fd, reply, sizeof(reply), deadline, "rank 0", err, err_len) != 0) {
         rc = -1;
         if (errno == ETIMEDOUT)
-            comm_fail(err, err_len, "rank 0 did not answer within %.1f s; it answers once all %d ranks have "
+            fail(err, err_len, "rank 0 did not answer within %.1f s; it answers once all %d ranks have "
                       "connected, so some are missing (rank 0's error names them)", timeout_s, env->world);
     }
     if (rc == 0 && comm_get32(reply) != COMM_MAGIC)
-        rc = comm_fail(err, err_len, "what answers at %s port %d is not train_gpt's rank 0 (another service?)",
+        rc = fail(err, err_len, "what answers at %s port %d is not train_gpt's rank 0 (another service?)",
                        env->master_addr, env->master_port);
     if (rc == 0 && comm_get32(reply + 4) != COMM_ACCEPTED)
         rc = comm_peer_refused(env, comm_get32(reply + 4), comm_get32(reply + 8), len, err, err_len);
@@ -744,7 +724,7 @@ static int comm_bootstrap_exchange(const CommEnv* env, void* blob, size_t len, d
     char prefix[96];
     snprintf(prefix, sizeof(prefix), "bootstrap, rank %d of %d: ", env->rank, env->world);
     if (len == 0 || len > COMM_BLOB_MAX) {
-        comm_fail(err, err_len, "%zu bytes to send; 1..%u can be", len, COMM_BLOB_MAX);
+        fail(err, err_len, "%zu bytes to send; 1..%u can be", len, COMM_BLOB_MAX);
         return comm_prefix(err, err_len, prefix);
     }
     int rc = env->rank == 0 ? comm_bootstrap_root(env, blob, len, timeout_s, err, err_len)
@@ -776,12 +756,12 @@ typedef struct {
 
 static int comm_shards_init(CommShards* s, size_t n, int world, size_t align, char* err, size_t err_len) {
     memset(s, 0, sizeof(*s));
-    if (world < 1) return comm_fail(err, err_len, "shards: world %d must be at least 1", world);
-    if (align < 1) return comm_fail(err, err_len, "shards: alignment %zu must be at least 1", align);
+    if (world < 1) return fail(err, err_len, "shards: world %d must be at least 1", world);
+    if (align < 1) return fail(err, err_len, "shards: alignment %zu must be at least 1", align);
     size_t per_rank = n / (size_t)world + (n % (size_t)world != 0);
     size_t shard = (per_rank / align + (per_rank % align != 0)) * align;
     if (shard / align < per_rank / align || shard > SIZE_MAX / (size_t)world)
-        return comm_fail(err, err_len, "shards: %zu elements in %d shards of %zu overflow", n, world, align);
+        return fail(err, err_len, "shards: %zu elements in %d shards of %zu overflow", n, world, align);
     s->n = n, s->world = world, s->align = align, s->shard = shard;
     return 0;
 }
@@ -819,10 +799,10 @@ static CommRange comm_bucket_owned(const CommShards* s, size_t b0, size_t b1, in
 // flat-buffer coordinates. Its buffers then need world * shard elements from b0, padding included.
 static int comm_bucket_split(size_t b0, size_t b1, int world, size_t align, int rank, CommRange* owned,
                              CommShards* bucket, char* err, size_t err_len) {
-    if (b1 < b0) return comm_fail(err, err_len, "bucket [%zu, %zu) ends before it begins", b0, b1);
+    if (b1 < b0) return fail(err, err_len, "bucket [%zu, %zu) ends before it begins", b0, b1);
     if (comm_shards_init(bucket, b1 - b0, world, align, err, err_len)) return -1;
-    if (b0 % align != 0) return comm_fail(err, err_len, "bucket begins at %zu, not a multiple of %zu", b0, align);
-    if (rank < 0 || rank >= world) return comm_fail(err, err_len, "rank %d is outside 0..%d", rank, world - 1);
+    if (b0 % align != 0) return fail(err, err_len, "bucket begins at %zu, not a multiple of %zu", b0, align);
+    if (rank < 0 || rank >= world) return fail(err, err_len, "rank %d is outside 0..%d", rank, world - 1);
     CommRange r = comm_shard_range(bucket, rank);
     owned->begin = b0 + r.begin, owned->end = b0 + r.end;
     return 0;
@@ -843,17 +823,17 @@ static int comm_reshard_plan(const CommShards* from, const CommShards* to, int r
                              int max_copies, int* n_copies, char* err, size_t err_len) {
     *n_copies = 0;
     if (from->n != to->n)
-        return comm_fail(err, err_len, "reshard: the checkpoint's shards hold %zu elements, this run's %zu",
+        return fail(err, err_len, "reshard: the checkpoint's shards hold %zu elements, this run's %zu",
                          from->n, to->n);
     if (rank < 0 || rank >= to->world)
-        return comm_fail(err, err_len, "reshard: rank %d is outside 0..%d", rank, to->world - 1);
+        return fail(err, err_len, "reshard: rank %d is outside 0..%d", rank, to->world - 1);
     CommRange mine = comm_shard_range(to, rank);
     for (int q = 0; q < from->world; q++) {
         CommRange theirs = comm_shard_range(from, q);
         CommRange both = comm_range_intersect(mine, theirs);
         if (both.begin == both.end) continue;
         if (*n_copies == max_copies)
-            return comm_fail(err, err_len, "reshard: more than %d copies (room for %d)", max_copies, max_copies);
+            return fail(err, err_len, "reshard: more than %d copies (room for %d)", max_copies, max_copies);
         CommCopy* c = &copies[(*n_copies)++];
         c->old_rank = q;
         c->old_offset = both.begin - theirs.begin;
@@ -873,13 +853,6 @@ static int comm_reshard_plan(const CommShards* from, const CommShards* to, int r
 // polls ncclCommGetAsyncError until the state leaves ncclInProgress (comm_nccl_wait) before making
 // another call; on an error or a timeout, ncclCommAbort frees the communicator without waiting.
 
-static inline void nccl_check_(ncclResult_t result, const char* what, const char* file, int line) {
-    if (result != ncclSuccess) {
-        fprintf(stderr, "NCCL error at %s:%d: %s: %s\n", file, line, what, ncclGetErrorString(result));
-        exit(1);
-    }
-}
-#define NCCL_CHECK(call) nccl_check_((call), #call, __FILE__, __LINE__)
 
 // Waits until the communicator's pending operation has finished: 0 when it succeeded, -1 when it
 // failed or the deadline passed (the caller then aborts the communicator).
@@ -887,14 +860,14 @@ static int comm_nccl_wait(ncclComm_t comm, double deadline, double timeout_s, ch
     ncclResult_t state = ncclInProgress;
     for (;;) {
         ncclResult_t r = ncclCommGetAsyncError(comm, &state);
-        if (r != ncclSuccess) return comm_fail(err, err_len, "ncclCommGetAsyncError: %s", ncclGetErrorString(r));
+        if (r != ncclSuccess) return fail(err, err_len, "ncclCommGetAsyncError: %s", ncclGetErrorString(r));
         if (state != ncclInProgress) break;
         if (comm_now() >= deadline)
-            return comm_fail(err, err_len, "NCCL did not finish within %.1f s: a rank is missing or stuck", timeout_s);
+            return fail(err, err_len, "NCCL did not finish within %.1f s: a rank is missing or stuck", timeout_s);
         comm_sleep(0.001);
     }
     if (state != ncclSuccess)
-        return comm_fail(err, err_len, "NCCL: %s (%s)", ncclGetErrorString(state), ncclGetLastError(comm));
+        return fail(err, err_len, "NCCL: %s (%s)", ncclGetErrorString(state), ncclGetLastError(comm));
     return 0;
 }
 
@@ -908,20 +881,20 @@ static int comm_nccl_init(ncclComm_t* out, const CommEnv* env, double timeout_s,
     int n_gpus = 0;
     cudaError_t ce = cudaGetDeviceCount(&n_gpus);
     if (ce == cudaSuccess && env->local_rank >= n_gpus) {
-        comm_fail(err, err_len, "local rank %d needs GPU %d, but this node has %d; start at most %d ranks per node",
+        fail(err, err_len, "local rank %d needs GPU %d, but this node has %d; start at most %d ranks per node",
                   env->local_rank, env->local_rank, n_gpus, n_gpus);
         return comm_prefix(err, err_len, prefix);
     }
     if (ce == cudaSuccess) ce = cudaSetDevice(env->local_rank);
     if (ce != cudaSuccess) {
-        comm_fail(err, err_len, "GPU %d: %s", env->local_rank, cudaGetErrorString(ce));
+        fail(err, err_len, "GPU %d: %s", env->local_rank, cudaGetErrorString(ce));
         return comm_prefix(err, err_len, prefix);
     }
     ncclUniqueId id;
     memset(&id, 0, sizeof(id));
     ncclResult_t r = env->rank == 0 ? ncclGetUniqueId(&id) : ncclSuccess;
     if (r != ncclSuccess) {
-        comm_fail(err, err_len, "ncclGetUniqueId: %s", ncclGetErrorString(r));
+        fail(err, err_len, "ncclGetUniqueId: %s", ncclGetErrorString(r));
         return comm_prefix(err, err_len, prefix);
     }
     if (comm_bootstrap_exchange(env, &id, sizeof(id), timeout_s, err, err_len)) return -1;
@@ -932,7 +905,7 @@ static int comm_nccl_init(ncclComm_t* out, const CommEnv* env, double timeout_s,
     r = ncclCommInitRankConfig(&comm, env->world, id, env->rank, &config);
     int rc = 0;
     if (r != ncclSuccess && r != ncclInProgress)
-        rc = comm_fail(err, err_len, "ncclCommInitRankConfig: %s (%s)", ncclGetErrorString(r), ncclGetLastError(comm));
+        rc = fail(err, err_len, "ncclCommInitRankConfig: %s (%s)", ncclGetErrorString(r), ncclGetLastError(comm));
     else
         rc = comm_nccl_wait(comm, deadline, timeout_s, err, err_len);
     if (rc) {

@@ -19,6 +19,7 @@
 #include "test/reference.h"
 #include "test/test_data.h"
 #include "test/test_ckpt.h"
+#include "test/test_comm.h"
 #include <cuda_fp8.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -1278,6 +1279,7 @@ int main(int argc, char** argv) {
         {model_tests, (int)(sizeof(model_tests) / sizeof(model_tests[0]))},
         {data_tests, n_data_tests},
         {ckpt_tests, n_ckpt_tests},
+        {comm_tests, n_comm_tests},
     };
     int passed = 0, failed = 0, skipped = 0;
     for (auto& suite : suites)

@@ -41,6 +41,7 @@
 #include "data.h"
 #include "lib/tokenizer.h"
 #include "ckpt.h"
+#include "comm.h"
 
 // ----------------------------------------------------------------------------------------------
 // The model's configuration

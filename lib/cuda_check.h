@@ -2,10 +2,10 @@
  * lib/cuda_check.h - the one error convention for GPU calls, and the few definitions every CUDA
  * file of train_gpt shares (the bf16 type name, ceil_div).
  *
- * Every CUDA runtime call goes through CUDA_CHECK, every cuBLASLt call through CUBLAS_CHECK, and
- * every kernel launch is followed by LAUNCH_CHECK(), which catches bad launch parameters. A
- * failure is one line naming the call, its file and line, and the library's own error string,
- * then exit(1). (comm.h adds NCCL_CHECK beside them, in the same form.)
+ * Every CUDA runtime call goes through CUDA_CHECK, every cuBLASLt call through CUBLAS_CHECK, every
+ * NCCL call that completes before it returns through NCCL_CHECK, and every kernel launch is
+ * followed by LAUNCH_CHECK(), which catches bad launch parameters. A failure is one line naming
+ * the call, its file and line, and the library's own error string, then exit(1).
  */
 #ifndef CUDA_CHECK_H
 #define CUDA_CHECK_H
@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cublasLt.h>
+#include <nccl.h>
 
 typedef __nv_bfloat16 bf16;
 
@@ -35,6 +36,14 @@ static inline void cublas_check_(cublasStatus_t status, const char* what, const 
     }
 }
 #define CUBLAS_CHECK(call) cublas_check_((call), #call, __FILE__, __LINE__)
+
+static inline void nccl_check_(ncclResult_t result, const char* what, const char* file, int line) {
+    if (result != ncclSuccess) {
+        fprintf(stderr, "NCCL error at %s:%d: %s: %s\n", file, line, what, ncclGetErrorString(result));
+        exit(1);
+    }
+}
+#define NCCL_CHECK(call) nccl_check_((call), #call, __FILE__, __LINE__)
 
 static inline int ceil_div(long a, long b) { return (int)((a + b - 1) / b); }
 

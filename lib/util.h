@@ -42,10 +42,19 @@ static inline int fail(char* err, size_t err_len, const char* fmt, ...) {
     return -1;
 }
 
+// The system's text for errnum. strerror_r, not strerror, because the loader, the checkpoint
+// writer and the bootstrap run on threads or in processes of their own; its two signatures (GNU
+// returns the text, POSIX fills the buffer) are told apart here and nowhere else.
+static inline const char* system_error_text(int errnum, char* buf, size_t n) {
+#if defined(__GLIBC__) && defined(_GNU_SOURCE)
+    return strerror_r(errnum, buf, n);
+#else
+    return strerror_r(errnum, buf, n) == 0 ? buf : "unknown error";
+#endif
+}
+
 // Like fail, with ": <the system's text for errnum>" appended: fail_errno(.., errno, "%s: cannot
-// open", path). strerror_r, not strerror, because the loader and the checkpoint writer run on
-// threads of their own; its two signatures (GNU returns the text, POSIX fills the buffer) are told
-// apart here and nowhere else.
+// open", path).
 static inline int fail_errno(char* err, size_t err_len, int errnum, const char* fmt, ...)
     __attribute__((format(printf, 4, 5)));
 static inline int fail_errno(char* err, size_t err_len, int errnum, const char* fmt, ...) {
@@ -55,13 +64,8 @@ static inline int fail_errno(char* err, size_t err_len, int errnum, const char* 
     vsnprintf(err, err_len, fmt, ap);
     va_end(ap);
     char buf[128];
-#if defined(__GLIBC__) && defined(_GNU_SOURCE)
-    const char* text = strerror_r(errnum, buf, sizeof(buf));
-#else
-    const char* text = strerror_r(errnum, buf, sizeof(buf)) == 0 ? buf : "unknown error";
-#endif
     size_t used = strlen(err);
-    snprintf(err + used, err_len - used, ": %s", text);
+    snprintf(err + used, err_len - used, ": %s", system_error_text(errnum, buf, sizeof(buf)));
     return -1;
 }
 

@@ -418,7 +418,7 @@ enum { CT_RANK, CT_ROOT_DROPS, CT_ROOT_ALIEN, CT_STRAY_GARBAGE, CT_STRAY_HALF_HE
 static int ct_fake_root(const CtJob* j, char* msg, size_t n) {
     int lfd = comm_listen(j->env.master_port, msg, n);
     if (lfd < 0) return -1;
-    int rc = comm_wait_fd(lfd, POLLIN, comm_now() + 5) == 1 ? 0 : comm_fail(msg, n, "fake root: nobody came");
+    int rc = comm_wait_fd(lfd, POLLIN, comm_now() + 5) == 1 ? 0 : fail(msg, n, "fake root: nobody came");
     int fd = rc == 0 ? accept4(lfd, NULL, NULL, SOCK_NONBLOCK) : -1;
     uint8_t hello[COMM_HELLO_BYTES], reply[COMM_REPLY_BYTES];
     if (fd >= 0) rc = comm_recv_all(fd, hello, sizeof(hello), comm_now() + 5, "the peer", msg, n);
@@ -447,7 +447,7 @@ static int ct_stray(const CtJob* j, char* msg, size_t n) {
         if (getaddrinfo("127.0.0.1", port, &hints, &ai) == 0) fd = comm_connect_once(ai, comm_now() + 1);
         if (ai) freeaddrinfo(ai);
     }
-    if (fd < 0) return comm_fail(msg, n, "stray: could not connect");
+    if (fd < 0) return fail(msg, n, "stray: could not connect");
     uint8_t bytes[COMM_HELLO_BYTES] = "GET / HTTP/1.1\r\n\r\n";
     if (j->kind == CT_STRAY_HALF_HELLO) comm_put32(bytes, COMM_MAGIC), comm_put32(bytes + 4, COMM_PROTOCOL);
     int rc = comm_send_all(fd, bytes, j->kind == CT_STRAY_HALF_HELLO ? 10 : sizeof(bytes), comm_now() + 5, "rank 0",
@@ -467,7 +467,7 @@ static void ct_child(const CtJob* j, int fd) {
         uint8_t* blob = (uint8_t*)calloc(j->len, 1);
         if (j->env.rank == 0) memcpy(blob, j->blob, j->len);
         rc = comm_bootstrap_exchange(&j->env, blob, j->len, j->timeout, msg, sizeof(msg));
-        if (rc == 0 && memcmp(blob, j->blob, j->len) != 0) rc = comm_fail(msg, sizeof(msg), "the blob differs");
+        if (rc == 0 && memcmp(blob, j->blob, j->len) != 0) rc = fail(msg, sizeof(msg), "the blob differs");
         free(blob);
     }
     ssize_t w = write(fd, msg, strlen(msg));
