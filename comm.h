@@ -36,6 +36,9 @@
 #include <sys/types.h>
 #include <sys/socket.h>
 #include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include "lib/util.h"
 #include "lib/cuda_check.h"
 
@@ -914,6 +917,192 @@ static int comm_nccl_init(ncclComm_t* out, const CommEnv* env, double timeout_s,
     }
     *out = comm;
     return 0;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Collectives for training: one communicator, one stream
+//
+// Every collective runs on the Comm's own stream, in the same order on every rank (NCCL's rule),
+// so that it overlaps the compute stream's work: comm_follow makes the comm stream wait for what
+// the compute stream has queued so far (a bucket's gradients, say), comm_join the other way round.
+// The communicator is non-blocking (see comm_nccl_init): each call may return ncclInProgress while
+// NCCL enqueues it, and comm_call waits for that (with the deadline) before the next call. A
+// failure here is not an input error: it prints one line naming the rank and exits, like
+// CUDA_CHECK.
+
+typedef struct {
+    CommEnv env;
+    int rank, world;
+    ncclComm_t nccl;
+    cudaStream_t stream;
+    cudaEvent_t to_comm, from_comm;  // reused: a wait takes the event's latest record
+    double timeout_s;
+    volatile double last_progress;   // comm_now() of the trainer's last finished step (watchdog)
+    pthread_t watchdog;
+    bool watching;
+} Comm;
+
+static void comm_die(const Comm* c, const char* what) {
+    fprintf(stderr, "train_gpt rank %d of %d: %s\n", c->rank, c->world, what);
+    if (c->nccl) ncclCommAbort(c->nccl);
+    _exit(1);
+}
+
+static void comm_call(Comm* c, ncclResult_t r, const char* what) {
+    char err[512], line[768];
+    if (r != ncclSuccess && r != ncclInProgress) {
+        snprintf(line, sizeof(line), "%s: %s (%s)", what, ncclGetErrorString(r), ncclGetLastError(c->nccl));
+        comm_die(c, line);
+    }
+    if (r == ncclInProgress && comm_nccl_wait(c->nccl, comm_now() + c->timeout_s, c->timeout_s, err, sizeof(err))) {
+        snprintf(line, sizeof(line), "%s: %s", what, err);
+        comm_die(c, line);
+    }
+}
+
+// Joins the run described by env: sets this process's GPU, meets the other ranks and builds the
+// communicator (failing within timeout_s when a rank does not come), and makes the stream. A run
+// of one rank needs no NCCL: its collectives are copies (so the ZeRO modes also run on one GPU).
+static int comm_open(Comm* c, const CommEnv* env, double timeout_s, char* err, size_t err_len) {
+    memset(c, 0, sizeof(*c));
+    c->env = *env;
+    c->rank = env->rank;
+    c->world = env->world;
+    c->timeout_s = timeout_s;
+    if (c->world > 1 && comm_nccl_init(&c->nccl, env, timeout_s, err, err_len)) return -1;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    CUDA_CHECK(cudaEventCreateWithFlags(&c->to_comm, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventCreateWithFlags(&c->from_comm, cudaEventDisableTiming));
+    return 0;
+}
+
+static void comm_follow(Comm* c, cudaStream_t compute) {  // comm stream waits for compute's work so far
+    CUDA_CHECK(cudaEventRecord(c->to_comm, compute));
+    CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->to_comm, 0));
+}
+
+static void comm_join(Comm* c, cudaStream_t compute) {  // compute waits for the collectives so far
+    CUDA_CHECK(cudaEventRecord(c->from_comm, c->stream));
+    CUDA_CHECK(cudaStreamWaitEvent(compute, c->from_comm, 0));
+}
+
+// Sums of fp32 across ranks: in place over n elements.
+static void comm_all_reduce(Comm* c, float* x, size_t n) {
+    if (c->world == 1) return;
+    comm_call(c, ncclAllReduce(x, x, n, ncclFloat, ncclSum, c->nccl, c->stream), "all-reduce");
+}
+
+static void comm_copy(Comm* c, void* dst, const void* src, size_t bytes) {  // a collective of one rank
+    if (dst != src) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream));
+}
+
+// Rank r receives the sum over ranks of send[r * piece, (r + 1) * piece).
+static void comm_reduce_scatter(Comm* c, const float* send, float* recv, size_t piece) {
+    if (c->world == 1) return comm_copy(c, recv, send, piece * sizeof(float));
+    comm_call(c, ncclReduceScatter(send, recv, piece, ncclFloat, ncclSum, c->nccl, c->stream), "reduce-scatter");
+}
+
+// Every rank receives recv[r * piece, (r + 1) * piece) = rank r's send, for bf16 (2 bytes) or
+// fp32 (4 bytes) elements.
+static void comm_all_gather(Comm* c, const void* send, void* recv, size_t piece, size_t element_bytes) {
+    if (c->world == 1) return comm_copy(c, recv, send, piece * element_bytes);
+    ncclDataType_t type = element_bytes == 2 ? ncclBfloat16 : ncclFloat;
+    comm_call(c, ncclAllGather(send, recv, piece, type, c->nccl, c->stream), "all-gather");
+}
+
+// A rank that dies mid-step leaves the others waiting in a collective that never completes. The
+// watchdog thread turns that into one line and an exit: it stops the run when NCCL reports an
+// error, or when no step has finished for timeout_s seconds (the trainer sets last_progress).
+static void* comm_watchdog_main(void* arg) {
+    Comm* c = (Comm*)arg;
+    char line[512];
+    for (;;) {
+        comm_sleep(1.0);
+        ncclResult_t state = ncclSuccess;
+        ncclCommGetAsyncError(c->nccl, &state);
+        if (state != ncclSuccess && state != ncclInProgress) {
+            snprintf(line, sizeof(line), "NCCL reports '%s' (%s): a peer has failed; stopping",
+                     ncclGetErrorString(state), ncclGetLastError(c->nccl));
+            comm_die(c, line);
+        }
+        if (comm_now() - c->last_progress > c->timeout_s) {
+            snprintf(line, sizeof(line), "no training step finished in %.0f s: another rank has stopped or hangs; "
+                     "stopping (resume with --resume latest)", c->timeout_s);
+            comm_die(c, line);
+        }
+    }
+    return NULL;
+}
+
+static void comm_watchdog_start(Comm* c) {
+    c->last_progress = comm_now();
+    if (pthread_create(&c->watchdog, NULL, comm_watchdog_main, c) != 0) comm_die(c, "cannot start the watchdog");
+    pthread_detach(c->watchdog);
+    c->watching = true;
+}
+
+static void comm_close(Comm* c) {
+    CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    if (c->nccl) ncclCommDestroy(c->nccl);
+    c->nccl = NULL;
+    CUDA_CHECK(cudaEventDestroy(c->to_comm));
+    CUDA_CHECK(cudaEventDestroy(c->from_comm));
+    CUDA_CHECK(cudaStreamDestroy(c->stream));
+}
+
+// ----------------------------------------------------------------------------------------------
+// One machine without a launcher: `train_gpt --gpus N` starts N copies of itself
+
+// Sets the environment torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+// MASTER_ADDR=127.0.0.1, MASTER_PORT), starts the n ranks with the same arguments, and waits.
+// When a rank fails, the others get SIGTERM (their watchdogs would stop them anyway). Returns the
+// exit status to leave with: 0 when every rank succeeded, else the first failure's.
+static int comm_launch_local(int n, char** argv, char* err, size_t err_len) {
+    int probe = comm_listen(0, err, err_len);  // a free port for the bootstrap, which uses MASTER_PORT + 1
+    if (probe < 0) return -1;
+    struct sockaddr_storage addr;
+    socklen_t len = sizeof(addr);
+    getsockname(probe, (struct sockaddr*)&addr, &len);
+    int port = ntohs(addr.ss_family == AF_INET6 ? ((struct sockaddr_in6*)&addr)->sin6_port
+                                                : ((struct sockaddr_in*)&addr)->sin_port);
+    close(probe);
+    pid_t* pids = (pid_t*)xcalloc(n, sizeof(pid_t));
+    char text[16];
+    for (int r = 0; r < n; r++) {
+        pids[r] = fork();
+        if (pids[r] < 0) return fail_errno(err, err_len, errno, "fork");
+        if (pids[r] > 0) continue;
+        const char* names[] = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT"};
+        int values[] = {r, r, n, n, port - 1};
+        for (int i = 0; i < 5; i++) {
+            snprintf(text, sizeof(text), "%d", values[i]);
+            setenv(names[i], text, 1);
+        }
+        setenv("MASTER_ADDR", "127.0.0.1", 1);
+        execv("/proc/self/exe", argv);
+        _exit(127);
+    }
+    int status = 0, first_failure = 0;
+    for (int done = 0; done < n; done++) {
+        int st;
+        pid_t pid = wait(&st);
+        int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+        if (code != 0 && !first_failure) {
+            int rank = 0;
+            while (rank < n && pids[rank] != pid) rank++;
+            if (WIFSIGNALED(st))
+                fprintf(stderr, "train_gpt: rank %d was killed by signal %d; stopping the other ranks\n", rank,
+                        WTERMSIG(st));
+            else
+                fprintf(stderr, "train_gpt: rank %d exited with status %d; stopping the other ranks\n", rank, code);
+            first_failure = 1;
+            status = code;
+            for (int r = 0; r < n; r++)
+                if (pids[r] != pid) kill(pids[r], SIGTERM);
+        }
+    }
+    free(pids);
+    return status;
 }
 
 #endif

@@ -132,18 +132,30 @@ __host__ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-// p[i] = mean + std * N(0, 1), the normal drawn by Box-Muller from the hash of (seed, i).
-__global__ void init_normal_kernel(float* p, size_t n, float mean, float std, uint64_t seed) {
+// p[i] = mean + std * N(0, 1), the normal drawn by Box-Muller from the hash of (seed, first + i):
+// element first + i of a tensor gets the same value whichever part of the tensor is initialized.
+__global__ void init_normal_kernel(float* p, size_t n, float mean, float std, uint64_t seed, size_t first) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        uint64_t h = splitmix64(seed ^ splitmix64(i));
+        uint64_t h = splitmix64(seed ^ splitmix64(first + i));
         float u1 = ((h >> 40) + 1) * (1.0f / 16777217.0f);  // in (0, 1]: log() stays finite
         float u2 = ((h >> 16) & 0xFFFFFF) * (1.0f / 16777216.0f);
         p[i] = mean + std * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
     }
 }
 
-static void init_normal(float* p, size_t n, float mean, float std, uint64_t seed, cudaStream_t s) {
-    init_normal_kernel<<<1024, 256, 0, s>>>(p, n, mean, std, seed);
+static void init_normal(float* p, size_t n, float mean, float std, uint64_t seed, size_t first, cudaStream_t s) {
+    init_normal_kernel<<<1024, 256, 0, s>>>(p, n, mean, std, seed, first);
+    LAUNCH_CHECK();
+}
+
+// y += x over n fp32 elements (ZeRO-2 adds each micro-batch's reduced gradients to its shard).
+__global__ void add_into_kernel(float* y, const float* x, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        y[i] += x[i];
+}
+
+static void add_into(float* y, const float* x, size_t n, cudaStream_t s) {
+    add_into_kernel<<<1024, 256, 0, s>>>(y, x, n);
     LAUNCH_CHECK();
 }
 

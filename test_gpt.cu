@@ -168,7 +168,7 @@ static int test_param_table_layout(void) {
     for (size_t ci = 0; ci < sizeof(SANE_CONFIGS) / sizeof(SANE_CONFIGS[0]); ci++) {
         const ModelConfig* c = &SANE_CONFIGS[ci];
         ParamTable pt;
-        param_table_build(&pt, c);
+        param_table_build(&pt, c, 1);
         uint8_t* flags = param_decay_flags(&pt);
         size_t end = 0, count = 0;
         for (int i = 0; i < pt.n_tensors; i++) {
@@ -212,7 +212,7 @@ static int test_hf_names_cover_every_parameter(void) {
     GPT m;
     memset(&m, 0, sizeof(m));
     m.cfg = SANE_CONFIGS[3];
-    param_table_build(&m.table, &m.cfg);
+    param_table_build(&m.table, &m.cfg, 1);
     int n = hf_tensors(&m, NULL);
     HfTensor* hf = (HfTensor*)malloc(n * sizeof(HfTensor));
     hf_tensors(&m, hf);
@@ -285,7 +285,7 @@ static uint16_t* random_window(int B, int T, int V) {
 static int test_reference_gradients_match_finite_differences(void) {
     int failed = 0;
     ParamTable pt;
-    param_table_build(&pt, &TINY);
+    param_table_build(&pt, &TINY, 1);
     double* p = random_params(&TINY, &pt, 0.5);
     double* g = (double*)calloc(pt.n_elements, sizeof(double));
     double* scratch = (double*)calloc(pt.n_elements, sizeof(double));
@@ -324,7 +324,7 @@ static int test_export_hf_files(void) {
     GPT m;
     memset(&m, 0, sizeof(m));
     m.cfg = (ModelConfig){64, 16, 2, 4, 2, 64, 24, 8, 5e5f, 1e-6f};
-    param_table_build(&m.table, &m.cfg);
+    param_table_build(&m.table, &m.cfg, 1);
     float* w = (float*)calloc(m.table.n_elements, sizeof(float));
     for (size_t i = 0; i < m.table.n_elements; i++) w[i] = (float)rand_normal();
     char dir[] = "/tmp/test_gpt_export_XXXXXX", err[512];
@@ -740,7 +740,7 @@ static int test_kernel_embedding_and_reductions(void) {
     // embedding forward/backward through upload_batch's bucketing, with many repeated tokens
     ModelConfig c = {64, 72, 1, 2, 1, 64, 8, 50, 1e4f, 1e-6f};
     GPT m;
-    gpt_create(&m, &c, 3, 50, false, 4096);
+    gpt_create(&m, &c, 3, 50, false, 4096, &ONE_GPU);
     Uploader up;
     uploader_create(&up, m.N, c.vocab_size);
     uint16_t* window = random_window(3, 50, 11);  // tokens < 11: heavy repetition
@@ -864,7 +864,7 @@ static double gpu_forward_backward(GPT* m, Uploader* up, double* p, const uint16
     CUDA_CHECK(cudaMemsetAsync(m->grads, 0, n * 4, m->stream));
     for (int micro = 0; micro < accum; micro++) {
         Batch b = upload_batch(up, m, window + (size_t)micro * m->B * (m->T + 1));
-        forward_backward(m, &b, 1.0f / ((float)m->N * accum), micro == 0);
+        forward_backward(m, &b, micro, accum);
     }
     float loss_sum;
     CUDA_CHECK(cudaMemcpyAsync(&loss_sum, &m->scalars->loss_sum, 4, cudaMemcpyDeviceToHost, m->stream));
@@ -898,7 +898,7 @@ static int test_model_matches_reference(void) {
     for (auto& tc : cases) {
         const ModelConfig* c = &tc.c;
         GPT m;
-        gpt_create(&m, c, tc.B, c->seq_len, tc.recompute, 100);  // loss_chunk 100: several chunks
+        gpt_create(&m, c, tc.B, c->seq_len, tc.recompute, 100, &ONE_GPU);  // loss_chunk 100: several chunks
         Uploader up;
         uploader_create(&up, m.N, c->vocab_size);
         double* p = random_params(c, &m.table, 0.08);
@@ -945,7 +945,7 @@ static int test_model_deterministic(void) {
     double loss[3];
     for (int run = 0; run < 3; run++) {
         GPT m;
-        gpt_create(&m, &c, 4, c.seq_len, run == 2, 333);
+        gpt_create(&m, &c, 4, c.seq_len, run == 2, 333, &ONE_GPU);
         Uploader up;
         uploader_create(&up, m.N, c.vocab_size);
         ParamTable* pt = &m.table;
@@ -990,7 +990,7 @@ static int test_model_bucket_hook(void) {
     int failed = 0;
     ModelConfig c = {1024, 128, 3, 2, 1, 64, 256, 64, 1e4f, 1e-6f};
     GPT m;
-    gpt_create(&m, &c, 2, c.seq_len, true, 4096);
+    gpt_create(&m, &c, 2, c.seq_len, true, 4096, &ONE_GPU);
     gpt_init(&m, 3);
     Uploader up;
     uploader_create(&up, m.N, c.vocab_size);
@@ -1002,7 +1002,7 @@ static int test_model_bucket_hook(void) {
     uint16_t* window = random_window(2, c.seq_len, c.vocab_size);
     CUDA_CHECK(cudaMemsetAsync(m.grads, 0, m.table.n_elements * 4, m.stream));
     Batch b = upload_batch(&up, &m, window);
-    forward_backward(&m, &b, 1.0f / m.N, true);
+    forward_backward(&m, &b, 0, 1);
     CUDA_CHECK(cudaStreamSynchronize(m.stream));
     EXPECT(rec.calls == c.n_layer + 1, "%d hook calls, expected %d", rec.calls, c.n_layer + 1);
     for (int i = 0; i < rec.calls && i <= c.n_layer; i++)
@@ -1024,13 +1024,75 @@ static int test_model_bucket_hook(void) {
     return TEST_RESULT;
 }
 
+// ZeRO 1 and 2 against ZeRO 0 on one GPU, where the collectives are copies: the same steps (with
+// gradient accumulation, so that ZeRO 2's per-micro-batch reduce and add runs) must give
+// bit-identical losses, gradient norms and master weights. This runs all of the sharding's
+// bookkeeping (pieces, ring buffers, gathers) without NCCL; the 2-GPU runs check the collectives.
+static void zero_mode_run(int zero, const ModelConfig* c, const uint16_t* windows, int steps, float* losses,
+                          float* norms, float** master) {
+    CommEnv env = {};
+    env.world = env.local_world = 1;
+    env.launcher = "single";
+    Comm comm;
+    char err[256];
+    if (comm_open(&comm, &env, 10.0, err, sizeof(err)) != 0) printf("    %s\n", err);
+    Sharding dp = {0, 1, zero, &comm};
+    GPT m;
+    gpt_create(&m, c, 2, c->seq_len, true, 4096, &dp);
+    gpt_init(&m, 11);
+    Uploader up;
+    uploader_create(&up, m.N, c->vocab_size);
+    OptimConfig o = {3e-3f, 0.1f, 0.1f, 0.9f, 0.95f, 1e-8f, 1.0f, 2, steps, 0, 0.0f};
+    for (int step = 0; step < steps; step++) {
+        zero_grads(&m);
+        for (int micro = 0; micro < 2; micro++) {
+            Batch b = upload_batch(&up, &m, windows + (size_t)(2 * step + micro) * 2 * (c->seq_len + 1));
+            forward_backward(&m, &b, micro, 2);
+        }
+        optimizer_step(&m, &o);
+        OptimScalars sc;
+        CUDA_CHECK(cudaMemcpy(&sc, m.scalars, sizeof(sc), cudaMemcpyDeviceToHost));
+        losses[step] = sc.loss_sum;
+        norms[step] = sc.grad_norm_sq;
+    }
+    *master = (float*)malloc(m.table.n_elements * sizeof(float));
+    gpt_download_state(&m, m.master, *master);
+    CUDA_CHECK(cudaStreamSynchronize(m.stream));
+    uploader_free(&up);
+    gpt_free(&m);
+    comm_close(&comm);
+}
+
+static int test_zero_modes_agree_on_one_gpu(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    ModelConfig c = {1024, 128, 3, 4, 2, 64, 256, 64, 1e4f, 1e-6f};
+    const int steps = 4;
+    uint16_t* windows = random_window(2 * 2 * steps, c.seq_len, c.vocab_size);
+    float losses[3][steps], norms[3][steps], *master[3];
+    for (int zero = 0; zero < 3; zero++) zero_mode_run(zero, &c, windows, steps, losses[zero], norms[zero], &master[zero]);
+    ParamTable pt;
+    param_table_build(&pt, &c, 1);
+    for (int zero = 1; zero < 3; zero++) {
+        EXPECT(!memcmp(losses[0], losses[zero], sizeof(losses[0])), "ZeRO-%d's losses differ from ZeRO-0's", zero);
+        EXPECT(!memcmp(norms[0], norms[zero], sizeof(norms[0])), "ZeRO-%d's gradient norms differ", zero);
+        EXPECT(!memcmp(master[0], master[zero], pt.n_elements * sizeof(float)), "ZeRO-%d's weights differ", zero);
+    }
+    EXPECT(losses[0][steps - 1] < losses[0][0], "the loss did not fall: %g -> %g", losses[0][0], losses[0][steps - 1]);
+    printf("    loss sum %.4f -> %.4f, identical in ZeRO 0, 1, 2\n", losses[0][0], losses[0][steps - 1]);
+    for (int zero = 0; zero < 3; zero++) free(master[zero]);
+    param_table_free(&pt);
+    free(windows);
+    return TEST_RESULT;
+}
+
 // A few AdamW steps on one batch must drive its loss down (the optimizer is wired right).
 static int test_model_trains(void) {
     REQUIRE_GPU();
     int failed = 0;
     ModelConfig c = {1024, 128, 2, 2, 1, 64, 256, 64, 1e4f, 1e-6f};
     GPT m;
-    gpt_create(&m, &c, 4, c.seq_len, true, 4096);
+    gpt_create(&m, &c, 4, c.seq_len, true, 4096, &ONE_GPU);
     gpt_init(&m, 7);
     Uploader up;
     uploader_create(&up, m.N, c.vocab_size);
@@ -1040,7 +1102,7 @@ static int test_model_trains(void) {
     for (int step = 0; step < 30; step++) {
         CUDA_CHECK(cudaMemsetAsync(m.grads, 0, m.table.n_elements * 4, m.stream));
         Batch b = upload_batch(&up, &m, window);
-        forward_backward(&m, &b, 1.0f / m.N, true);
+        forward_backward(&m, &b, 0, 1);
         optimizer_step(&m, &o);
         float loss_sum;
         CUDA_CHECK(cudaMemcpy(&loss_sum, &m.scalars->loss_sum, 4, cudaMemcpyDeviceToHost));
@@ -1233,6 +1295,98 @@ static int test_export_then_init_from(void) {
     return TEST_RESULT;
 }
 
+// ----------------------------------------------------------------------------------------------
+// Data parallelism on two GPUs (skipped with fewer): ./train_gpt --gpus 2 in each ZeRO mode against
+// one GPU with twice the accumulation, on the same tokens per optimizer step.
+
+static int gpu_count(void) {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+// The logged losses of steps 1..n of a run's log.jsonl, as printed (9 significant digits).
+static int logged_losses(const char* log_path, double* out, int n) {
+    int got = 0;
+    for (int step = 1; step <= n; step++) {
+        char line[512];
+        logged_step(log_path, step, line, sizeof(line));
+        const char* p = strstr(line, "\"loss\": ");
+        if (!p) break;
+        out[got++] = atof(p + 8);
+    }
+    return got;
+}
+
+#define DP_RUN SMALL_RUN "--ckpt-every 0 --steps 30 "
+
+static int test_two_gpus_match_one(void) {
+    if (!g_have_gpu || gpu_count() < 2) return TEST_SKIP;
+    int failed = 0;
+    char dir[64], cmd[2048], path[256];
+    EXPECT(make_shard_dir(dir, 200000, 512), "shard");
+    const char* runs[] = {"one", "zero0", "zero1", "zero2", "zero2_again", "zero2_sockets"};
+    const char* flags[] = {"", "--gpus 2 --zero 0", "--gpus 2 --zero 1", "--gpus 2 --zero 2", "--gpus 2 --zero 2",
+                           "--gpus 2 --zero 2"};
+    double loss[6][30];
+    for (int r = 0; r < 6; r++) {
+        const char* env = r == 5 ? "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 " : "";
+        snprintf(cmd, sizeof(cmd), "%s" DP_RUN "%s --train-data '%s/train_*.bin' --out %s/%s > %s/%s.txt 2>&1", env,
+                 flags[r], dir, dir, runs[r], dir, runs[r]);
+        EXPECT(system(cmd) == 0, "run %s failed: %s", runs[r], cmd);
+        snprintf(path, sizeof(path), "%s/%s/log.jsonl", dir, runs[r]);
+        EXPECT(logged_losses(path, loss[r], 30) == 30, "run %s logged fewer than 30 steps", runs[r]);
+    }
+    // Two ranks sum two numbers per element, whatever the collective: the modes agree bit for bit.
+    for (int r = 2; r < 6; r++) EXPECT(!memcmp(loss[1], loss[r], sizeof(loss[1])), "%s differs from zero0", runs[r]);
+    double worst = 0;
+    for (int i = 0; i < 30; i++) worst = fmax(worst, fabs(loss[1][i] - loss[0][i]) / loss[0][i]);
+    EXPECT(fabs(loss[1][0] - loss[0][0]) <= 1e-6 * loss[0][0], "step 1: %.9g on 2 GPUs, %.9g on 1", loss[1][0],
+           loss[0][0]);
+    EXPECT(worst < 1e-2, "2 GPUs and 1 GPU drift apart: %.3g relative", worst);
+    printf("    30 steps: 2 GPUs (ZeRO 0, 1, 2, sockets only) identical; against 1 GPU: step 1 %.9g vs %.9g, "
+           "worst relative difference %.2e\n", loss[1][0], loss[0][0], worst);
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    EXPECT(system(cmd) == 0, "cleanup");
+    return TEST_RESULT;
+}
+
+// kill -9 of one rank: under --gpus the launcher stops the other at once and says which rank died;
+// started by hand (as a multi-node launcher would leave them), the survivor's watchdog stops it
+// within --timeout. Either way the run resumes from `latest`, on 1 GPU as on 2.
+static int test_two_gpus_kill_and_resume(void) {
+    if (!g_have_gpu || gpu_count() < 2) return TEST_SKIP;
+    int failed = 0;
+    char dir[64], cmd[4096], line[512];
+    EXPECT(make_shard_dir(dir, 400000, 512), "shard");
+    snprintf(cmd, sizeof(cmd), SMALL_RUN "--gpus 2 --zero 1 --ckpt-every 1 --steps 100000 --train-data '%s/train_*.bin' "
+             "--out %s/out > %s/launch.txt 2>&1 & sleep 8; pkill -9 -n -f 'train_gpt.*%s/out'; wait; true", dir, dir,
+             dir, dir);
+    EXPECT(system(cmd) == 0, "launch");
+    snprintf(cmd, sizeof(cmd), "grep -c 'was killed by signal 9' %s/launch.txt > /dev/null", dir);
+    EXPECT(system(cmd) == 0, "the launcher did not say which rank died (see %s/launch.txt)", dir);
+    // by hand: two ranks on a fixed port, rank 1 killed; rank 0 must stop within --timeout 15 s
+    snprintf(cmd, sizeof(cmd), "export MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 WORLD_SIZE=2 LOCAL_WORLD_SIZE=2; "
+             "start=$(date +%%s); for r in 0 1; do RANK=$r LOCAL_RANK=$r " SMALL_RUN "--zero 2 --timeout 15 "
+             "--ckpt-every 0 --steps 100000 --train-data '%s/train_*.bin' --out %s/byhand > %s/rank$r.txt 2>&1 & "
+             "done; sleep 10; pkill -9 -f 'train_gpt.*byhand.*' -n; wait; echo $(( $(date +%%s) - start )) >&2", dir,
+             dir, dir);
+    int code = run_command(cmd, line, sizeof(line));
+    snprintf(cmd, sizeof(cmd), "grep -q 'rank 0 of 2' %s/rank0.txt", dir);
+    EXPECT(code == 0 && system(cmd) == 0, "rank 0 did not stop with one line (%s/rank0.txt)", dir);
+    EXPECT(atoi(line) < 10 + 15 + 20, "rank 0 took %s s to stop", line);
+    const char* resumes[] = {"", "--gpus 2 --zero 2"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(cmd, sizeof(cmd), SMALL_RUN "%s --resume latest --train-data '%s/train_*.bin' --out %s/out "
+                 "--steps 100000 --stop-at $(( $(sed 's/ckpt_//' %s/out/latest) + 2 )) --ckpt-every 0 2>&1 "
+                 "| grep -q 'resumed from'", resumes[i], dir, dir, dir);
+        code = run_command(cmd, line, sizeof(line));
+        EXPECT(code == 0, "resume %s from the 2-GPU checkpoint failed", resumes[i][0] ? "on 2 GPUs" : "on 1 GPU");
+    }
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    EXPECT(system(cmd) == 0, "cleanup");
+    return TEST_RESULT;
+}
+
 static const TestCase model_tests[] = {
     {"config_accepts_sane_configs", test_config_accepts_sane_configs},
     {"config_rejects_bad_configs", test_config_rejects_bad_configs},
@@ -1255,11 +1409,14 @@ static const TestCase model_tests[] = {
     {"gpu_model_matches_reference", test_model_matches_reference},
     {"gpu_model_deterministic", test_model_deterministic},
     {"gpu_model_bucket_hook", test_model_bucket_hook},
+    {"gpu_zero_modes_agree_on_one_gpu", test_zero_modes_agree_on_one_gpu},
     {"gpu_model_trains", test_model_trains},
     {"gpu_resume_is_bit_exact", test_resume_is_bit_exact},
     {"gpu_kill_during_checkpoint_then_resume", test_kill_during_checkpoint_then_resume},
     {"gpu_checkpoint_on_full_disk", test_checkpoint_on_full_disk},
     {"gpu_export_then_init_from", test_export_then_init_from},
+    {"gpu2_two_gpus_match_one", test_two_gpus_match_one},
+    {"gpu2_kill_and_resume", test_two_gpus_kill_and_resume},
 };
 
 int main(int argc, char** argv) {

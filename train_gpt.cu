@@ -109,6 +109,29 @@ static bool config_check(const ModelConfig* c, char* err, size_t err_len) {
 }
 
 // ----------------------------------------------------------------------------------------------
+// Data parallelism: who this process is among the ranks of a run (comm.h holds the NCCL side).
+//
+// Each rank holds the whole model in bf16 and runs its own micro-batches; the ranks' gradients are
+// summed bucket by bucket (see the parameter table) as the backward completes them, on comm.h's
+// stream, while the backward goes on. --zero says what else a rank holds in full:
+//   0: everything: fp32 master weights, gradients and both moments. Each bucket is all-reduced
+//      at the last micro-batch, and every rank runs the same AdamW over everything.
+//   1: the gradients, but the master weights and moments only of its piece of each bucket (a 1/W
+//      share). At the last micro-batch each bucket is reduce-scattered into the rank's piece;
+//      AdamW updates the pieces; the bf16 pieces are all-gathered into every rank's model.
+//   2: the gradients only in pieces too. Every micro-batch reduce-scatters each bucket and adds it
+//      into the piece; a layer's full-size gradients live only in a ring of two bucket buffers.
+// Every bucket is padded to a multiple of W * PARAM_ALIGN elements, so its pieces are equal (as
+// NCCL's reduce-scatter needs) and aligned. doc/data_parallel.md has what each mode holds and sends.
+
+typedef struct {
+    int rank, world, zero;
+    Comm* comm;  // NULL: one GPU, ZeRO 0
+} Sharding;
+
+static const Sharding ONE_GPU = {0, 1, 0, NULL};
+
+// ----------------------------------------------------------------------------------------------
 // The parameter table: every tensor has a named entry with its shape, its place in the flat buffer
 // and whether it decays. Nothing else in the program knows where a tensor lives.
 //
@@ -154,7 +177,8 @@ typedef struct {
     ParamTensor* tensors;      // in layout order
     int n_tensors;
     int n_layers;
-    size_t* bucket_offset;     // [L + 2]: bucket b is [bucket_offset[b], bucket_offset[b + 1])
+    size_t* bucket_offset;     // [L + 2]: bucket b is [bucket_offset[b], bucket_offset[b + 1]), a multiple
+                               // of world * PARAM_ALIGN elements long
     size_t n_elements;         // length of the flat buffers, padding included
 } ParamTable;
 
@@ -187,7 +211,13 @@ static void param_add(ParamTable* pt, const ModelConfig* c, ParamKind kind, int 
     *offset += ((size_t)(t->rows * t->cols) + PARAM_ALIGN - 1) / PARAM_ALIGN * PARAM_ALIGN;
 }
 
-static void param_table_build(ParamTable* pt, const ModelConfig* c) {
+// Pads a bucket that ends at *offset to a multiple of world * PARAM_ALIGN elements.
+static void bucket_pad(size_t* offset, size_t bucket_start, int world) {
+    size_t unit = (size_t)world * PARAM_ALIGN, len = *offset - bucket_start;
+    *offset = bucket_start + (len + unit - 1) / unit * unit;
+}
+
+static void param_table_build(ParamTable* pt, const ModelConfig* c, int world) {
     int L = c->n_layer;
     pt->n_layers = L;
     pt->n_tensors = 0;
@@ -197,10 +227,12 @@ static void param_table_build(ParamTable* pt, const ModelConfig* c) {
     for (int l = 0; l < L; l++) {
         pt->bucket_offset[l] = offset;
         for (int k = 0; k < N_LAYER_KINDS; k++) param_add(pt, c, (ParamKind)k, l, &offset);
+        bucket_pad(&offset, pt->bucket_offset[l], world);
     }
     pt->bucket_offset[L] = offset;
     param_add(pt, c, P_EMBED, -1, &offset);
     param_add(pt, c, P_FINAL_NORM, -1, &offset);
+    bucket_pad(&offset, pt->bucket_offset[L], world);
     pt->bucket_offset[L + 1] = offset;
     pt->n_elements = offset;
 }
@@ -215,6 +247,8 @@ static const ParamTensor* param(const ParamTable* pt, ParamKind kind, int layer)
     if (kind == P_FINAL_NORM) return &pt->tensors[pt->n_tensors - 1];
     return &pt->tensors[layer * N_LAYER_KINDS + kind];
 }
+
+static size_t bucket_len(const ParamTable* pt, int b) { return pt->bucket_offset[b + 1] - pt->bucket_offset[b]; }
 
 static size_t param_count(const ParamTable* pt) {  // without padding
     size_t n = 0;
@@ -323,13 +357,26 @@ typedef struct GPT {
     int loss_chunk;         // R: rows of the output head processed at once
     bool recompute;
     bool deterministic;     // attention backward: dQ sums in a fixed order (bitwise reproducible)
-    // the flat parameter buffers, table.n_elements long each
+    Sharding dp;            // this rank among the data-parallel ranks
+    // The flat buffers: bf16 weights and (ZeRO 0, 1) gradients are table.n_elements long; the
+    // optimizer's buffers are opt_len long: everything (ZeRO 0) or this rank's pieces of the
+    // buckets, one after the other (ZeRO 1, 2).
+    bf16* params;           // bf16 weights used by forward and backward
+    float* grads;           // fp32, accumulated over micro-batches (NULL with ZeRO 2)
+    size_t opt_len;
+    size_t* opt_offset;     // [L + 1] where bucket b's owned part starts in the optimizer's buffers
     float* master;          // fp32 weights, updated by AdamW
-    bf16* params;           // bf16 copy used by forward and backward
-    float* grads;           // fp32, accumulated over micro-batches
     float* adam_m;
     float* adam_v;
-    uint8_t* decay_flags;   // [n_elements / PARAM_ALIGN] what decays, for AdamW
+    uint8_t* decay_flags;   // [opt_len / PARAM_ALIGN] what decays, for AdamW
+    float* grad_shard;      // [opt_len] the reduced gradients of the owned pieces (ZeRO 1, 2)
+    bf16* params_shard;     // [opt_len] AdamW's bf16 output, all-gathered into params (ZeRO 1, 2)
+    float* grad_bucket[MAX_LAYERS + 1];  // where bucket b's gradients are written this micro-batch
+    float* grad_ring[2];    // ZeRO 2: layer l's gradients in ring[l % 2], bucket L's in grad_tail
+    float* grad_tail;
+    float* rs_scratch;      // ZeRO 2: a reduce-scatter's output before it is added to grad_shard
+    cudaEvent_t ring_free[3];  // ZeRO 2: ring[i]'s (and, [2], grad_tail's) last reduce-scatter is done
+    int micro, accum;       // the micro-batch being run, of how many this step
     OptimScalars* scalars;  // the step's scalars (step, lr, loss, gradient norm), on the device
     Activations act;
     float* rope_cos;        // [T, D/2]
@@ -342,8 +389,25 @@ typedef struct GPT {
     size_t bytes_params, bytes_grads, bytes_optimizer, bytes_activations, bytes_scratch;
 } GPT;
 
+// The elements of bucket b this rank's optimizer owns: all of it (ZeRO 0), or its piece.
+static void owned_part(const GPT* m, int b, size_t* begin, size_t* end) {
+    size_t start = m->table.bucket_offset[b], len = bucket_len(&m->table, b);
+    if (m->dp.zero == 0) {
+        *begin = start, *end = start + len;
+    } else {
+        size_t piece = len / m->dp.world;
+        *begin = start + m->dp.rank * piece, *end = *begin + piece;
+    }
+}
+
+static int bucket_of(const ParamTensor* t, int n_layers) { return t->layer >= 0 ? t->layer : n_layers; }
+
 static bf16* P(const GPT* m, ParamKind kind, int layer) { return m->params + param(&m->table, kind, layer)->offset; }
-static float* G(const GPT* m, ParamKind kind, int layer) { return m->grads + param(&m->table, kind, layer)->offset; }
+static float* G(const GPT* m, ParamKind kind, int layer) {
+    const ParamTensor* t = param(&m->table, kind, layer);
+    int b = bucket_of(t, m->table.n_layers);
+    return m->grad_bucket[b] + (t->offset - m->table.bucket_offset[b]);
+}
 
 // A bump allocator over one cudaMalloc: every carve is 256-byte aligned.
 typedef struct {
@@ -428,13 +492,36 @@ static size_t gpt_bytes_total(const GPT* m) {
            CUBLASLT_WORKSPACE_BYTES;
 }
 
-// Sizes every buffer from the config, before anything is allocated: master and bf16 weights,
-// gradients, both moments, and the activations (measured by laying them out over no memory).
+// Where each bucket's owned part sits in the optimizer's buffers, and their length.
+static void gpt_plan_shards(GPT* m) {
+    int L = m->table.n_layers;
+    m->opt_offset = (size_t*)xcalloc(L + 1, sizeof(size_t));
+    m->opt_len = 0;
+    for (int b = 0; b <= L; b++) {
+        size_t begin, end;
+        owned_part(m, b, &begin, &end);
+        m->opt_offset[b] = m->opt_len;
+        m->opt_len += end - begin;
+    }
+}
+
+static size_t largest_layer_bucket(const ParamTable* pt) {
+    size_t most = 0;
+    for (int l = 0; l < pt->n_layers; l++) most = bucket_len(pt, l) > most ? bucket_len(pt, l) : most;
+    return most;
+}
+
+// Sizes every buffer from the config and the ZeRO mode, before anything is allocated: weights
+// (bf16 everywhere; fp32 master only for the owned part), gradients (full, or with ZeRO 2 the ring,
+// bucket L and the reduced pieces), both moments, and the activations (measured by laying them
+// out over no memory).
 static void gpt_plan_memory(GPT* m) {
-    size_t P = m->table.n_elements;
-    m->bytes_params = P * (4 + 2);
-    m->bytes_grads = P * 4;
-    m->bytes_optimizer = P * 8;
+    const ParamTable* pt = &m->table;
+    size_t P = pt->n_elements, S = m->opt_len, L = pt->n_layers, sharded = m->dp.zero > 0;
+    m->bytes_params = P * 2 + S * 4 + sharded * S * 2;
+    if (m->dp.zero < 2) m->bytes_grads = P * 4 + sharded * S * 4;
+    else m->bytes_grads = (2 * largest_layer_bucket(pt) + bucket_len(pt, L) + S) * 4 + S / m->dp.world * 4;
+    m->bytes_optimizer = S * 8 + S / PARAM_ALIGN;
     Arena kept = {NULL, 0, 0}, scratch = {NULL, 0, 0};
     activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute);
     m->bytes_activations = kept.used;
@@ -447,28 +534,64 @@ static void gpt_check_fits(const GPT* m) {
     CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     if (gpt_bytes_total(m) > free_bytes) {
         fprintf(stderr, "train_gpt: this config needs %.2f GiB of GPU memory (activations %.2f) but %.2f GiB are "
-                        "free; lower --batch, or use --recompute 1\n", gib(gpt_bytes_total(m)),
-                gib(m->bytes_activations), gib(free_bytes));
+                        "free; lower --batch, or use --recompute 1%s\n", gib(gpt_bytes_total(m)),
+                gib(m->bytes_activations), gib(free_bytes), m->dp.world > 1 ? ", or a higher --zero" : "");
         exit(1);
     }
 }
 
+// AdamW's decay flags for the optimizer's buffers: the table's, for the owned parts.
+static void gpt_upload_decay_flags(GPT* m) {
+    uint8_t* full = param_decay_flags(&m->table);
+    uint8_t* owned = (uint8_t*)xcalloc(m->opt_len / PARAM_ALIGN, 1);
+    for (int b = 0; b <= m->table.n_layers; b++) {
+        size_t begin, end;
+        owned_part(m, b, &begin, &end);
+        memcpy(owned + m->opt_offset[b] / PARAM_ALIGN, full + begin / PARAM_ALIGN, (end - begin) / PARAM_ALIGN);
+    }
+    CUDA_CHECK(cudaMalloc(&m->decay_flags, m->opt_len / PARAM_ALIGN));
+    CUDA_CHECK(cudaMemcpy(m->decay_flags, owned, m->opt_len / PARAM_ALIGN, cudaMemcpyHostToDevice));
+    free(full);
+    free(owned);
+}
+
+// The gradient buffers, and where each bucket's gradients are written: in place in the full
+// buffer (ZeRO 0, 1), or in the ring and grad_tail (ZeRO 2).
+static void gpt_allocate_grads(GPT* m) {
+    const ParamTable* pt = &m->table;
+    int L = pt->n_layers;
+    if (m->dp.zero > 0) CUDA_CHECK(cudaMalloc(&m->grad_shard, m->opt_len * 4));
+    if (m->dp.zero < 2) {
+        CUDA_CHECK(cudaMalloc(&m->grads, pt->n_elements * 4));
+        CUDA_CHECK(cudaMemsetAsync(m->grads, 0, pt->n_elements * 4, m->stream));
+        for (int b = 0; b <= L; b++) m->grad_bucket[b] = m->grads + pt->bucket_offset[b];
+        return;
+    }
+    for (int i = 0; i < 2; i++) CUDA_CHECK(cudaMalloc(&m->grad_ring[i], largest_layer_bucket(pt) * 4));
+    CUDA_CHECK(cudaMalloc(&m->grad_tail, bucket_len(pt, L) * 4));
+    CUDA_CHECK(cudaMalloc(&m->rs_scratch, m->opt_len / m->dp.world * 4 + 4));
+    for (int i = 0; i < 3; i++) {
+        CUDA_CHECK(cudaEventCreateWithFlags(&m->ring_free[i], cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventRecord(m->ring_free[i], m->stream));
+    }
+    for (int l = 0; l < L; l++) m->grad_bucket[l] = m->grad_ring[l % 2];
+    m->grad_bucket[L] = m->grad_tail;
+}
+
 static void gpt_allocate(GPT* m) {
-    size_t P = m->table.n_elements;
-    CUDA_CHECK(cudaMalloc(&m->master, P * 4));
+    size_t P = m->table.n_elements, S = m->opt_len;
     CUDA_CHECK(cudaMalloc(&m->params, P * 2));
-    CUDA_CHECK(cudaMalloc(&m->grads, P * 4));
-    CUDA_CHECK(cudaMalloc(&m->adam_m, P * 4));
-    CUDA_CHECK(cudaMalloc(&m->adam_v, P * 4));
+    CUDA_CHECK(cudaMemsetAsync(m->params, 0, P * 2, m->stream));
+    float** fp32[] = {&m->master, &m->adam_m, &m->adam_v};
+    for (float** buffer : fp32) {
+        CUDA_CHECK(cudaMalloc(buffer, S * 4));
+        CUDA_CHECK(cudaMemsetAsync(*buffer, 0, S * 4, m->stream));
+    }
+    if (m->dp.zero > 0) CUDA_CHECK(cudaMalloc(&m->params_shard, S * 2));
+    gpt_allocate_grads(m);
+    gpt_upload_decay_flags(m);
     CUDA_CHECK(cudaMalloc(&m->scalars, sizeof(OptimScalars)));
-    CUDA_CHECK(cudaMemsetAsync(m->grads, 0, P * 4, m->stream));
-    CUDA_CHECK(cudaMemsetAsync(m->adam_m, 0, P * 4, m->stream));
-    CUDA_CHECK(cudaMemsetAsync(m->adam_v, 0, P * 4, m->stream));
     CUDA_CHECK(cudaMemsetAsync(m->scalars, 0, sizeof(OptimScalars), m->stream));
-    uint8_t* flags = param_decay_flags(&m->table);
-    CUDA_CHECK(cudaMalloc(&m->decay_flags, P / PARAM_ALIGN));
-    CUDA_CHECK(cudaMemcpy(m->decay_flags, flags, P / PARAM_ALIGN, cudaMemcpyHostToDevice));
-    free(flags);
     Arena kept = {NULL, 0, 0}, scratch = {NULL, 0, 0};
     CUDA_CHECK(cudaMalloc(&kept.base, m->bytes_activations));
     CUDA_CHECK(cudaMalloc(&scratch.base, m->bytes_scratch));
@@ -486,7 +609,9 @@ static void gpt_allocate(GPT* m) {
     free(host_rope);
 }
 
-static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recompute, int loss_chunk) {
+// dp says which rank of how many this is and the ZeRO mode (ONE_GPU on one GPU).
+static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recompute, int loss_chunk,
+                       const Sharding* dp) {
     memset(m, 0, sizeof(*m));
     m->cfg = *cfg;
     m->B = B;
@@ -495,9 +620,12 @@ static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recomp
     m->recompute = recompute;
     m->deterministic = true;
     m->loss_chunk = loss_chunk < m->N ? loss_chunk : m->N;
-    param_table_build(&m->table, cfg);
+    m->dp = *dp;
+    m->accum = 1;
+    param_table_build(&m->table, cfg, dp->world);
     CUDA_CHECK(cudaStreamCreate(&m->stream));
     matmul_init();
+    gpt_plan_shards(m);
     gpt_plan_memory(m);
     gpt_check_fits(m);  // a plan that cannot fit is one line, before any allocation
     gpt_allocate(m);
@@ -505,27 +633,53 @@ static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recomp
 
 static void gpt_free(GPT* m) {
     void* buffers[] = {m->master, m->params, m->grads, m->adam_m, m->adam_v, m->decay_flags, m->scalars,
-                       m->activation_memory, m->scratch_memory, m->rope_cos};
+                       m->grad_shard, m->params_shard, m->grad_ring[0], m->grad_ring[1], m->grad_tail,
+                       m->rs_scratch, m->activation_memory, m->scratch_memory, m->rope_cos};
     for (void* p : buffers) CUDA_CHECK(cudaFree(p));
+    if (m->dp.zero == 2)
+        for (int i = 0; i < 3; i++) CUDA_CHECK(cudaEventDestroy(m->ring_free[i]));
     CUDA_CHECK(cudaStreamDestroy(m->stream));
     matmul_free();
     param_table_free(&m->table);
+    free(m->opt_offset);
+}
+
+// The bf16 weights every rank computes with, from the optimizer's fp32 master: cast (all of it,
+// or this rank's pieces, then all-gathered bucket by bucket).
+static void publish_params(GPT* m) {
+    if (m->dp.zero == 0) {
+        cast_to_bf16(m->params, m->master, m->opt_len, m->stream);
+        return;
+    }
+    cast_to_bf16(m->params_shard, m->master, m->opt_len, m->stream);
+    Comm* c = m->dp.comm;
+    comm_follow(c, m->stream);
+    for (int b = 0; b <= m->table.n_layers; b++)
+        comm_all_gather(c, m->params_shard + m->opt_offset[b], m->params + m->table.bucket_offset[b],
+                        bucket_len(&m->table, b) / m->dp.world, sizeof(bf16));
+    comm_join(c, m->stream);
 }
 
 // Initialization as in GPT-2 and torch_baseline.py: matrices N(0, 0.02), norm weights 1.
 // Each matrix draws from its own stream of the seed, numbered the embedding 0, then kind by kind
 // and layer by layer (1 + kind L + layer), so its values depend neither on the layout of the flat
-// buffer nor on the other tensors.
+// buffer nor on the other tensors, nor on which rank initializes which part.
 static void gpt_init(GPT* m, uint64_t seed) {
-    CUDA_CHECK(cudaMemsetAsync(m->master, 0, m->table.n_elements * 4, m->stream));
+    CUDA_CHECK(cudaMemsetAsync(m->master, 0, m->opt_len * 4, m->stream));
     for (int i = 0; i < m->table.n_tensors; i++) {
         const ParamTensor* t = &m->table.tensors[i];
-        size_t n = (size_t)(t->rows * t->cols);
+        int b = bucket_of(t, m->table.n_layers);
+        size_t own_begin, own_end, n = (size_t)(t->rows * t->cols);
+        owned_part(m, b, &own_begin, &own_end);
+        size_t begin = t->offset > own_begin ? t->offset : own_begin;
+        size_t end = t->offset + n < own_end ? t->offset + n : own_end;
+        if (begin >= end) continue;
+        float* dst = m->master + m->opt_offset[b] + (begin - own_begin);
         uint64_t stream = t->kind == P_EMBED ? 0 : 1 + (uint64_t)t->kind * m->cfg.n_layer + t->layer;
-        if (t->decay) init_normal(m->master + t->offset, n, 0.0f, 0.02f, seed * 1000003 + stream, m->stream);
-        else init_normal(m->master + t->offset, n, 1.0f, 0.0f, 0, m->stream);
+        if (t->decay) init_normal(dst, end - begin, 0.0f, 0.02f, seed * 1000003 + stream, begin - t->offset, m->stream);
+        else init_normal(dst, end - begin, 1.0f, 0.0f, 0, 0, m->stream);
     }
-    cast_to_bf16(m->params, m->master, m->table.n_elements, m->stream);
+    publish_params(m);
 }
 
 static void print_memory_plan(const GPT* m) {
@@ -720,8 +874,35 @@ static void head_and_loss(GPT* m, const Batch* batch, float d_loss, bool backwar
 // Backward: from dL/d(xnorm_final), left in d_xnorm by head_and_loss, down to the embedding.
 // Parameter gradients accumulate (+=); d_residual carries dL/d(residual stream) down the layers.
 
-static void grads_ready(GPT* m, int bucket) {
-    if (m->grads_ready) m->grads_ready(m->grads_ready_ctx, m, bucket);
+// Before bucket b's gradients are first written in a micro-batch. With ZeRO 2 the bucket's buffer
+// is a ring slot (or grad_tail) that the previous reduce-scatter from it may still be reading.
+static void grads_open(GPT* m, int b) {
+    if (m->dp.zero < 2) return;
+    int slot = b == m->table.n_layers ? 2 : b % 2;
+    CUDA_CHECK(cudaStreamWaitEvent(m->stream, m->ring_free[slot], 0));
+    CUDA_CHECK(cudaMemsetAsync(m->grad_bucket[b], 0, bucket_len(&m->table, b) * 4, m->stream));
+}
+
+// Bucket b's gradients are complete for this micro-batch: sum them across the ranks, on the comm
+// stream while the backward goes on. ZeRO 0 and 1 wait for the last micro-batch (the gradients
+// accumulate in place until then); ZeRO 2 sends every micro-batch's and keeps only its piece.
+static void grads_ready(GPT* m, int b) {
+    if (m->grads_ready) m->grads_ready(m->grads_ready_ctx, m, b);
+    Comm* c = m->dp.comm;
+    bool last = m->micro == m->accum - 1;
+    if (!c || (m->dp.zero < 2 && !last)) return;
+    size_t len = bucket_len(&m->table, b), piece = len / m->dp.world;
+    float* owned = m->grad_shard + m->opt_offset[b];
+    comm_follow(c, m->stream);
+    if (m->dp.zero == 0) {
+        comm_all_reduce(c, m->grad_bucket[b], len);
+    } else if (m->dp.zero == 1 || m->micro == 0) {
+        comm_reduce_scatter(c, m->grad_bucket[b], owned, piece);
+    } else {
+        comm_reduce_scatter(c, m->grad_bucket[b], m->rs_scratch, piece);
+        add_into(owned, m->rs_scratch, piece, c->stream);
+    }
+    if (m->dp.zero == 2) CUDA_CHECK(cudaEventRecord(m->ring_free[b == m->table.n_layers ? 2 : b % 2], c->stream));
 }
 
 static void backward(GPT* m, const Batch* batch) {
@@ -733,6 +914,7 @@ static void backward(GPT* m, const Batch* batch) {
     rmsnorm_backward(a->d_residual, G(m, P_FINAL_NORM, 0), a->partials, a->d_xnorm, a->residual[L],
                      P(m, P_FINAL_NORM, 0), a->rstd_final, N, C, m->stream);
     for (int l = L - 1; l >= 0; l--) {
+        grads_open(m, l);
         // MLP block. d_residual = dL/d(residual[l+1]) flows both through the skip connection
         // (unchanged) and through the block, whose contribution rmsnorm_backward adds to it.
         if (m->recompute) {
@@ -771,22 +953,55 @@ static void backward(GPT* m, const Batch* batch) {
     grads_ready(m, L);  // and the embedding's and the final norm's
 }
 
-// One micro-batch's forward and backward; gradients accumulate, and so does the step's loss sum.
-static void forward_backward(GPT* m, const Batch* batch, float d_loss, bool first_micro) {
+// The start of an optimizer step: gradients start from zero (ZeRO 2 zeroes each bucket as it opens).
+static void zero_grads(GPT* m) {
+    if (m->grads) CUDA_CHECK(cudaMemsetAsync(m->grads, 0, m->table.n_elements * sizeof(float), m->stream));
+}
+
+// Micro-batch `micro` of `accum` of a step: forward and backward. Gradients accumulate, and so
+// does the step's loss sum; dL/dloss_token = 1 / (all the step's tokens, over every rank).
+static void forward_backward(GPT* m, const Batch* batch, int micro, int accum) {
+    m->micro = micro;
+    m->accum = accum;
+    float d_loss = 1.0f / ((float)m->N * accum * m->dp.world);
     forward_layers(m, batch);
-    head_and_loss(m, batch, d_loss, true, &m->scalars->loss_sum, !first_micro);
+    grads_open(m, m->table.n_layers);  // the head writes the embedding's gradient first
+    head_and_loss(m, batch, d_loss, true, &m->scalars->loss_sum, micro > 0);
     backward(m, batch);
 }
 
 // ----------------------------------------------------------------------------------------------
 // The optimizer step: the global gradient norm (kept on the device for the clip inside AdamW),
-// then AdamW over every parameter. The learning rate and the bias corrections are computed on
-// the device from the step count there (kernels.cuh), so the step takes nothing from the host.
+// then AdamW over the parameters this rank updates, then the new bf16 weights to every rank. The
+// learning rate and the bias corrections are computed on the device from the step count there
+// (kernels.cuh), so the step takes nothing from the host.
+
+// Sums a scalar of OptimScalars across the ranks (the loss, a sharded gradient norm).
+static void sum_over_ranks(GPT* m, float* scalar) {
+    Comm* c = m->dp.comm;
+    if (!c || m->dp.world == 1) return;
+    comm_follow(c, m->stream);
+    comm_all_reduce(c, scalar, 1);
+    comm_join(c, m->stream);
+}
 
 static void optimizer_step(GPT* m, const OptimConfig* o) {
-    reduce_sum(&m->scalars->grad_norm_sq, m->grads, m->table.n_elements, true, false, m->act.partials, m->stream);
-    adamw_step(m->master, m->params, m->grads, m->adam_m, m->adam_v, m->decay_flags, 0, m->table.n_elements, o,
-               m->scalars, m->stream);
+    if (m->dp.comm) comm_join(m->dp.comm, m->stream);  // every bucket's collective is done
+    const float* grads = m->dp.zero == 0 ? m->grads : m->grad_shard;
+    reduce_sum(&m->scalars->grad_norm_sq, grads, m->opt_len, true, false, m->act.partials, m->stream);
+    if (m->dp.zero > 0) sum_over_ranks(m, &m->scalars->grad_norm_sq);  // each rank holds a share
+    sum_over_ranks(m, &m->scalars->loss_sum);
+    bf16* params_out = m->dp.zero == 0 ? m->params : m->params_shard;
+    adamw_step(m->master, params_out, grads, m->adam_m, m->adam_v, m->decay_flags, 0, m->opt_len, o, m->scalars,
+               m->stream);
+    if (m->dp.zero > 0) {  // the pieces' new bf16 weights to every rank
+        Comm* c = m->dp.comm;
+        comm_follow(c, m->stream);
+        for (int b = 0; b <= m->table.n_layers; b++)
+            comm_all_gather(c, m->params_shard + m->opt_offset[b], m->params + m->table.bucket_offset[b],
+                            bucket_len(&m->table, b) / m->dp.world, sizeof(bf16));
+        comm_join(c, m->stream);
+    }
 }
 
 // Sets the device's step count (the schedule's position), e.g. on resume.
@@ -956,7 +1171,7 @@ static bool export_hf(const GPT* m, const float* weights, const char* dir, char*
     return ok;
 }
 
-// A host copy of a device buffer of the flat layout, widened to fp32.
+// A host copy of the bf16 weights or of the gradients (one GPU), widened to fp32.
 static float* download_flat(const GPT* m, const void* device, bool is_bf16) {
     size_t n = m->table.n_elements;
     float* host = (float*)malloc(n * sizeof(float));
@@ -1106,14 +1321,45 @@ static bool checkpoint_read(const GPT* m, const char* dir, float* master, float*
     return ok;
 }
 
-// Puts host copies of the master weights and moments on the GPU, and the bf16 weights with them.
+// Puts host copies (full, of the flat layout) of the master weights and moments on the GPU, this
+// rank's parts of them, and the bf16 weights with them.
 static void gpt_upload_state(GPT* m, const float* master, const float* adam_m, const float* adam_v) {
-    size_t bytes = m->table.n_elements * 4;
-    CUDA_CHECK(cudaMemcpy(m->master, master, bytes, cudaMemcpyHostToDevice));
-    if (adam_m) CUDA_CHECK(cudaMemcpy(m->adam_m, adam_m, bytes, cudaMemcpyHostToDevice));
-    if (adam_v) CUDA_CHECK(cudaMemcpy(m->adam_v, adam_v, bytes, cudaMemcpyHostToDevice));
-    cast_to_bf16(m->params, m->master, m->table.n_elements, m->stream);
+    const float* host[] = {master, adam_m, adam_v};
+    float* device[] = {m->master, m->adam_m, m->adam_v};
+    for (int i = 0; i < 3; i++) {
+        if (!host[i]) continue;
+        for (int b = 0; b <= m->table.n_layers; b++) {
+            size_t begin, end;
+            owned_part(m, b, &begin, &end);
+            CUDA_CHECK(cudaMemcpy(device[i] + m->opt_offset[b], host[i] + begin, (end - begin) * 4,
+                                  cudaMemcpyHostToDevice));
+        }
+    }
+    publish_params(m);
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
+}
+
+// The reverse, into pinned or pageable host memory of the flat layout (queued on the model's
+// stream, or with ZeRO 1/2 on the comm stream behind an all-gather per bucket, through a
+// gradient buffer, which is free between steps). Every rank must call it; host is filled on rank
+// 0 only (other ranks pass NULL). The caller synchronizes.
+static void gpt_download_state(GPT* m, const float* state, float* host) {
+    const ParamTable* pt = &m->table;
+    if (m->dp.zero == 0) {
+        if (host) CUDA_CHECK(cudaMemcpyAsync(host, state, pt->n_elements * 4, cudaMemcpyDeviceToHost, m->stream));
+        return;
+    }
+    Comm* c = m->dp.comm;
+    comm_follow(c, m->stream);
+    for (int b = 0; b <= pt->n_layers; b++) {
+        float* whole = m->dp.zero == 1 ? m->grads + pt->bucket_offset[b]
+                       : b == pt->n_layers ? m->grad_tail : m->grad_ring[0];
+        comm_all_gather(c, state + m->opt_offset[b], whole, bucket_len(pt, b) / m->dp.world, sizeof(float));
+        if (host)
+            CUDA_CHECK(cudaMemcpyAsync(host + pt->bucket_offset[b], whole, bucket_len(pt, b) * 4,
+                                       cudaMemcpyDeviceToHost, c->stream));
+    }
+    comm_join(c, m->stream);
 }
 
 // The model config of a transformers Qwen3 checkpoint directory (config.json), for --init-from.
@@ -1178,7 +1424,7 @@ typedef struct {
     ModelConfig model;
     OptimConfig optim;
     int batch_size;          // B: sequences per micro-batch
-    int total_batch_tokens;  // tokens per optimizer step; a multiple of B*T (gradient accumulation)
+    int total_batch_tokens;  // tokens per optimizer step over all GPUs; a multiple of B*T*GPUs (accumulation)
     int recompute;
     int deterministic;
     int loss_chunk;
@@ -1200,6 +1446,9 @@ typedef struct {
     int stop_at;
     const char* resume;
     const char* init_from;
+    int gpus, zero;          // data parallelism: ranks started here (without a launcher), ZeRO mode
+    const char* master;      // host:port of rank 0, for Slurm without MASTER_ADDR / MASTER_PORT
+    float timeout;           // seconds without progress before a rank gives up on its peers
 } Options;
 
 typedef enum { OPT_INT, OPT_FLOAT, OPT_STR, OPT_U64, OPT_FLAG } OptType;
@@ -1266,6 +1515,11 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--resume", OPT_STR, &o->resume, "continue from a checkpoint: 'latest' (in --out) or its directory"},
         {"--init-from", OPT_STR, &o->init_from,
          "start from a transformers Qwen3 checkpoint directory (its config.json sets the model)"},
+        {"--gpus", OPT_INT, &o->gpus, "GPUs of this machine to train on, one process each (no launcher needed)"},
+        {"--zero", OPT_INT, &o->zero,
+         "0: every GPU holds everything; 1: optimizer state sharded; 2: gradients sharded too"},
+        {"--master", OPT_STR, &o->master, "host:port of rank 0 under Slurm when MASTER_ADDR/PORT are not set"},
+        {"--timeout", OPT_FLOAT, &o->timeout, "seconds a rank waits for its peers (start-up, or a step) before it stops"},
     };
     int n = (int)(sizeof(all) / sizeof(all[0]));
     if (specs) memcpy(specs, all, sizeof(all));
@@ -1306,6 +1560,9 @@ static void options_default(Options* o) {
     o->sample_seed = 42;
     o->ckpt_every = 100;
     o->keep_last = 2;
+    o->gpus = 1;
+    o->zero = 0;
+    o->timeout = 50.0f;
 }
 
 static void print_help(void) {
@@ -1404,6 +1661,9 @@ static void check_options(const Options* o) {
     else if (o->ckpt_every < 0 || o->keep_last < 1) problem = "--ckpt-every must be >= 0 and --keep-last >= 1";
     else if (o->stop_at < 0) problem = "--stop-at must be >= 0";
     else if (o->resume && o->init_from) problem = "--resume and --init-from exclude each other";
+    else if (o->gpus < 1 || o->gpus > 1024) problem = "--gpus must be in [1, 1024]";
+    else if (o->zero < 0 || o->zero > 2) problem = "--zero must be 0, 1 or 2";
+    else if (!(o->timeout >= 5.0f)) problem = "--timeout must be at least 5 seconds";
     if (problem) {
         fprintf(stderr, "train_gpt: %s\n", problem);
         exit(2);
@@ -1422,8 +1682,8 @@ static const uint16_t* synthetic_batch(uint16_t* window, int B, int T, int vocab
     return window;
 }
 
-// The mean loss over up to max_batches micro-batches of the validation split. The losses add up
-// on the device; the host reads the total once.
+// The mean loss over up to max_batches micro-batches of the validation split on each rank (the
+// ranks read disjoint batches). The losses add up on the device; the host reads the total once.
 static float validate(GPT* m, Uploader* up, DataLoader* val, int max_batches) {
     loader_rewind(val);
     size_t n = loader_batches_per_epoch(val);
@@ -1433,10 +1693,11 @@ static float validate(GPT* m, Uploader* up, DataLoader* val, int max_batches) {
         forward_layers(m, &b);
         head_and_loss(m, &b, 0.0f, false, &m->scalars->val_loss_sum, i > 0);
     }
+    sum_over_ranks(m, &m->scalars->val_loss_sum);  // each rank read its own batches
     float loss_sum;
     CUDA_CHECK(cudaMemcpyAsync(&loss_sum, &m->scalars->val_loss_sum, sizeof(float), cudaMemcpyDeviceToHost, m->stream));
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
-    return (float)(loss_sum / ((double)n * m->N));
+    return (float)(loss_sum / ((double)n * m->N * m->dp.world));
 }
 
 // Text from the model: extends the prompt by up to n_new tokens, each drawn from the softmax of
@@ -1496,8 +1757,8 @@ static void sample_text(GPT* m, Uploader* up, const Tokenizer* tk, const TokenLi
 // GPU computed with, for scripts/hf_check.py to recompute in transformers.
 static void dump_grads(GPT* m, Uploader* up, const uint16_t* window, const char* dir) {
     Batch b = upload_batch(up, m, window);
-    CUDA_CHECK(cudaMemsetAsync(m->grads, 0, m->table.n_elements * 4, m->stream));
-    forward_backward(m, &b, 1.0f / m->N, true);
+    zero_grads(m);
+    forward_backward(m, &b, 0, 1);
     float loss_sum;
     CUDA_CHECK(cudaMemcpyAsync(&loss_sum, &m->scalars->loss_sum, 4, cudaMemcpyDeviceToHost, m->stream));
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
@@ -1564,7 +1825,7 @@ static void checkpointer_create(Checkpointer* c, const GPT* m, const char* out_d
     c->model = m;
     c->out_dir = out_dir;
     c->keep_last = keep_last;
-    CUDA_CHECK(cudaMallocHost(&c->host, 3 * m->table.n_elements * sizeof(float)));
+    if (m->dp.rank == 0) CUDA_CHECK(cudaMallocHost(&c->host, 3 * m->table.n_elements * sizeof(float)));
     CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&c->copied, cudaEventDisableTiming));
@@ -1592,15 +1853,25 @@ static bool checkpoint_wait(Checkpointer* c) {
     return !c->failed;
 }
 
-// Snapshots the state after the optimizer update just queued on the model's stream.
+// Snapshots the state after the optimizer update just queued on the model's stream. Every rank
+// calls it; rank 0 writes. With ZeRO 0 rank 0 holds everything and copies it on a side stream;
+// with ZeRO 1/2 every rank joins the all-gathers that bring the pieces to rank 0's host buffer.
 static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state) {
     size_t n = m->table.n_elements;
-    CUDA_CHECK(cudaEventRecord(c->ready, m->stream));
-    CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ready, 0));
-    CUDA_CHECK(cudaMemcpyAsync(c->host, m->master, n * 4, cudaMemcpyDeviceToHost, c->stream));
-    CUDA_CHECK(cudaMemcpyAsync(c->host + n, m->adam_m, n * 4, cudaMemcpyDeviceToHost, c->stream));
-    CUDA_CHECK(cudaMemcpyAsync(c->host + 2 * n, m->adam_v, n * 4, cudaMemcpyDeviceToHost, c->stream));
-    CUDA_CHECK(cudaEventRecord(c->copied, c->stream));
+    bool writer = m->dp.rank == 0;
+    if (m->dp.zero == 0 && writer) {
+        CUDA_CHECK(cudaEventRecord(c->ready, m->stream));
+        CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ready, 0));
+        CUDA_CHECK(cudaMemcpyAsync(c->host, m->master, n * 4, cudaMemcpyDeviceToHost, c->stream));
+        CUDA_CHECK(cudaMemcpyAsync(c->host + n, m->adam_m, n * 4, cudaMemcpyDeviceToHost, c->stream));
+        CUDA_CHECK(cudaMemcpyAsync(c->host + 2 * n, m->adam_v, n * 4, cudaMemcpyDeviceToHost, c->stream));
+        CUDA_CHECK(cudaEventRecord(c->copied, c->stream));
+    } else if (m->dp.zero > 0) {
+        const float* state_buffers[] = {m->master, m->adam_m, m->adam_v};
+        for (int i = 0; i < 3; i++) gpt_download_state(m, state_buffers[i], writer ? c->host + i * n : NULL);
+        CUDA_CHECK(cudaEventRecord(c->copied, m->stream));
+    }
+    if (!writer) return;
     c->state = *state;
     c->failed = false;
     if (pthread_create(&c->thread, NULL, checkpoint_thread, c) != 0) {
@@ -1681,6 +1952,9 @@ static void resume_from(GPT* m, const char* which, const char* out_dir, TrainerS
 
 typedef struct {
     Options o;
+    CommEnv env;                // this process's rank among the run's (rank 0 of 1 on one GPU)
+    Comm comm;
+    bool parallel;              // comm is open: several ranks, or one rank with --zero 1 or 2
     GPT model;
     int accum;                  // micro-batches per optimizer step
     int start_step;             // steps done before this run (resume)
@@ -1712,18 +1986,19 @@ static void trainer_open_data(Trainer* t) {
     char err[1024];
     t->synthetic = (uint16_t*)malloc((size_t)B * (T + 1) * sizeof(uint16_t));
     if (!o->bench) {
-        if (loader_open(&t->train, o->train_data, B, T, 0, 1, 1, o->seed, err, sizeof(err)) != 0) {
+        int rank = t->env.rank, world = t->env.world;
+        if (loader_open(&t->train, o->train_data, B, T, rank, world, 1, o->seed, err, sizeof(err)) != 0) {
             fprintf(stderr, "train_gpt: %s%s\n", err,
                     strstr(o->train_data, "data/default/") ? " (run `make data` to prepare the default corpus)" : "");
             exit(1);
         }
         t->have_val = o->val_data && o->val_data[0];
-        if (t->have_val && loader_open(&t->val, o->val_data, B, T, 0, 1, 0, 0, err, sizeof(err)) != 0) {
+        if (t->have_val && loader_open(&t->val, o->val_data, B, T, rank, world, 0, 0, err, sizeof(err)) != 0) {
             fprintf(stderr, "train_gpt: %s\n", err);
             exit(1);
         }
     }
-    t->sampling = o->sample_every > 0 && !o->bench;
+    t->sampling = o->sample_every > 0 && !o->bench && t->env.rank == 0;
     if (t->sampling) {
         if (tokenizer_load(&t->tokenizer, o->tokenizer_dir, err, sizeof(err)) != 0) {
             fprintf(stderr, "train_gpt: %s (run `make data`, or --sample-every 0)\n", err);
@@ -1733,8 +2008,13 @@ static void trainer_open_data(Trainer* t) {
     }
 }
 
+// The output directory and the JSON log, on rank 0; the other ranks print nothing but errors.
 static void trainer_open_log(Trainer* t) {
     const char* dir = t->o.out_dir;
+    if (t->env.rank != 0) {
+        if (!freopen("/dev/null", "w", stdout)) exit(1);
+        return;
+    }
     if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
         fprintf(stderr, "train_gpt: cannot create output directory %s: %s\n", dir, strerror(errno));
         exit(1);
@@ -1748,7 +2028,7 @@ static void trainer_open_log(Trainer* t) {
     }
 }
 
-static void require_gpu(cudaDeviceProp* prop) {
+static void require_gpu(cudaDeviceProp* prop, int local_rank) {
     int n_devices = 0;
     cudaError_t status = cudaGetDeviceCount(&n_devices);
     if (status != cudaSuccess || n_devices == 0) {
@@ -1756,14 +2036,27 @@ static void require_gpu(cudaDeviceProp* prop) {
                 status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
         exit(1);
     }
-    CUDA_CHECK(cudaGetDeviceProperties(prop, 0));
+    CUDA_CHECK(cudaGetDeviceProperties(prop, local_rank < n_devices ? local_rank : 0));
+}
+
+// With several ranks (or ZeRO 1/2 on one): this process's GPU, and the communicator of the run.
+static void trainer_open_comm(Trainer* t) {
+    t->parallel = t->env.world > 1 || t->o.zero > 0;
+    if (!t->parallel) return;
+    char err[1024];
+    if (comm_open(&t->comm, &t->env, t->o.timeout, err, sizeof(err)) != 0) {
+        fprintf(stderr, "train_gpt rank %d of %d: %s\n", t->env.rank, t->env.world, err);
+        exit(1);
+    }
 }
 
 // The model, its weights (fresh, --init-from or --resume) and the checkpointer.
 static void trainer_open_model(Trainer* t) {
     const Options* o = &t->o;
     GPT* m = &t->model;
-    gpt_create(m, &o->model, o->batch_size, o->model.seq_len, o->recompute != 0, o->loss_chunk);
+    Sharding dp = ONE_GPU;
+    if (t->parallel) dp = (Sharding){t->env.rank, t->env.world, o->zero, &t->comm};
+    gpt_create(m, &o->model, o->batch_size, o->model.seq_len, o->recompute != 0, o->loss_chunk, &dp);
     m->deterministic = o->deterministic != 0;
     gpt_init(m, o->seed);
     if (o->init_from) load_init_from(m, o->init_from);
@@ -1784,7 +2077,7 @@ static void trainer_open_model(Trainer* t) {
     t->checkpointing = o->ckpt_every > 0 && !o->bench;
     if (t->checkpointing) {
         char err[1024];
-        if (ckpt_cleanup(o->out_dir, err, sizeof(err)) < 0) {
+        if (t->env.rank == 0 && ckpt_cleanup(o->out_dir, err, sizeof(err)) < 0) {
             fprintf(stderr, "train_gpt: %s\n", err);
             exit(1);
         }
@@ -1792,17 +2085,20 @@ static void trainer_open_model(Trainer* t) {
     }
 }
 
-static void trainer_open(Trainer* t, const Options* o) {
+static void trainer_open(Trainer* t, const Options* o, const CommEnv* env) {
     memset(t, 0, sizeof(*t));
     t->t_start = now_seconds();
     t->o = *o;
+    t->env = *env;
     int N = o->batch_size * o->model.seq_len;
-    t->accum = o->total_batch_tokens > 0 ? o->total_batch_tokens / N : 1;
+    t->accum = o->total_batch_tokens > 0 ? o->total_batch_tokens / (N * env->world) : 1;
     if (o->bench) t->o.optim.total_steps = 5 + o->bench_steps;
     trainer_open_data(t);
     trainer_open_log(t);
-    require_gpu(&t->prop);
+    require_gpu(&t->prop, t->env.local_rank);
+    trainer_open_comm(t);
     trainer_open_model(t);
+    if (t->env.world > 1) comm_watchdog_start(&t->comm);
     t->step = t->logged = t->start_step;
     uploader_create(&t->up, N, o->model.vocab_size);
     CUDA_CHECK(cudaMallocHost(&t->readback, STEPS_IN_FLIGHT * sizeof(OptimScalars)));
@@ -1816,8 +2112,11 @@ static void print_run_header(const Trainer* t) {
     const GPT* m = &t->model;
     printf("device: %s, %d SMs, %.1f GiB\n", t->prop.name, t->prop.multiProcessorCount, gib(t->prop.totalGlobalMem));
     print_memory_plan(m);
-    printf("batch: %d x %d tokens, %d micro-batches per step (%d tokens); %d steps\n", m->B, m->T, t->accum,
-           m->N * t->accum, t->o.optim.total_steps);
+    printf("batch: %d x %d tokens, %d micro-batches per step on each of %d GPUs (%d tokens); %d steps\n", m->B, m->T,
+           t->accum, m->dp.world, m->N * t->accum * m->dp.world, t->o.optim.total_steps);
+    if (t->parallel)
+        printf("data parallel: %d ranks (launched by %s), ZeRO-%d; the memory plan above is per GPU\n",
+               m->dp.world, t->env.launcher, m->dp.zero);
 }
 
 // The next micro-batch's B rows of T+1 tokens.
@@ -1834,10 +2133,10 @@ static void train_step(Trainer* t) {
     GPT* m = &t->model;
     int slot = t->step % STEPS_IN_FLIGHT;
     CUDA_CHECK(cudaEventRecord(t->step_start[slot], m->stream));
-    CUDA_CHECK(cudaMemsetAsync(m->grads, 0, m->table.n_elements * sizeof(float), m->stream));
+    zero_grads(m);
     for (int micro = 0; micro < t->accum; micro++) {
         Batch batch = upload_batch(&t->up, m, next_window(t));
-        forward_backward(m, &batch, 1.0f / ((float)m->N * t->accum), micro == 0);
+        forward_backward(m, &batch, micro, t->accum);
     }
     // The gradients are complete here.
     if (t->checkpointing) CUDA_CHECK(cudaStreamWaitEvent(m->stream, t->ckpt.copied, 0));  // last snapshot taken
@@ -1862,22 +2161,25 @@ static void log_one_step(Trainer* t, int index) {
     float ms;
     CUDA_CHECK(cudaEventElapsedTime(&ms, t->step_start[slot], t->step_end[slot]));
     const OptimScalars* s = &t->readback[slot];
-    double now = now_seconds(), tokens = (double)t->model.N * t->accum;
+    double now = now_seconds(), tokens = (double)t->model.N * t->accum * t->model.dp.world;
+    if (t->parallel) t->comm.last_progress = comm_now();  // the watchdog's sign of life
     if (index == t->start_step) t->t_first_step = now - t->t_start;
     if (index == t->start_step) t->t_loop = now;  // the ETA leaves out the first step's warm-up
     double per_step = index > t->start_step ? (now - t->t_loop) / (index - t->start_step) : ms / 1e3;
     double eta = per_step * (total - done), tok_s = tokens / (ms / 1e3);
-    double mfu = tok_s * flops_per_token(&t->model.cfg) / (o->peak_tflops * 1e12);
+    double mfu = tok_s / t->model.dp.world * flops_per_token(&t->model.cfg) / (o->peak_tflops * 1e12);
     float loss = s->loss_sum / (float)tokens, norm = sqrtf(s->grad_norm_sq);
     double mem = gib(gpt_bytes_total(&t->model));
     char eta_text[32];
     format_duration(eta_text, sizeof(eta_text), eta);
     printf("step %5d/%d | loss %8.4f | norm %7.4f | lr %.2e | %8.2f ms | %9.0f tok/s | MFU %5.1f%% | mem %.2f GiB | "
            "eta %s\n", done, total, loss, norm, s->lr, ms, tok_s, 100 * mfu, mem, eta_text);
-    fprintf(t->log, "{\"step\": %d, \"loss\": %.9g, \"grad_norm\": %.9g, \"lr\": %.9g, \"ms\": %.3f, "
-                    "\"tokens_per_s\": %.1f, \"mfu\": %.5f, \"mem_gib\": %.3f, \"elapsed_s\": %.3f, \"eta_s\": %.1f}\n",
-            done, loss, norm, s->lr, ms, tok_s, mfu, mem, now - t->t_start, eta);
-    fflush(t->log);
+    if (t->log) {
+        fprintf(t->log, "{\"step\": %d, \"loss\": %.9g, \"grad_norm\": %.9g, \"lr\": %.9g, \"ms\": %.3f, "
+                        "\"tokens_per_s\": %.1f, \"mfu\": %.5f, \"mem_gib\": %.3f, \"elapsed_s\": %.3f, "
+                        "\"eta_s\": %.1f}\n", done, loss, norm, s->lr, ms, tok_s, mfu, mem, now - t->t_start, eta);
+        fflush(t->log);
+    }
     if (o->bench && index >= t->start_step + 5) {
         t->bench_ms += ms;
         t->bench_timed++;
@@ -1910,8 +2212,10 @@ static void maybe_validate(Trainer* t, int done, bool last) {
     if (!t->have_val || !(every(done, t->o.val_every) || last)) return;
     float val_loss = validate(&t->model, &t->up, &t->val, t->o.val_batches);
     printf("step %5d/%d | val loss %8.4f\n", done, t->o.optim.total_steps, val_loss);
-    fprintf(t->log, "{\"step\": %d, \"val_loss\": %.6f}\n", done, val_loss);
-    fflush(t->log);
+    if (t->log) {
+        fprintf(t->log, "{\"step\": %d, \"val_loss\": %.6f}\n", done, val_loss);
+        fflush(t->log);
+    }
 }
 
 static void maybe_sample(Trainer* t, int done, bool last) {
@@ -1942,15 +2246,18 @@ static bool after_step(Trainer* t, int index) {
 
 static void print_bench_result(const Trainer* t) {
     const ModelConfig* c = &t->model.cfg;
-    double ms = t->bench_ms / t->bench_timed, tok_s = (double)t->model.N * t->accum / (ms / 1e3);
+    int world = t->model.dp.world;
+    double ms = t->bench_ms / t->bench_timed, tok_s = (double)t->model.N * t->accum * world / (ms / 1e3);
     double flops = flops_per_token(c);
-    printf("{\"bench\": \"train_gpt\", \"device\": \"%s\", \"B\": %d, \"T\": %d, \"d_model\": %d, \"layers\": %d, "
-           "\"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"ffn\": %d, \"recompute\": %d, "
-           "\"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, \"mfu\": %.4f, \"flops_per_token\": %.6g, "
-           "\"peak_mem_gib\": %.3f, \"first_step_s\": %.2f, \"final_loss\": %.4f}\n",
-           t->prop.name, t->model.B, t->model.T, c->d_model, c->n_layer, c->n_head, c->n_kv_head, c->head_dim,
-           c->ffn_dim, t->o.recompute, ms, tok_s, tok_s * flops / (t->o.peak_tflops * 1e12), flops,
-           gib(gpt_bytes_total(&t->model)), t->t_first_step, t->last_loss);
+    printf("{\"bench\": \"train_gpt\", \"device\": \"%s\", \"gpus\": %d, \"zero\": %d, \"B\": %d, \"T\": %d, "
+           "\"d_model\": %d, \"layers\": %d, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"ffn\": %d, "
+           "\"recompute\": %d, \"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, \"tokens_per_s_per_gpu\": %.1f, "
+           "\"mfu\": %.4f, \"flops_per_token\": %.6g, \"peak_mem_gib\": %.3f, \"first_step_s\": %.2f, "
+           "\"final_loss\": %.4f}\n",
+           t->prop.name, world, t->model.dp.zero, t->model.B, t->model.T, c->d_model, c->n_layer, c->n_head,
+           c->n_kv_head, c->head_dim, c->ffn_dim, t->o.recompute, ms, tok_s, tok_s / world,
+           tok_s / world * flops / (t->o.peak_tflops * 1e12), flops, gib(gpt_bytes_total(&t->model)),
+           t->t_first_step, t->last_loss);
 }
 
 // After the loop: the benchmark's line, the export, the gradient dump, the last checkpoint.
@@ -1959,9 +2266,12 @@ static void trainer_finish(Trainer* t) {
     char err[1024];
     log_steps(t, t->step - 1);
     if (o->bench) print_bench_result(t);
-    if (o->export_dir) {
-        float* master = download_flat(&t->model, t->model.master, false);
-        if (!export_hf(&t->model, master, o->export_dir, err, sizeof(err))) {
+    if (o->export_dir) {  // every rank joins the gather of the master weights; rank 0 writes
+        bool writer = t->env.rank == 0;
+        float* master = writer ? (float*)xmalloc(t->model.table.n_elements * sizeof(float)) : NULL;
+        gpt_download_state(&t->model, t->model.master, master);
+        CUDA_CHECK(cudaStreamSynchronize(t->model.stream));
+        if (writer && !export_hf(&t->model, master, o->export_dir, err, sizeof(err))) {
             fprintf(stderr, "train_gpt: --export: %s\n", err);
             exit(1);
         }
@@ -1974,7 +2284,7 @@ static void trainer_finish(Trainer* t) {
 
 static void trainer_close(Trainer* t) {
     if (t->checkpointing) checkpointer_free(&t->ckpt);
-    fclose(t->log);
+    if (t->log) fclose(t->log);
     if (t->sampling) {
         tokenizer_free(&t->tokenizer);
         free(t->prompt.data);
@@ -1991,6 +2301,43 @@ static void trainer_close(Trainer* t) {
     free(t->synthetic);
     uploader_free(&t->up);
     gpt_free(&t->model);
+    if (t->parallel) comm_close(&t->comm);
+}
+
+// Which rank of how many this process is, from the launcher's environment (torchrun, Slurm, or
+// --gpus's own); rank 0 of 1 without one. Exits 2 with one line on a malformed environment.
+static void read_launch_env(const Options* o, CommEnv* env) {
+    char err[1024];
+    if (comm_env_read(env, NULL, o->master, err, sizeof(err)) != 0) {
+        fprintf(stderr, "train_gpt: %s\n", err);
+        exit(2);
+    }
+    if (strcmp(env->launcher, "single") && o->gpus > 1 && o->gpus != env->world) {
+        fprintf(stderr, "train_gpt: --gpus %d, but the launcher (%s) started %d ranks; leave out --gpus\n", o->gpus,
+                env->launcher, env->world);
+        exit(2);
+    }
+    long rank_tokens = (long)o->batch_size * o->model.seq_len * env->world;
+    if (o->total_batch_tokens > 0 && o->total_batch_tokens % rank_tokens != 0) {
+        fprintf(stderr, "train_gpt: --total-batch %d must be a multiple of --batch x --seq x GPUs = %ld\n",
+                o->total_batch_tokens, rank_tokens);
+        exit(2);
+    }
+    if (env->world > 1 && o->dump_grads_dir) {
+        fprintf(stderr, "train_gpt: --dump-grads runs on one GPU\n");
+        exit(2);
+    }
+}
+
+// --gpus N without a launcher: this process starts the N ranks and waits for them.
+static int launch_ranks(int n, char** argv) {
+    char err[1024];
+    int status = comm_launch_local(n, argv, err, sizeof(err));
+    if (status < 0) {
+        fprintf(stderr, "train_gpt: --gpus %d: %s\n", n, err);
+        return 1;
+    }
+    return status;
 }
 
 // The model flags come from config.json with --init-from.
@@ -2010,9 +2357,12 @@ int main(int argc, char** argv) {
     parse_args(&o, argc, argv);
     read_init_from_config(&o);
     check_options(&o);
+    CommEnv env;
+    read_launch_env(&o, &env);
+    if (o.gpus > 1 && !strcmp(env.launcher, "single")) return launch_ranks(o.gpus, argv);
 
     Trainer t;
-    trainer_open(&t, &o);
+    trainer_open(&t, &o, &env);
     print_run_header(&t);
     for (int step = t.start_step; step < t.o.optim.total_steps; step++) {
         train_step(&t);
