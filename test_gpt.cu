@@ -1024,12 +1024,14 @@ static int test_model_bucket_hook(void) {
     return TEST_RESULT;
 }
 
-// ZeRO 1 and 2 against ZeRO 0 on one GPU, where the collectives are copies: the same steps (with
-// gradient accumulation, so that ZeRO 2's per-micro-batch reduce and add runs) must give
-// bit-identical losses, gradient norms and master weights. This runs all of the sharding's
-// bookkeeping (pieces, ring buffers, gathers) without NCCL; the 2-GPU runs check the collectives.
-static void zero_mode_run(int zero, const ModelConfig* c, const uint16_t* windows, int steps, float* losses,
-                          float* norms, float** master) {
+// ZeRO 1 and 2 against ZeRO 0 on one GPU, where the collectives are copies. This runs all of the
+// sharding's bookkeeping (pieces, ring buffers, gathers) without NCCL; the 2-GPU tests check the
+// collectives. Without accumulation the three modes must train bit for bit alike. With it, ZeRO 1
+// still must; ZeRO 2 sums each micro-batch's gradients before adding them across micro-batches,
+// and the embedding gets two contributions per micro-batch (the head and the lookup), so its sum
+// is associated differently: there we ask for the same losses to 1e-6 and weights to 1e-6.
+static void zero_mode_run(int zero, int accum, const ModelConfig* c, const uint16_t* windows, int steps,
+                          float* losses, float** master) {
     CommEnv env = {};
     env.world = env.local_world = 1;
     env.launcher = "single";
@@ -1043,17 +1045,14 @@ static void zero_mode_run(int zero, const ModelConfig* c, const uint16_t* window
     Uploader up;
     uploader_create(&up, m.N, c->vocab_size);
     OptimConfig o = {3e-3f, 0.1f, 0.1f, 0.9f, 0.95f, 1e-8f, 1.0f, 2, steps, 0, 0.0f};
-    for (int step = 0; step < steps; step++) {
+    for (int step = 0; step < steps; step++) {  // the same batch every step: the loss must fall
         zero_grads(&m);
-        for (int micro = 0; micro < 2; micro++) {
-            Batch b = upload_batch(&up, &m, windows + (size_t)(2 * step + micro) * 2 * (c->seq_len + 1));
-            forward_backward(&m, &b, micro, 2);
+        for (int micro = 0; micro < accum; micro++) {
+            Batch b = upload_batch(&up, &m, windows + (size_t)micro * 2 * (c->seq_len + 1));
+            forward_backward(&m, &b, micro, accum);
         }
         optimizer_step(&m, &o);
-        OptimScalars sc;
-        CUDA_CHECK(cudaMemcpy(&sc, m.scalars, sizeof(sc), cudaMemcpyDeviceToHost));
-        losses[step] = sc.loss_sum;
-        norms[step] = sc.grad_norm_sq;
+        CUDA_CHECK(cudaMemcpy(&losses[step], &m.scalars->loss_sum, sizeof(float), cudaMemcpyDeviceToHost));
     }
     *master = (float*)malloc(m.table.n_elements * sizeof(float));
     gpt_download_state(&m, m.master, *master);
@@ -1067,20 +1066,36 @@ static int test_zero_modes_agree_on_one_gpu(void) {
     REQUIRE_GPU();
     int failed = 0;
     ModelConfig c = {1024, 128, 3, 4, 2, 64, 256, 64, 1e4f, 1e-6f};
-    const int steps = 4;
-    uint16_t* windows = random_window(2 * 2 * steps, c.seq_len, c.vocab_size);
-    float losses[3][steps], norms[3][steps], *master[3];
-    for (int zero = 0; zero < 3; zero++) zero_mode_run(zero, &c, windows, steps, losses[zero], norms[zero], &master[zero]);
+    const int steps = 6;
+    uint16_t* windows = random_window(2 * 2, c.seq_len, c.vocab_size);
     ParamTable pt;
     param_table_build(&pt, &c, 1);
-    for (int zero = 1; zero < 3; zero++) {
-        EXPECT(!memcmp(losses[0], losses[zero], sizeof(losses[0])), "ZeRO-%d's losses differ from ZeRO-0's", zero);
-        EXPECT(!memcmp(norms[0], norms[zero], sizeof(norms[0])), "ZeRO-%d's gradient norms differ", zero);
-        EXPECT(!memcmp(master[0], master[zero], pt.n_elements * sizeof(float)), "ZeRO-%d's weights differ", zero);
+    for (int accum = 1; accum <= 2; accum++) {
+        float losses[3][steps], *master[3];
+        for (int zero = 0; zero < 3; zero++) zero_mode_run(zero, accum, &c, windows, steps, losses[zero], &master[zero]);
+        for (int zero = 1; zero < 3; zero++) {
+            if (zero == 1 || accum == 1) {
+                EXPECT(!memcmp(losses[0], losses[zero], sizeof(losses[0])), "accum %d: ZeRO-%d's losses differ", accum,
+                       zero);
+                EXPECT(!memcmp(master[0], master[zero], pt.n_elements * 4), "accum %d: ZeRO-%d's weights differ", accum,
+                       zero);
+                continue;
+            }
+            double worst = 0, diff = 0, norm = 0;
+            for (int i = 0; i < steps; i++) worst = fmax(worst, fabs(losses[zero][i] - losses[0][i]) / losses[0][i]);
+            for (size_t i = 0; i < pt.n_elements; i++) {
+                diff += ((double)master[zero][i] - master[0][i]) * ((double)master[zero][i] - master[0][i]);
+                norm += (double)master[0][i] * master[0][i];
+            }
+            EXPECT(worst < 1e-6 && sqrt(diff / norm) < 1e-6, "accum 2: ZeRO-2 loss %.2e, weights %.2e apart", worst,
+                   sqrt(diff / norm));
+            printf("    accum 2: ZeRO-2 against ZeRO-0: losses %.1e, weights %.1e apart (relative)\n", worst,
+                   sqrt(diff / norm));
+        }
+        EXPECT(losses[0][steps - 1] < 0.9f * losses[0][0], "the loss did not fall: %g -> %g", losses[0][0],
+               losses[0][steps - 1]);
+        for (int zero = 0; zero < 3; zero++) free(master[zero]);
     }
-    EXPECT(losses[0][steps - 1] < losses[0][0], "the loss did not fall: %g -> %g", losses[0][0], losses[0][steps - 1]);
-    printf("    loss sum %.4f -> %.4f, identical in ZeRO 0, 1, 2\n", losses[0][0], losses[0][steps - 1]);
-    for (int zero = 0; zero < 3; zero++) free(master[zero]);
     param_table_free(&pt);
     free(windows);
     return TEST_RESULT;
