@@ -302,8 +302,8 @@ static const char* jw_text(const JsonWriter* w) {
 
 /* ----------------------------------------------------------------------------------------------
  * JSON reader: parses a whole document into a flat array of nodes, enough for our manifests, for
- * safetensors headers and for transformers' config.json. Strict RFC 8259 grammar, plus the NaN,
- * Infinity and -Infinity that Python's json module writes. Strings are decoded (escapes, \u with
+ * safetensors headers and for transformers' config.json. Strict RFC 8259 grammar, each key once in
+ * an object, plus the NaN, Infinity and -Infinity that Python's json module writes. Strings are decoded (escapes, \u with
  * surrogate pairs to UTF-8) into a private copy of the text, so node strings stay valid until
  * json_free. Nodes link to their first child and next sibling; an object's members carry their
  * key. Node pointers are stable after json_parse returns.
@@ -428,6 +428,27 @@ static int jp_number(JsonParser* p, int idx) {
 
 static int jp_value(JsonParser* p);
 
+static int jp_key_cmp(const void* a, const void* b) { return strcmp(*(const char* const*)a, *(const char* const*)b); }
+
+/* An object whose key appears twice is refused: RFC 8259 leaves its meaning open (Python keeps the
+ * last value, json_get finds the first), so reading it either way could take a value the writer
+ * did not mean. Called as the object closes; the keys are sorted to find twins. */
+static int jp_unique_keys(JsonParser* p, int idx) {
+    const JsonNode* nodes = p->doc->nodes;
+    int n = nodes[idx].count;
+    if (n < 2) return 0;
+    const char** keys = (const char**)malloc((size_t)n * sizeof(char*));
+    if (!keys) return jp_fail(p, "out of memory");
+    int k = 0;
+    for (int c = nodes[idx].child; c >= 0; c = nodes[c].next) keys[k++] = nodes[c].key;
+    qsort(keys, (size_t)n, sizeof(char*), jp_key_cmp);
+    char what[128] = "";
+    for (int i = 1; i < n && !what[0]; i++)
+        if (strcmp(keys[i - 1], keys[i]) == 0) snprintf(what, sizeof what, "key \"%.80s\" appears twice", keys[i]);
+    free(keys);
+    return what[0] ? jp_fail(p, what) : 0;
+}
+
 /* Arrays and objects: children are linked in order through `next`. */
 static int jp_container(JsonParser* p, int is_object) {
     if (p->depth >= CK_JSON_MAX_DEPTH) return jp_fail(p, "nested deeper than 64 levels");
@@ -458,7 +479,11 @@ static int jp_container(JsonParser* p, int is_object) {
         p->doc->nodes[idx].count++;
         jp_skip_ws(p);
         if (p->pos < p->len && p->s[p->pos] == ',') { p->pos++; continue; }
-        if (p->pos < p->len && p->s[p->pos] == close) { p->pos++; p->depth--; return idx; }
+        if (p->pos < p->len && p->s[p->pos] == close) {
+            p->pos++;
+            p->depth--;
+            return is_object && jp_unique_keys(p, idx) ? -1 : idx;
+        }
         return jp_fail(p, is_object ? "expected ',' or '}'" : "expected ',' or ']'");
     }
 }
@@ -1443,8 +1468,10 @@ static int ckpt_parse_manifest(CkptReader* r, const char* mpath, const char* tex
     return 0;
 }
 
-/* Checks one listed file's size and CRC32C, reading it through in 8 MiB pieces. */
-static int ckpt_verify_file(const CkptReader* r, const CkptFileInfo* info, char* err, size_t err_len) {
+/* Checks one listed file's size and, if read_through, its CRC32C, reading it through in 8 MiB
+ * pieces. */
+static int ckpt_verify_file(const CkptReader* r, const CkptFileInfo* info, int read_through, char* err,
+                            size_t err_len) {
     char path[CK_PATH_MAX];
     if (snprintf(path, sizeof path, "%s/%s", r->dir, info->name) >= (int)sizeof path)
         return fail(err, err_len, "%s/%s: path too long", r->dir, info->name);
@@ -1457,6 +1484,10 @@ static int ckpt_verify_file(const CkptReader* r, const CkptFileInfo* info, char*
         return fail(err, err_len, "%s: %lld bytes, but the manifest says %" PRIu64 ": the file is %s",
                     path, (long long)st.st_size, info->bytes,
                     (uint64_t)st.st_size < info->bytes ? "truncated" : "not the one the manifest describes");
+    }
+    if (!read_through) {
+        close(fd);
+        return 0;
     }
     size_t cap = (size_t)8 << 20;
     uint8_t* buf = (uint8_t*)malloc(cap);
@@ -1479,9 +1510,9 @@ static int ckpt_verify_file(const CkptReader* r, const CkptFileInfo* info, char*
     return rc;
 }
 
-/* Opens a checkpoint directory: parses its manifest and verifies every file's size and CRC32C.
- * On failure r is left closed and err names the file at fault. */
-static int ckpt_open(CkptReader* r, const char* dir, char* err, size_t err_len) {
+/* Parses a checkpoint directory's manifest into r and checks every listed file: its size, and if
+ * read_through its CRC32C. On failure r is left closed and err names the file at fault. */
+static int ckpt_open_checking(CkptReader* r, const char* dir, int read_through, char* err, size_t err_len) {
     memset(r, 0, sizeof *r);
     char mpath[CK_PATH_MAX];
     if (snprintf(r->dir, sizeof r->dir, "%s", dir) >= (int)sizeof r->dir ||
@@ -1492,9 +1523,20 @@ static int ckpt_open(CkptReader* r, const char* dir, char* err, size_t err_len) 
     if (read_whole_file(mpath, CKPT_MANIFEST_MAX, &text, &len, err, err_len)) return -1;
     int rc = ckpt_parse_manifest(r, mpath, text, len, err, err_len);
     free(text);
-    for (int i = 0; i < r->n_files && !rc; i++) rc = ckpt_verify_file(r, &r->files[i], err, err_len);
+    for (int i = 0; i < r->n_files && !rc; i++) rc = ckpt_verify_file(r, &r->files[i], read_through, err, err_len);
     if (rc) ckpt_close(r);
     return rc;
+}
+
+/* Opens a checkpoint directory, verifying every file's size and CRC32C. */
+static int ckpt_open(CkptReader* r, const char* dir, char* err, size_t err_len) {
+    return ckpt_open_checking(r, dir, 1, err, err_len);
+}
+
+/* The manifest and the files' sizes only: the check a run makes in milliseconds before it commits
+ * to a GPU; ckpt_open reads the files through when it loads them. */
+static int ckpt_peek(CkptReader* r, const char* dir, char* err, size_t err_len) {
+    return ckpt_open_checking(r, dir, 0, err, err_len);
 }
 
 /* Reads a listed file whole into a malloc'd buffer (NUL-terminated, for JSON), verifying its size

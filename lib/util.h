@@ -30,6 +30,31 @@
 // ----------------------------------------------------------------------------------------------
 // Errors
 
+// An error is one line: a control character that came in with the input (a newline in a file
+// name, a tab or an escape byte in a token) is written out as \xNN, as far as err has room.
+static inline void error_one_line(char* err, size_t err_len) {
+    static const char hex[] = "0123456789abcdef";
+    for (size_t i = 0; err[i]; i++) {
+        unsigned char c = (unsigned char)err[i];
+        if (c >= 0x20 && c != 0x7f) continue;
+        size_t n = strlen(err);
+        if (n + 3 >= err_len) {  // no room to grow: the tail goes
+            if (i + 4 >= err_len) {
+                err[i] = '\0';
+                break;
+            }
+            n = err_len - 4;
+            err[n] = '\0';
+        }
+        memmove(err + i + 4, err + i + 1, n - i);  // the rest, with its NUL
+        err[i] = '\\';
+        err[i + 1] = 'x';
+        err[i + 2] = hex[c >> 4];
+        err[i + 3] = hex[c & 15];
+        i += 3;
+    }
+}
+
 // Formats one error line into err (if any) and returns -1.
 static inline int fail(char* err, size_t err_len, const char* fmt, ...) __attribute__((format(printf, 3, 4)));
 static inline int fail(char* err, size_t err_len, const char* fmt, ...) {
@@ -38,6 +63,7 @@ static inline int fail(char* err, size_t err_len, const char* fmt, ...) {
         va_start(ap, fmt);
         vsnprintf(err, err_len, fmt, ap);
         va_end(ap);
+        error_one_line(err, err_len);
     }
     return -1;
 }
@@ -66,6 +92,7 @@ static inline int fail_errno(char* err, size_t err_len, int errnum, const char* 
     char buf[128];
     size_t used = strlen(err);
     snprintf(err + used, err_len - used, ": %s", system_error_text(errnum, buf, sizeof(buf)));
+    error_one_line(err, err_len);
     return -1;
 }
 
