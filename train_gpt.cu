@@ -41,38 +41,13 @@
 #include "data.h"
 #include "lib/tokenizer.h"
 #include "ckpt.h"
+#include "config.h"
 #include "comm.h"
 
 // ----------------------------------------------------------------------------------------------
 // The model's configuration
 
-typedef struct {
-    int vocab_size;  // V: rows of the tied embedding (GPT-2's 50257 tokens padded to 50304)
-    int d_model;     // C
-    int n_layer;     // L
-    int n_head;      // Hq: query heads
-    int n_kv_head;   // Hkv: key/value heads; each serves G = Hq / Hkv query heads
-    int head_dim;    // D
-    int ffn_dim;     // F: width of the SwiGLU hidden layer
-    int seq_len;     // T: tokens per sequence (and the length of the RoPE table)
-    float rope_theta;
-    float norm_eps;
-} ModelConfig;
-
-#define MAX_LAYERS 256
-
-static const ModelConfig DEFAULT_CONFIG = {
-    .vocab_size = 50304,
-    .d_model = 768,
-    .n_layer = 12,
-    .n_head = 6,
-    .n_kv_head = 2,
-    .head_dim = 128,
-    .ffn_dim = 2048,
-    .seq_len = 1024,
-    .rope_theta = 10000.0f,
-    .norm_eps = 1e-6f,
-};
+// ModelConfig, its default and the reading of it from JSON are in config.h.
 
 static int qkv_dim(const ModelConfig* c) { return (c->n_head + 2 * c->n_kv_head) * c->head_dim; }
 
@@ -1210,44 +1185,6 @@ typedef struct {
     LoaderState loader;      // the training loader, positioned at the next step's first batch
 } TrainerState;
 
-static void model_config_json(const ModelConfig* c, JsonWriter* w) {
-    jw_object_begin(w);
-    const char* keys[] = {"vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "ffn_dim", "seq_len"};
-    const int values[] = {c->vocab_size, c->d_model, c->n_layer, c->n_head, c->n_kv_head, c->head_dim, c->ffn_dim,
-                          c->seq_len};
-    for (int i = 0; i < 8; i++) {
-        jw_key(w, keys[i]);
-        jw_int(w, values[i]);
-    }
-    jw_key(w, "rope_theta");
-    jw_float(w, c->rope_theta);
-    jw_key(w, "norm_eps");
-    jw_float(w, c->norm_eps);
-    jw_object_end(w);
-}
-
-// Says which field of the checkpoint's config differs from `c`, if any.
-static bool model_config_matches(const ModelConfig* c, const JsonDoc* doc, const JsonNode* node, char* err,
-                                 size_t err_len) {
-    const char* keys[] = {"vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "ffn_dim", "seq_len"};
-    const int values[] = {c->vocab_size, c->d_model, c->n_layer, c->n_head, c->n_kv_head, c->head_dim, c->ffn_dim,
-                          c->seq_len};
-    for (int i = 0; i < 8; i++) {
-        int64_t v;
-        if (!node || json_get_int(doc, node, keys[i], &v) != 0 || v != values[i]) {
-            snprintf(err, err_len, "the checkpoint's %s differs from this run's (%d)", keys[i], values[i]);
-            return false;
-        }
-    }
-    double theta, eps;
-    if (json_get_double(doc, node, "rope_theta", &theta) != 0 || (float)theta != c->rope_theta ||
-        json_get_double(doc, node, "norm_eps", &eps) != 0 || (float)eps != c->norm_eps) {
-        snprintf(err, err_len, "the checkpoint's rope_theta or norm_eps differs from this run's");
-        return false;
-    }
-    return true;
-}
-
 // Writes one checkpoint from host copies of the master weights and moments. Returns false with a
 // message on any failure, leaving the previous checkpoints as they were.
 static bool checkpoint_write(const GPT* m, const float* master, const float* adam_m, const float* adam_v,
@@ -1362,54 +1299,6 @@ static void gpt_download_state(GPT* m, const float* state, float* host) {
     comm_join(c, m->stream);
 }
 
-// The model config of a transformers Qwen3 checkpoint directory (config.json), for --init-from.
-static bool hf_config_read(const char* dir, ModelConfig* c, char* err, size_t err_len) {
-    char path[1024];
-    snprintf(path, sizeof(path), "%s/config.json", dir);
-    FILE* f = fopen(path, "rb");
-    if (!f) {
-        snprintf(err, err_len, "%s: %s", path, strerror(errno));
-        return false;
-    }
-    char* text = (char*)malloc(1 << 20);
-    size_t len = fread(text, 1, (1 << 20) - 1, f);
-    fclose(f);
-    JsonDoc doc;
-    bool ok = json_parse(&doc, text, len, err, err_len) == 0;
-    free(text);
-    if (!ok) return false;
-    const JsonNode* root = json_root(&doc);
-    const char* keys[] = {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                          "num_key_value_heads", "head_dim", "intermediate_size"};
-    int* fields[] = {&c->vocab_size, &c->d_model, &c->n_layer, &c->n_head, &c->n_kv_head, &c->head_dim, &c->ffn_dim};
-    for (int i = 0; i < 7 && ok; i++) {
-        int64_t v;
-        if (json_get_int(&doc, root, keys[i], &v) != 0) {
-            snprintf(err, err_len, "%s: no integer \"%s\"", path, keys[i]);
-            ok = false;
-        }
-        *fields[i] = (int)v;
-    }
-    double theta = c->rope_theta, eps = c->norm_eps;
-    int tied = 1;
-    json_get_double(&doc, root, "rope_theta", &theta);
-    json_get_double(&doc, root, "rms_norm_eps", &eps);
-    json_get_bool(&doc, root, "tie_word_embeddings", &tied);
-    const char* type = NULL;
-    if (ok && (json_get_string(&doc, root, "model_type", &type) != 0 || strcmp(type, "qwen3") != 0)) {
-        snprintf(err, err_len, "%s: model_type is not \"qwen3\"", path);
-        ok = false;
-    }
-    if (ok && !tied) {
-        snprintf(err, err_len, "%s: tie_word_embeddings is false; train_gpt's output head is the embedding", path);
-        ok = false;
-    }
-    c->rope_theta = (float)theta;
-    c->norm_eps = (float)eps;
-    json_free(&doc);
-    return ok;
-}
-
 static double now_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -1449,9 +1338,10 @@ typedef struct {
     int gpus, zero;          // data parallelism: ranks started here (without a launcher), ZeRO mode
     const char* master;      // host:port of rank 0, for Slurm without MASTER_ADDR / MASTER_PORT
     float timeout;           // seconds without progress before a rank gives up on its peers
+    const char* model_flag;  // a flag of the model's that config.json sets too (for --init-from's check)
 } Options;
 
-typedef enum { OPT_INT, OPT_FLOAT, OPT_STR, OPT_U64, OPT_FLAG } OptType;
+typedef enum { OPT_INT, OPT_BOOL, OPT_FLOAT, OPT_STR, OPT_U64, OPT_FLAG } OptType;  // OPT_BOOL: 0 or 1
 typedef struct {
     const char* name;
     OptType type;
@@ -1477,15 +1367,15 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--lr", OPT_FLOAT, &o->optim.lr, "peak learning rate"},
         {"--min-lr-frac", OPT_FLOAT, &o->optim.min_lr_frac, "final learning rate as a fraction of --lr"},
         {"--warmup", OPT_INT, &o->optim.warmup_steps, "linear warmup steps"},
-        {"--wsd", OPT_INT, &o->optim.wsd, "1: warmup-stable-decay schedule; 0: cosine"},
+        {"--wsd", OPT_BOOL, &o->optim.wsd, "1: warmup-stable-decay schedule; 0: cosine"},
         {"--decay-frac", OPT_FLOAT, &o->optim.decay_frac, "WSD: fraction of the steps spent decaying"},
         {"--weight-decay", OPT_FLOAT, &o->optim.weight_decay, "AdamW decoupled weight decay (matrices only)"},
         {"--beta1", OPT_FLOAT, &o->optim.beta1, "AdamW beta1"},
         {"--beta2", OPT_FLOAT, &o->optim.beta2, "AdamW beta2"},
         {"--adam-eps", OPT_FLOAT, &o->optim.eps, "AdamW epsilon"},
         {"--grad-clip", OPT_FLOAT, &o->optim.grad_clip, "clip the global gradient norm to this (0: off)"},
-        {"--recompute", OPT_INT, &o->recompute, "1: recompute norms, QK rope and SwiGLU in the backward"},
-        {"--deterministic", OPT_INT, &o->deterministic,
+        {"--recompute", OPT_BOOL, &o->recompute, "1: recompute norms, QK rope and SwiGLU in the backward"},
+        {"--deterministic", OPT_BOOL, &o->deterministic,
          "1: bitwise reproducible steps; 0: attention adds dQ in any order (faster only at long seq)"},
         {"--loss-chunk", OPT_INT, &o->loss_chunk, "rows of logits materialized at once"},
         {"--seed", OPT_U64, &o->seed, "seed of the initialization (and of the data order)"},
@@ -1508,7 +1398,7 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--tokenizer", OPT_STR, &o->tokenizer_dir, "directory with GPT-2's encoder.json and vocab.bpe"},
         {"--ckpt-every", OPT_INT, &o->ckpt_every, "write a checkpoint to OUT/ckpt_<step> every N steps (0: never)"},
         {"--keep-last", OPT_INT, &o->keep_last, "checkpoints kept (older ones are deleted)"},
-        {"--ckpt-keep-going", OPT_INT, &o->ckpt_keep_going,
+        {"--ckpt-keep-going", OPT_BOOL, &o->ckpt_keep_going,
          "1: a failed checkpoint write is reported and retried at the next interval; 0: it stops training"},
         {"--stop-at", OPT_INT, &o->stop_at,
          "stop after this step as if preempted (checkpointing it), to be resumed later (0: run to --steps)"},
@@ -1574,7 +1464,8 @@ static void print_help(void) {
     for (int i = 0; i < n; i++) {
         char value[96];
         switch (specs[i].type) {
-        case OPT_INT: snprintf(value, sizeof(value), "%d", *(int*)specs[i].value); break;
+        case OPT_INT:
+        case OPT_BOOL: snprintf(value, sizeof(value), "%d", *(int*)specs[i].value); break;
         case OPT_FLOAT: snprintf(value, sizeof(value), "%g", *(float*)specs[i].value); break;
         case OPT_U64: snprintf(value, sizeof(value), "%llu", (unsigned long long)*(uint64_t*)specs[i].value); break;
         case OPT_STR: snprintf(value, sizeof(value), "%s", *(const char**)specs[i].value ? *(const char**)specs[i].value : "none"); break;
@@ -1609,22 +1500,32 @@ static void parse_args(Options* o, int argc, char** argv) {
             exit(2);
         }
         const char* v = argv[++i];
+        const ConfigField* field = config_field_of_flag(spec->name);
+        if (field && field->hf) o->model_flag = spec->name;
         char* end = NULL;
         errno = 0;
         switch (spec->type) {
-        case OPT_INT: {
+        case OPT_INT:
+        case OPT_BOOL: {
             long x = strtol(v, &end, 10);
-            if (x < -2147483647L || x > 2147483647L) errno = ERANGE;
+            if (x < -2147483647L || x > 2147483647L || (spec->type == OPT_BOOL && x != 0 && x != 1)) errno = ERANGE;
             *(int*)spec->value = (int)x;
             break;
         }
-        case OPT_U64: *(uint64_t*)spec->value = strtoull(v, &end, 10); break;
+        case OPT_U64:  // strtoull would take "-1" as 2^64 - 1
+            *(uint64_t*)spec->value = strtoull(v, &end, 10);
+            if (strchr(v, '-')) errno = ERANGE;
+            break;
         case OPT_FLOAT: *(float*)spec->value = strtof(v, &end); break;
         default: *(const char**)spec->value = v; continue;  // any string, the empty one included
         }
         if (errno != 0 || end == v || *end != '\0' ||
             (spec->type == OPT_FLOAT && !isfinite(*(float*)spec->value))) {
-            fprintf(stderr, "train_gpt: bad value '%s' for %s\n", v, spec->name);
+            const char* domain = spec->type == OPT_BOOL  ? "0 or 1"
+                                 : spec->type == OPT_U64 ? "a whole number from 0 to 2^64-1"
+                                 : spec->type == OPT_INT ? "a whole number that fits an int"
+                                                         : "a finite number";
+            fprintf(stderr, "train_gpt: bad value '%s' for %s: it takes %s\n", v, spec->name, domain);
             exit(2);
         }
     }
@@ -1659,7 +1560,8 @@ static void check_options(const Options* o) {
     else if (o->sample_every < 0 || o->sample_len < 1) problem = "--sample-every must be >= 0, --sample-len >= 1";
     else if (!(o->temperature >= 0.0f)) problem = "--temperature must be >= 0";
     else if (o->ckpt_every < 0 || o->keep_last < 1) problem = "--ckpt-every must be >= 0 and --keep-last >= 1";
-    else if (o->stop_at < 0) problem = "--stop-at must be >= 0";
+    else if (o->stop_at < 0 || o->stop_at > p->total_steps) problem = "--stop-at must be in [0, --steps]";
+    else if (!(o->peak_tflops > 0.0f)) problem = "--peak-tflops must be > 0";
     else if (o->resume && o->init_from) problem = "--resume and --init-from exclude each other";
     else if (o->gpus < 1 || o->gpus > 1024) problem = "--gpus must be in [1, 1024]";
     else if (o->zero < 0 || o->zero > 2) problem = "--zero must be 0, 1 or 2";
@@ -2028,12 +1930,16 @@ static void trainer_open_log(Trainer* t) {
     }
 }
 
+// Without an NVIDIA driver loaded, CUDA says its runtime needs a newer driver; the plain fact is
+// that this machine has no GPU train_gpt can use (the kernel module's file is the driver's sign).
 static void require_gpu(cudaDeviceProp* prop, int local_rank) {
     int n_devices = 0;
     cudaError_t status = cudaGetDeviceCount(&n_devices);
+    bool no_driver = access("/proc/driver/nvidia/version", F_OK) != 0;
     if (status != cudaSuccess || n_devices == 0) {
         fprintf(stderr, "train_gpt: no CUDA GPU found (%s); train_gpt needs an NVIDIA GPU\n",
-                status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
+                no_driver ? "no NVIDIA driver is loaded on this machine"
+                : status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
         exit(1);
     }
     CUDA_CHECK(cudaGetDeviceProperties(prop, local_rank < n_devices ? local_rank : 0));
@@ -2340,12 +2246,59 @@ static int launch_ranks(int n, char** argv) {
     return status;
 }
 
-// The model flags come from config.json with --init-from.
+// The model flags come from config.json with --init-from: giving one as well is an error (exit 2)
+// rather than a silent choice between the two. --seq, which config.json does not hold, stays.
 static void read_init_from_config(Options* o) {
-    char err[1024];
-    if (o->init_from && !hf_config_read(o->init_from, &o->model, err, sizeof(err))) {
+    char err[CK_PATH_MAX + 256];
+    if (!o->init_from) return;
+    if (o->model_flag) {
+        fprintf(stderr, "train_gpt: %s with --init-from: the model is %s/config.json's; leave out the model flags\n",
+                o->model_flag, o->init_from);
+        exit(2);
+    }
+    if (hf_config_read(o->init_from, &o->model, err, sizeof(err)) != 0) {
         fprintf(stderr, "train_gpt: --init-from: %s\n", err);
         exit(1);
+    }
+}
+
+// What --init-from and --resume will read, checked before the GPU is looked for, so that a
+// mistake in a path or a file is named as such and not as a missing GPU: --init-from's
+// safetensors header; --resume's manifest, the sizes of the files it lists, and its config against
+// this run's. The data and the tokenizer are checked next, by trainer_open_data. Exits 1 with one
+// line.
+static void check_inputs(const Options* o) {
+    char err[CK_PATH_MAX + 512], path[CK_PATH_MAX];
+    if (o->init_from) {
+        StFile weights;
+        snprintf(path, sizeof(path), "%s/model.safetensors", o->init_from);
+        if (st_open(&weights, path, err, sizeof(err)) != 0) {
+            fprintf(stderr, "train_gpt: --init-from: %s\n", err);
+            exit(1);
+        }
+        st_close(&weights);
+    }
+    if (o->resume) {
+        CkptReader r;
+        char why[512];
+        if (!strcmp(o->resume, "latest")) {
+            if (ckpt_resolve_latest(o->out_dir, path, sizeof(path), err, sizeof(err)) < 0) {
+                fprintf(stderr, "train_gpt: --resume latest: %s\n", err);
+                exit(1);
+            }
+        } else {
+            snprintf(path, sizeof(path), "%s", o->resume);
+        }
+        if (ckpt_peek(&r, path, err, sizeof(err)) != 0) {
+            fprintf(stderr, "train_gpt: --resume: %s\n", err);
+            exit(1);
+        }
+        bool same = model_config_matches(&o->model, &r.manifest, r.config, why, sizeof(why));
+        ckpt_close(&r);
+        if (!same) {
+            fprintf(stderr, "train_gpt: --resume: %s/" CKPT_MANIFEST ": %s\n", path, why);
+            exit(1);
+        }
     }
 }
 
@@ -2357,6 +2310,7 @@ int main(int argc, char** argv) {
     parse_args(&o, argc, argv);
     read_init_from_config(&o);
     check_options(&o);
+    check_inputs(&o);
     CommEnv env;
     read_launch_env(&o, &env);
     if (o.gpus > 1 && !strcmp(env.launcher, "single")) return launch_ranks(o.gpus, argv);
