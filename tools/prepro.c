@@ -46,12 +46,13 @@ static void usage(FILE* f) {
 }
 
 static void die(const char* fmt, ...) {
+    char line[8192];
     va_list ap;
     va_start(ap, fmt);
-    fprintf(stderr, "prepro: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
+    vsnprintf(line, sizeof(line), fmt, ap);
     va_end(ap);
+    error_one_line(line, sizeof(line));
+    fprintf(stderr, "prepro: %s\n", line);
     exit(1);
 }
 
@@ -153,6 +154,7 @@ static int jsonl_text(const char* line, size_t len, ByteBuf* text, char* err, si
     }
     free(key.data);
     if (rc == 0 && s >= end) rc = fail(err, err_len, "unterminated object");
+    if (rc == 0 && json_skip_space(s + 1, end) != end) rc = fail(err, err_len, "characters after the object");
     if (rc == 0 && !found) rc = fail(err, err_len, "no \"text\" field");
     return rc;
 }
@@ -373,6 +375,7 @@ static long parse_count(const char* flag, const char* value, long min) {
     return v;
 }
 
+#ifndef PREPRO_NO_MAIN  // test/fuzz/fuzz_jsonl.c includes this file for jsonl_text
 int main(int argc, char** argv) {
     const char *out = NULL, *tokenizer_dir = DEFAULT_TOKENIZER_DIR, *encode = NULL;
     int val_every = DEFAULT_VAL_EVERY, decode = 0, info = 0;
@@ -408,3 +411,4 @@ int main(int argc, char** argv) {
     free(inputs);
     return rc;
 }
+#endif
