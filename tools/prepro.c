@@ -12,10 +12,14 @@
  * skipped), so the output is the same bytes on every run. Each document is tokenized with the
  * end-of-text token in front of it; every Nth document (--val-every) goes to the val split, the
  * others to train: the split holds out whole documents. `make data` runs this on the default corpus
- * (scripts/prepare_data.sh).
+ * (scripts/prepare_data.sh). The shards are written into a directory beside OUT and appear in OUT
+ * only when every one of them is complete: a failure, Ctrl-C or SIGTERM part-way leaves no shard
+ * where the user asked for them.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <dirent.h>
+#include <limits.h>
+#include <signal.h>
 #include <time.h>
 
 #include "../data.h"
@@ -45,15 +49,28 @@ static void usage(FILE* f) {
         DEFAULT_TOKENIZER_DIR, DEFAULT_VAL_EVERY, DEFAULT_SHARD_TOKENS);
 }
 
-static void die(const char* fmt, ...) {
+// One line on stderr, then exit: 1 for a failure, 2 for a mistake on the command line.
+static void vexit_with(int code, const char* fmt, va_list ap) __attribute__((format(printf, 2, 0), noreturn));
+static void vexit_with(int code, const char* fmt, va_list ap) {
     char line[8192];
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(line, sizeof(line), fmt, ap);
-    va_end(ap);
     error_one_line(line, sizeof(line));
     fprintf(stderr, "prepro: %s\n", line);
-    exit(1);
+    exit(code);
+}
+
+static void die(const char* fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void die(const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vexit_with(1, fmt, ap);
+}
+
+static void usage_error(const char* fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void usage_error(const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vexit_with(2, fmt, ap);
 }
 
 static double now_seconds(void) {
@@ -82,7 +99,108 @@ typedef struct {
 
 enum { TRAIN = 0, VAL = 1 };
 
+// ----------------------------------------------------------------------------------------------
+// The staging directory: OUT.partial-XXXXXX beside OUT (so on the same file system, for rename),
+// removed by an exit before the end (die's, or an interrupt's) through atexit.
+
+static char g_staging[4096 + 32];  // while it exists
+static const char* g_out;          // where the shards go in the end
+static ShardWriter* g_writers;     // the shards in it: train's and val's
+static volatile sig_atomic_t g_signal;
+
+static void on_signal(int sig) { g_signal = sig; }
+
+static void staging_remove(void) {
+    if (!g_staging[0]) return;
+    char path[8192];
+    for (int s = 0; s < 2; s++)
+        for (int i = 0; i < g_writers[s].n_shards; i++) {
+            shard_writer_path(&g_writers[s], i, path, sizeof(path));
+            unlink(path);
+        }
+    rmdir(g_staging);
+    g_staging[0] = '\0';
+}
+
+static void staging_create(const char* out, ShardWriter* writers) {
+    g_out = out;
+    snprintf(g_staging, sizeof(g_staging), "%s.partial-XXXXXX", out);
+    if (!mkdtemp(g_staging)) {
+        int e = errno;
+        g_staging[0] = '\0';
+        die("%s: cannot create a directory beside it to write the shards in: %s", out, strerror(e));
+    }
+    g_writers = writers;
+    atexit(staging_remove);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+}
+
+// Between documents: an interrupt removes what was written and ends the process by its signal.
+static void stop_if_interrupted(void) {
+    if (!g_signal) return;
+    int sig = g_signal;
+    staging_remove();
+    fprintf(stderr, "prepro: interrupted (signal %d); no shards were written to %s\n", sig, g_out);
+    sigset_t only;
+    sigemptyset(&only);
+    sigaddset(&only, sig);
+    signal(sig, SIG_DFL);
+    sigprocmask(SIG_UNBLOCK, &only, NULL);
+    raise(sig);
+}
+
+// Shard i of split s (0 train, 1 val) as it is named in dir.
+static void shard_path_in(const char* dir, int s, int i, char* path, size_t len) {
+    ShardWriter w = g_writers[s];
+    snprintf(w.dir, sizeof(w.dir), "%s", dir);
+    shard_writer_path(&w, i, path, len);
+}
+
+// Moves the first n shards (train's, then val's) from one directory to another. Returns the
+// index of the one that could not be moved (errno says why), or -1.
+static int shards_move(const char* from_dir, const char* to_dir, int n) {
+    char from[8192], to[8192];
+    int k = 0;
+    for (int s = 0; s < 2; s++)
+        for (int i = 0; i < g_writers[s].n_shards && k < n; i++, k++) {
+            shard_path_in(from_dir, s, i, from, sizeof(from));
+            shard_path_in(to_dir, s, i, to, sizeof(to));
+            if (rename(from, to) != 0) return k;
+        }
+    return -1;
+}
+
+// Moves the finished shards into out: the whole directory in one rename when out does not exist
+// (or is empty), else shard by shard with the signals held off, so that out ends with all of them
+// or, if a rename fails, none.
+static void staging_publish(const char* out) {
+    sigset_t block, old;
+    sigemptyset(&block);
+    sigaddset(&block, SIGINT);
+    sigaddset(&block, SIGTERM);
+    sigaddset(&block, SIGHUP);
+    sigprocmask(SIG_BLOCK, &block, &old);
+    stop_if_interrupted();
+    if (rename(g_staging, out) != 0) {
+        int failed = shards_move(g_staging, out, INT_MAX);
+        if (failed >= 0) {
+            int e = errno;
+            shards_move(out, g_staging, failed);
+            die("%s: cannot move the shards into it: %s", out, strerror(e));
+        }
+        rmdir(g_staging);
+    }
+    g_staging[0] = '\0';
+    sigprocmask(SIG_SETMASK, &old, NULL);
+}
+
 static void add_document(Prepro* p, const char* text, size_t len) {
+    stop_if_interrupted();
     uint64_t index = p->docs[TRAIN] + p->docs[VAL];
     int split = (p->val_every > 0 && index % (uint64_t)p->val_every == (uint64_t)p->val_every - 1) ? VAL : TRAIN;
     p->ids.len = 0;
@@ -167,14 +285,17 @@ static void add_jsonl(Prepro* p, const char* path) {
     ssize_t n;
     ByteBuf text = {NULL, 0, 0};
     char err[256];
+    long docs = 0;
     for (long lineno = 1; (n = getline(&line, &cap, f)) >= 0; lineno++) {
         const char* s = json_skip_space(line, line + n);
         if (s == line + n) continue;  // blank line
         if (jsonl_text(line, (size_t)n, &text, err, sizeof(err)) < 0)
             die("%s:%ld: %s (each line must be a JSON object with a \"text\" string)", path, lineno, err);
         add_document(p, text.data, text.len);
+        docs++;
     }
     if (ferror(f)) die("%s: read error", path);
+    if (docs == 0) die("%s: no documents: the file is empty or every line is blank", path);
     fclose(f);
     free(line);
     free(text.data);
@@ -185,6 +306,9 @@ static void add_text_file(Prepro* p, const char* path) {
     char err[4096 + 128];
     char* text;
     if (read_whole_file(path, SIZE_MAX, &text, &len, err, sizeof(err)) < 0) die("%s", err);
+    if (len == 0) die("%s: empty file: no text to tokenize", path);
+    const char* nul = (const char*)memchr(text, '\0', len);
+    if (nul) die("%s: not a text file: byte %zu is NUL (a binary file?)", path, (size_t)(nul - text));
     add_document(p, text, len);
     free(text);
 }
@@ -253,22 +377,25 @@ static void make_shards(const char* out, const char* tokenizer_dir, int val_ever
         struct stat st;
         if (stat(inputs[i], &st) != 0) die("%s: %s", inputs[i], strerror(errno));
     }
-    if (mkdir(out, 0777) != 0 && errno != EEXIST) die("%s: cannot create: %s", out, strerror(errno));
+    struct stat st;
+    if (stat(out, &st) == 0 && !S_ISDIR(st.st_mode)) die("%s: exists and is not a directory", out);
     const char* names[2] = {"train", "val"};
     for (int s = 0; s < 2; s++) {
         shard_writer_init(&p.split[s], out, names[s], (size_t)shard_tokens);
         char first[4096];
         shard_writer_path(&p.split[s], 0, first, sizeof(first));
-        struct stat st;
         if (stat(first, &st) == 0)
             die("%s already exists: remove the old shards first (rm %s/%s_*.bin), or choose another --out",
                 first, out, names[s]);
     }
+    staging_create(out, p.split);
+    for (int s = 0; s < 2; s++) shard_writer_init(&p.split[s], g_staging, names[s], (size_t)shard_tokens);
     p.val_every = val_every;
     double t0 = now_seconds();
     for (int i = 0; i < n_inputs; i++) add_input(&p, inputs[i]);
     for (int s = 0; s < 2; s++)
         if (shard_writer_finish(&p.split[s], err, sizeof(err)) < 0) die("%s", err);
+    staging_publish(out);
     double seconds = now_seconds() - t0;
     uint64_t docs = p.docs[TRAIN] + p.docs[VAL];
     printf("prepro: %llu document%s, %.1f MB of text, tokenized at %.1f MB/s; %.1f s in all\n",
@@ -367,11 +494,12 @@ static int shard_info(char** args, int n) {
     return bad;
 }
 
-static long parse_count(const char* flag, const char* value, long min) {
+static long parse_count(const char* flag, const char* value, long min, long max) {
     char* end;
     errno = 0;
     long v = value ? strtol(value, &end, 10) : 0;
-    if (!value || *end || errno || v < min) die("%s needs a whole number >= %ld (got '%s')", flag, min, value ? value : "");
+    if (!value || *end || errno || v < min || v > max)
+        usage_error("%s needs a whole number from %ld to %ld (got '%s')", flag, min, max, value ? value : "");
     return v;
 }
 
@@ -386,26 +514,25 @@ int main(int argc, char** argv) {
         const char* a = argv[i];
         const char* value = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 0; }
-        else if (!strcmp(a, "-o") || !strcmp(a, "--out")) { if (!value) die("%s needs a directory", a); out = value; i++; }
-        else if (!strcmp(a, "--tokenizer")) { if (!value) die("%s needs a directory", a); tokenizer_dir = value; i++; }
-        else if (!strcmp(a, "--val-every")) { val_every = (int)parse_count(a, value, 0); i++; }
-        else if (!strcmp(a, "--shard-tokens")) { shard_tokens = parse_count(a, value, 1); i++; }
-        else if (!strcmp(a, "--encode")) { if (!value) die("%s needs a file", a); encode = value; i++; }
+        else if (!strcmp(a, "-o") || !strcmp(a, "--out")) { if (!value) usage_error("%s needs a directory", a); out = value; i++; }
+        else if (!strcmp(a, "--tokenizer")) { if (!value) usage_error("%s needs a directory", a); tokenizer_dir = value; i++; }
+        else if (!strcmp(a, "--val-every")) { val_every = (int)parse_count(a, value, 0, INT_MAX); i++; }
+        else if (!strcmp(a, "--shard-tokens")) { shard_tokens = parse_count(a, value, 1, SHARD_MAX_TOKENS); i++; }
+        else if (!strcmp(a, "--encode")) { if (!value) usage_error("%s needs a file", a); encode = value; i++; }
         else if (!strcmp(a, "--decode")) decode = 1;
         else if (!strcmp(a, "--info")) info = 1;
-        else if (a[0] == '-' && a[1]) die("unknown option %s (see prepro --help)", a);
+        else if (a[0] == '-' && a[1]) usage_error("unknown option %s (see prepro --help)", a);
         else inputs[n_inputs++] = argv[i];
     }
-    if (shard_tokens > SHARD_MAX_TOKENS) die("--shard-tokens: at most %d", SHARD_MAX_TOKENS);
     int rc = 0;
     if (encode) encode_file(encode, tokenizer_dir);
     else if (decode) decode_stdin(tokenizer_dir);
     else if (info) {
-        if (n_inputs == 0) die("--info needs shard files (e.g. 'data/default/*.bin')");
+        if (n_inputs == 0) usage_error("--info needs shard files (e.g. 'data/default/*.bin')");
         rc = shard_info(inputs, n_inputs);
     } else {
-        if (n_inputs == 0) { usage(stderr); return 1; }
-        if (!out) die("where should the shards go? pass --out DIR");
+        if (n_inputs == 0) { usage(stderr); return 2; }
+        if (!out) usage_error("where should the shards go? pass --out DIR");
         make_shards(out, tokenizer_dir, val_every, shard_tokens, inputs, n_inputs);
     }
     free(inputs);
