@@ -20,6 +20,7 @@
 #include "test/test_data.h"
 #include "test/test_ckpt.h"
 #include "test/test_comm.h"
+#include "test/test_inputs.h"
 #include <cuda_fp8.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -369,20 +370,6 @@ static int test_export_hf_files(void) {
     free(w);
     free(m.table.tensors);
     return TEST_RESULT;
-}
-
-// Runs a command, returns its exit code and the first line it printed on stderr.
-static int run_command(const char* cmd, char* first_line, size_t len) {
-    char full[1024];
-    snprintf(full, sizeof(full), "%s 2>&1 >/dev/null", cmd);
-    FILE* p = popen(full, "r");
-    if (!p) return -1;
-    first_line[0] = '\0';
-    if (!fgets(first_line, (int)len, p)) first_line[0] = '\0';
-    char rest[512];
-    while (fgets(rest, sizeof(rest), p)) {}
-    int status = pclose(p);
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 static int test_command_line(void) {
@@ -1452,8 +1439,15 @@ int main(int argc, char** argv) {
         {data_tests, n_data_tests},
         {ckpt_tests, n_ckpt_tests},
         {comm_tests, n_comm_tests},
+        {input_tests, n_input_tests},
     };
-    int passed = 0, failed = 0, skipped = 0;
+    int passed = 0, failed = 0, skipped = 0, matched = 0;
+    for (auto& suite : suites)
+        for (int i = 0; i < suite.n; i++) matched += !filter || strstr(suite.tests[i].name, filter) != NULL;
+    if (matched == 0) {  // a mistyped filter must not pass as "0 passed, 0 failed"
+        fprintf(stderr, "test_gpt: no test name contains '%s'\n", filter);
+        return 2;
+    }
     for (auto& suite : suites)
         for (int i = 0; i < suite.n; i++) {
             const TestCase* t = &suite.tests[i];

@@ -6,14 +6,17 @@
  * and, last, the totals as `N passed, N failed, N skipped` (the line CI reads). A test that needs
  * a GPU calls REQUIRE_GPU() first, so that on a machine without one it counts as skipped.
  * EXPECT prints the failing condition with file and line and makes the test fail, but lets it run
- * on, so one run shows every broken check. test_write_file is for tests that make input files.
+ * on, so one run shows every broken check. test_write_file is for tests that make input files;
+ * run_command for those that run ./train_gpt or ./prepro and read what they say.
  */
 #ifndef TESTING_H
 #define TESTING_H
 
 #include <stdio.h>
 #include <stdbool.h>
+#include <string.h>
 #include <math.h>
+#include <sys/wait.h>
 
 enum { TEST_PASS = 0, TEST_FAIL = 1, TEST_SKIP = 2 };
 
@@ -31,6 +34,21 @@ static int test_write_file(const char* path, const void* data, size_t n) {
     if (!f) return -1;
     int ok = fwrite(data, 1, n, f) == n;
     return (fclose(f) == 0 && ok) ? 0 : -1;
+}
+
+/* Runs a shell command with its stdout discarded; returns its exit code (-1 if it did not exit)
+ * with what it wrote on stderr in err (up to len - 1 bytes, NUL-terminated). */
+static int run_command(const char* cmd, char* err, size_t len) {
+    char full[2048];
+    snprintf(full, sizeof(full), "(%s) 2>&1 >/dev/null", cmd);  // the whole command's stderr
+    FILE* p = popen(full, "r");
+    if (!p) return -1;
+    size_t n = fread(err, 1, len - 1, p);
+    err[n] = '\0';
+    char rest[512];
+    while (fread(rest, 1, sizeof(rest), p) > 0) {}
+    int status = pclose(p);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 /* Each test declares `int failed = 0;` and returns TEST_RESULT at the end. */
