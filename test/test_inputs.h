@@ -104,17 +104,21 @@ static int ti_shard(const char* dir, const char* name, int n) {
 #define TI_TOK "--tokenizer %s/tok "  // the test's own (ti_byte_tokenizer): the first %s
 #define TI_RUN "--batch 1 --seq 64 --val-data '' --sample-every 0 --train-data %s/train_*.bin "
 
-// Paths that lead nowhere, a missing tokenizer, a resume with nothing to resume: exit 1, the file
-// named, before any GPU is looked for. Then, with every input good, the plain no-GPU line.
+// Paths that lead nowhere, a shard that is not one, a missing tokenizer, a resume with nothing to
+// resume: exit 1, the file named, before any GPU is looked for. Then, with every input good, the
+// plain no-GPU line.
 static int test_train_missing_inputs(void) {
     if (!ti_have("./train_gpt")) return TEST_FAIL;
     char dir[64];
     if (ti_mkdtemp(dir, sizeof(dir))) return TEST_FAIL;
     int failed = 0;
-    EXPECT(ti_shard(dir, "train_000000.bin", 1000) == 0, "making a shard");
+    EXPECT(ti_shard(dir, "train_000000.bin", 1000) == 0 && ti_write(dir, "val_000000.bin", "not a shard") == 0,
+           "making the shards");
     const BadInput cases[] = {
         {"--batch 1 --seq 64 --train-data %s/nope_*.bin", 1, "nope_*.bin"},
-        {"--batch 1 --seq 64 --train-data %s/train_*.bin --val-data %s/val_*.bin", 1, "val_*.bin"},
+        {"--batch 1 --seq 64 --train-data %s/train_*.bin --val-data %s/val_*.bin", 1,
+         "val_000000.bin: the file is 11 bytes, shorter than the 1024-byte header"},
+        {"--batch 1 --seq 64 --train-data %s/train_*.bin --val-data %s/none_*.bin", 1, "none_*.bin"},
         {"--batch 1 --seq 64 --val-data '' --train-data %s/train_*.bin --tokenizer %s/no_tokenizer", 1, "no_tokenizer"},
         {TI_RUN "--resume %s/no_checkpoint", 1, "no_checkpoint/manifest.json"},
         {TI_RUN "--resume latest --out %s/no_out", 1, "no_out"},
