@@ -1475,6 +1475,19 @@ static void print_help(void) {
     }
 }
 
+// A command-line mistake: one line (what the user typed may hold a newline), exit 2.
+static void usage_error(const char* fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void usage_error(const char* fmt, ...) {
+    char line[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof(line), fmt, ap);
+    va_end(ap);
+    error_one_line(line, sizeof(line));
+    fprintf(stderr, "train_gpt: %s\n", line);
+    exit(2);
+}
+
 // Exits with code 2 and one line on an unknown flag or a bad value.
 static void parse_args(Options* o, int argc, char** argv) {
     OptionSpec specs[64];
@@ -1488,16 +1501,14 @@ static void parse_args(Options* o, int argc, char** argv) {
         for (int j = 0; j < n; j++)
             if (!strcmp(argv[i], specs[j].name)) spec = &specs[j];
         if (!spec) {
-            fprintf(stderr, "train_gpt: unknown flag '%s' (see --help)\n", argv[i]);
-            exit(2);
+            usage_error("unknown flag '%s' (see --help)", argv[i]);
         }
         if (spec->type == OPT_FLAG) {
             *(int*)spec->value = 1;
             continue;
         }
         if (i + 1 >= argc) {
-            fprintf(stderr, "train_gpt: flag %s needs a value (see --help)\n", argv[i]);
-            exit(2);
+            usage_error("flag %s needs a value (see --help)", argv[i]);
         }
         const char* v = argv[++i];
         const ConfigField* field = config_field_of_flag(spec->name);
@@ -1525,8 +1536,7 @@ static void parse_args(Options* o, int argc, char** argv) {
                                  : spec->type == OPT_U64 ? "a whole number from 0 to 2^64-1"
                                  : spec->type == OPT_INT ? "a whole number that fits an int"
                                                          : "a finite number";
-            fprintf(stderr, "train_gpt: bad value '%s' for %s: it takes %s\n", v, spec->name, domain);
-            exit(2);
+            usage_error("bad value '%s' for %s: it takes %s", v, spec->name, domain);
         }
     }
 }

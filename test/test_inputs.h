@@ -82,6 +82,7 @@ static int test_train_flag_domains(void) {
         {"--lr inf", 2, "--lr"},
         {"--peak-tflops 0", 2, "--peak-tflops"},
         {"--heads 4 --init-from %s", 2, "--heads"},
+        {"--lr '1\n2'", 2, "bad value '1\\x0a2' for --lr"},
     };
     char dir[64];
     if (ti_mkdtemp(dir, sizeof(dir))) return TEST_FAIL;
