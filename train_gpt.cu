@@ -1913,7 +1913,7 @@ static void trainer_open_data(Trainer* t) {
     t->sampling = o->sample_every > 0 && !o->bench && t->env.rank == 0;
     if (t->sampling) {
         if (tokenizer_load(&t->tokenizer, o->tokenizer_dir, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: %s (run `make data`, or --sample-every 0)\n", err);
+            fprintf(stderr, "train_gpt: %s; or --sample-every 0 to train without samples\n", err);
             exit(1);
         }
         tokenizer_encode(&t->tokenizer, o->prompt, strlen(o->prompt), &t->prompt);
