@@ -533,6 +533,8 @@ int main(int argc, char** argv) {
     } else {
         if (n_inputs == 0) { usage(stderr); return 2; }
         if (!out) usage_error("where should the shards go? pass --out DIR");
+        char* trimmed = (char*)out;  // argv's own: "dir/" stages beside dir, not inside it
+        for (size_t n = strlen(trimmed); n > 1 && trimmed[n - 1] == '/'; n--) trimmed[n - 1] = '\0';
         make_shards(out, tokenizer_dir, val_every, shard_tokens, inputs, n_inputs);
     }
     free(inputs);
