@@ -1675,7 +1675,7 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--resume", OPT_STR, &o->resume, "continue from a checkpoint: 'latest' (in --out) or its directory"},
         {"--init-from", OPT_STR, &o->init_from,
          "start from a transformers Qwen3 checkpoint directory (its config.json sets the model)"},
-        {"--gpus", OPT_INT, &o->gpus, "GPUs of this machine to train on, one process each (no launcher needed)"},
+        {"--gpus", OPT_INT, &o->gpus, "GPUs of this machine to train on, one process each (no launcher needed); 0: all of them"},
         {"--zero", OPT_INT, &o->zero,
          "0: every GPU holds everything; 1: optimizer state sharded; 2: gradients sharded too"},
         {"--master", OPT_STR, &o->master, "host:port of rank 0 under Slurm when MASTER_ADDR/PORT are not set"},
@@ -1821,7 +1821,7 @@ static void check_options(const Options* o) {
     else if (o->ckpt_every < 0 || o->keep_last < 1) problem = "--ckpt-every must be >= 0 and --keep-last >= 1";
     else if (o->stop_at < 0) problem = "--stop-at must be >= 0";
     else if (o->resume && o->init_from) problem = "--resume and --init-from exclude each other";
-    else if (o->gpus < 1 || o->gpus > 1024) problem = "--gpus must be in [1, 1024]";
+    else if (o->gpus < 1 || o->gpus > 1024) problem = "--gpus must be in [0, 1024] (0: every GPU of this machine)";
     else if (o->zero < 0 || o->zero > 2) problem = "--zero must be 0, 1 or 2";
     else if (!(o->timeout >= 5.0f)) problem = "--timeout must be at least 5 seconds";
     if (problem) {
@@ -2501,6 +2501,17 @@ static void read_launch_env(const Options* o, CommEnv* env) {
 }
 
 // --gpus N without a launcher: this process starts the N ranks and waits for them.
+// --gpus 0: every GPU this process sees (the ranks are exec'd afresh, so asking CUDA here is safe).
+static int count_gpus(void) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n < 1) {
+        fprintf(stderr, "train_gpt: --gpus 0 (every GPU): this machine has no CUDA GPU that this process can use\n");
+        exit(1);
+    }
+    return n;
+}
+
 static int launch_ranks(int n, char** argv) {
     char err[1024];
     int status = comm_launch_local(n, argv, err, sizeof(err));
@@ -2526,6 +2537,7 @@ int main(int argc, char** argv) {
     Options o;
     options_default(&o);
     parse_args(&o, argc, argv);
+    if (o.gpus == 0) o.gpus = count_gpus();
     read_init_from_config(&o);
     check_options(&o);
     CommEnv env;
