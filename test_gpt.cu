@@ -1320,15 +1320,18 @@ static int gpu_count(void) {
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
 
-// The logged losses of steps 1..n of a run's log.jsonl, as printed (9 significant digits).
-static int logged_losses(const char* log_path, double* out, int n) {
+// A figure ("loss", "grad_norm") of steps 1..n of a run's log.jsonl, as printed (9 significant
+// digits); returns how many steps were logged.
+static int logged_figures(const char* log_path, const char* key, double* out, int n) {
     int got = 0;
+    char quoted[64];
+    snprintf(quoted, sizeof(quoted), "\"%s\": ", key);
     for (int step = 1; step <= n; step++) {
         char line[512];
         logged_step(log_path, step, line, sizeof(line));
-        const char* p = strstr(line, "\"loss\": ");
+        const char* p = strstr(line, quoted);
         if (!p) break;
-        out[got++] = atof(p + 8);
+        out[got++] = atof(p + strlen(quoted));
     }
     return got;
 }
@@ -1337,7 +1340,12 @@ static int logged_losses(const char* log_path, double* out, int n) {
 #define DP_RUN SMALL_RUN "--ckpt-every 0 --steps 50 "
 
 // The same tokens per step on 2 GPUs (every ZeRO mode, NCCL over sockets only, and launched by
-// torchrun where it is installed) and on 1 GPU with twice the accumulation.
+// torchrun where it is installed) and on 1 GPU with twice the accumulation. Two ranks add two
+// numbers per gradient element whatever the collective, so ZeRO 1 and 2 agree bit for bit, and
+// so does every rerun. ZeRO 0 sums the squares of the gradient norm over the whole buffer where
+// ZeRO 1 and 2 sum each rank's pieces and add the two sums: the norm differs in its last bits, and
+// once the clip is active (norm > 1) so does the update. One GPU adds its micro-batches in another
+// order. Those are said as figures, held to 1e-2 over the 50 steps.
 static int test_two_gpus_match_one(void) {
     if (!g_have_gpu || gpu_count() < 2) return TEST_SKIP;
     int failed = 0;
@@ -1350,26 +1358,33 @@ static int test_two_gpus_match_one(void) {
     const char* launch[] = {"", "", "", "", "", "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 ",
                             "torchrun --standalone --nproc_per_node 2 --no-python "};
     int n_runs = have_torchrun ? 7 : 6;
-    double loss[7][DP_STEPS];
+    double loss[7][DP_STEPS], norm[7][DP_STEPS];
     for (int r = 0; r < n_runs; r++) {
         snprintf(cmd, sizeof(cmd), "%s" DP_RUN "%s --train-data '%s/train_*.bin' --out %s/%s > %s/%s.txt 2>&1",
                  launch[r], flags[r], dir, dir, runs[r], dir, runs[r]);
         EXPECT(system(cmd) == 0, "run %s failed: %s", runs[r], cmd);
         snprintf(path, sizeof(path), "%s/%s/log.jsonl", dir, runs[r]);
-        EXPECT(logged_losses(path, loss[r], DP_STEPS) == DP_STEPS, "run %s logged fewer than %d steps", runs[r],
-               DP_STEPS);
+        EXPECT(logged_figures(path, "loss", loss[r], DP_STEPS) == DP_STEPS &&
+               logged_figures(path, "grad_norm", norm[r], DP_STEPS) == DP_STEPS, "run %s logged fewer than %d steps",
+               runs[r], DP_STEPS);
     }
-    // Two ranks sum two numbers per element, whatever the collective: the modes agree bit for bit.
-    for (int r = 2; r < n_runs; r++)
-        EXPECT(!memcmp(loss[1], loss[r], sizeof(loss[1])), "%s differs from zero0", runs[r]);
-    double worst = 0;
-    for (int i = 0; i < DP_STEPS; i++) worst = fmax(worst, fabs(loss[1][i] - loss[0][i]) / loss[0][i]);
-    EXPECT(fabs(loss[1][0] - loss[0][0]) <= 1e-6 * loss[0][0], "step 1: %.9g on 2 GPUs, %.9g on 1", loss[1][0],
-           loss[0][0]);
-    EXPECT(worst < 1e-2, "2 GPUs and 1 GPU drift apart: %.3g relative", worst);
-    printf("    %d steps: 2 GPUs (ZeRO 0, 1, 2, sockets only%s) identical; against 1 GPU: step 1 %.9g vs %.9g, "
-           "worst relative difference %.2e\n", DP_STEPS, have_torchrun ? ", torchrun" : "; no torchrun here",
-           loss[1][0], loss[0][0], worst);
+    for (int r = 3; r < n_runs; r++)
+        EXPECT(!memcmp(loss[2], loss[r], sizeof(loss[2])) && !memcmp(norm[2], norm[r], sizeof(norm[2])),
+               "%s differs from zero1", runs[r]);
+    double worst[2] = {0, 0};  // ZeRO 0 and 1 GPU against ZeRO 1
+    int first_apart = 0, clipped = 0;
+    for (int i = 0; i < DP_STEPS; i++) {
+        worst[0] = fmax(worst[0], fabs(loss[1][i] - loss[2][i]) / loss[2][i]);
+        worst[1] = fmax(worst[1], fabs(loss[0][i] - loss[2][i]) / loss[2][i]);
+        if (!first_apart && loss[1][i] != loss[2][i]) first_apart = i + 1;
+        clipped += norm[2][i] > 1.0;
+    }
+    EXPECT(loss[0][0] == loss[2][0] && loss[1][0] == loss[2][0], "step 1: %.9g on 1 GPU, %.9g ZeRO 0, %.9g ZeRO 1",
+           loss[0][0], loss[1][0], loss[2][0]);
+    EXPECT(worst[0] < 1e-2 && worst[1] < 1e-2, "drifting apart: ZeRO 0 %.3g, 1 GPU %.3g relative", worst[0], worst[1]);
+    printf("    %d steps on 2 GPUs: ZeRO 1, 2, sockets only%s identical; ZeRO 0 identical up to step %d, then within "
+           "%.2e (%d of %d steps clipped); 1 GPU within %.2e\n", DP_STEPS, have_torchrun ? ", torchrun" : "",
+           first_apart ? first_apart - 1 : DP_STEPS, worst[0], clipped, DP_STEPS, worst[1]);
     snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
     EXPECT(system(cmd) == 0, "cleanup");
     return TEST_RESULT;

@@ -1004,12 +1004,12 @@ static void forward_backward(GPT* m, const Batch* batch, int micro, int accum) {
 // learning rate and the bias corrections are computed on the device from the step count there
 // (kernels.cuh), so the step takes nothing from the host.
 
-// Sums a scalar of OptimScalars across the ranks (the loss, a sharded gradient norm).
-static void sum_over_ranks(GPT* m, float* scalar) {
+// Sums `count` adjacent scalars of OptimScalars across the ranks (the loss, a sharded gradient norm).
+static void sum_over_ranks(GPT* m, float* scalars, int count) {
     Comm* c = m->dp.comm;
     if (!c || m->dp.world == 1) return;
     comm_follow(c, m->stream);
-    comm_all_reduce(c, scalar, 1);
+    comm_all_reduce(c, scalars, count);
     comm_join(c, m->stream);
 }
 
@@ -1017,8 +1017,10 @@ static void optimizer_step(GPT* m, const OptimConfig* o) {
     if (m->dp.comm) comm_join(m->dp.comm, m->stream);  // every bucket's collective is done
     const float* grads = m->dp.zero == 0 ? m->grads : m->grad_shard;
     reduce_sum(&m->scalars->grad_norm_sq, grads, m->opt_len, true, false, m->act.partials, m->stream);
-    if (m->dp.zero > 0) sum_over_ranks(m, &m->scalars->grad_norm_sq);  // each rank holds a share
-    sum_over_ranks(m, &m->scalars->loss_sum);
+    // The loss, and with ZeRO 1, 2 the norm (each rank holds a share): one all-reduce of both,
+    // which sit side by side in OptimScalars.
+    static_assert(offsetof(OptimScalars, grad_norm_sq) == offsetof(OptimScalars, loss_sum) + sizeof(float), "");
+    sum_over_ranks(m, &m->scalars->loss_sum, m->dp.zero > 0 ? 2 : 1);
     optimizer_schedule(o, m->scalars, m->stream);
     if (m->dp.zero == 0) {
         adamw_step(m->master, m->params, grads, m->adam_m, m->adam_v, m->decay_flags, 0, m->opt_len, o, m->scalars,
@@ -1853,7 +1855,7 @@ static float validate(GPT* m, Uploader* up, DataLoader* val, int max_batches) {
         forward_layers(m, &b);
         head_and_loss(m, &b, 0.0f, false, &m->scalars->val_loss_sum, i > 0);
     }
-    sum_over_ranks(m, &m->scalars->val_loss_sum);  // each rank read its own batches
+    sum_over_ranks(m, &m->scalars->val_loss_sum, 1);  // each rank read its own batches
     float loss_sum;
     CUDA_CHECK(cudaMemcpyAsync(&loss_sum, &m->scalars->val_loss_sum, sizeof(float), cudaMemcpyDeviceToHost, m->stream));
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
