@@ -180,6 +180,8 @@ typedef struct {
     int n_layers;
     size_t* bucket_offset;     // [L + 2]: bucket b is [bucket_offset[b], bucket_offset[b + 1]), a multiple
                                // of world * PARAM_ALIGN elements long
+    size_t* bucket_used;       // [L + 1]: its first bucket_used[b] elements hold tensors, the rest is the
+                               // padding to that multiple (the same for every world size)
     size_t n_elements;         // length of the flat buffers, padding included
 } ParamTable;
 
@@ -224,15 +226,18 @@ static void param_table_build(ParamTable* pt, const ModelConfig* c, int world) {
     pt->n_tensors = 0;
     pt->tensors = (ParamTensor*)calloc((size_t)L * N_LAYER_KINDS + 2, sizeof(ParamTensor));
     pt->bucket_offset = (size_t*)calloc(L + 2, sizeof(size_t));
+    pt->bucket_used = (size_t*)calloc(L + 1, sizeof(size_t));
     size_t offset = 0;
     for (int l = 0; l < L; l++) {
         pt->bucket_offset[l] = offset;
         for (int k = 0; k < N_LAYER_KINDS; k++) param_add(pt, c, (ParamKind)k, l, &offset);
+        pt->bucket_used[l] = offset - pt->bucket_offset[l];
         bucket_pad(&offset, pt->bucket_offset[l], world);
     }
     pt->bucket_offset[L] = offset;
     param_add(pt, c, P_EMBED, -1, &offset);
     param_add(pt, c, P_FINAL_NORM, -1, &offset);
+    pt->bucket_used[L] = offset - pt->bucket_offset[L];
     bucket_pad(&offset, pt->bucket_offset[L], world);
     pt->bucket_offset[L + 1] = offset;
     pt->n_elements = offset;
@@ -241,6 +246,7 @@ static void param_table_build(ParamTable* pt, const ModelConfig* c, int world) {
 static void param_table_free(ParamTable* pt) {
     free(pt->tensors);
     free(pt->bucket_offset);
+    free(pt->bucket_used);
 }
 
 static const ParamTensor* param(const ParamTable* pt, ParamKind kind, int layer) {
@@ -401,6 +407,7 @@ typedef struct GPT {
     float* grad_tail;
     float* rs_scratch;      // ZeRO 2: a reduce-scatter's output before it is added to grad_shard
     cudaEvent_t ring_free[3];  // ZeRO 2: ring[i]'s (and, [2], grad_tail's) last reduce-scatter is done
+    cudaEvent_t params_ready[MAX_LAYERS + 1];  // ZeRO 1, 2: bucket b's bf16 weights have arrived
     int micro, accum;       // the micro-batch being run, of how many this step
     OptimScalars* scalars;  // the step's scalars (step, lr, loss, gradient norm), on the device
     Activations act;
@@ -613,7 +620,11 @@ static void gpt_allocate(GPT* m) {
         CUDA_CHECK(cudaMalloc(buffer, S * 4));
         CUDA_CHECK(cudaMemsetAsync(*buffer, 0, S * 4, m->stream));
     }
-    if (m->dp.zero > 0) CUDA_CHECK(cudaMalloc(&m->params_shard, S * 2));
+    if (m->dp.zero > 0) {
+        CUDA_CHECK(cudaMalloc(&m->params_shard, S * 2));
+        for (int b = 0; b <= m->table.n_layers; b++)
+            CUDA_CHECK(cudaEventCreateWithFlags(&m->params_ready[b], cudaEventDisableTiming));
+    }
     gpt_allocate_grads(m);
     gpt_upload_decay_flags(m);
     CUDA_CHECK(cudaMalloc(&m->scalars, sizeof(OptimScalars)));
@@ -664,6 +675,8 @@ static void gpt_free(GPT* m) {
     for (void* p : buffers) CUDA_CHECK(cudaFree(p));
     if (m->dp.zero == 2)
         for (int i = 0; i < 3; i++) CUDA_CHECK(cudaEventDestroy(m->ring_free[i]));
+    if (m->dp.zero > 0)
+        for (int b = 0; b <= m->table.n_layers; b++) CUDA_CHECK(cudaEventDestroy(m->params_ready[b]));
     CUDA_CHECK(cudaStreamDestroy(m->stream));
     matmul_free();
     param_table_free(&m->table);
@@ -708,8 +721,26 @@ static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling) {
     f->weights_stale = true;
 }
 
-// The bf16 weights every rank computes with, from the optimizer's fp32 master: cast (all of it,
-// or this rank's pieces, then all-gathered bucket by bucket).
+// With ZeRO 1 and 2, each rank computes the new bf16 weights of its pieces only (params_shard),
+// and every bucket is then all-gathered into params on the comm stream. The buckets go in the
+// order the forward needs them (the embedding's first, then layer by layer), each as soon as its
+// own weights are ready, and the next forward waits for each bucket just before its first use
+// (await_params): the sending of the later layers' weights overlaps the earlier layers' forward.
+static int forward_order(int i, int n_layers) { return i == 0 ? n_layers : i - 1; }
+
+static void send_params(GPT* m, int b) {
+    Comm* c = m->dp.comm;
+    comm_follow(c, m->stream);
+    comm_all_gather(c, m->params_shard + m->opt_offset[b], m->params + m->table.bucket_offset[b],
+                    bucket_len(&m->table, b) / m->dp.world, sizeof(bf16));
+    CUDA_CHECK(cudaEventRecord(m->params_ready[b], c->stream));
+}
+
+static void await_params(GPT* m, int b) {
+    if (m->dp.zero > 0) CUDA_CHECK(cudaStreamWaitEvent(m->stream, m->params_ready[b], 0));
+}
+
+// The bf16 weights every rank computes with, from the optimizer's fp32 master (init, resume).
 static void publish_params(GPT* m) {
     m->fp8.weights_stale = true;
     if (m->dp.zero == 0) {
@@ -717,12 +748,7 @@ static void publish_params(GPT* m) {
         return;
     }
     cast_to_bf16(m->params_shard, m->master, m->opt_len, m->stream);
-    Comm* c = m->dp.comm;
-    comm_follow(c, m->stream);
-    for (int b = 0; b <= m->table.n_layers; b++)
-        comm_all_gather(c, m->params_shard + m->opt_offset[b], m->params + m->table.bucket_offset[b],
-                        bucket_len(&m->table, b) / m->dp.world, sizeof(bf16));
-    comm_join(c, m->stream);
+    for (int i = 0; i <= m->table.n_layers; i++) send_params(m, forward_order(i, m->table.n_layers));
 }
 
 // Initialization as in GPT-2 and torch_baseline.py: matrices N(0, 0.02), norm weights 1.
@@ -974,8 +1000,10 @@ static void forward_layers(GPT* m, const Batch* batch) {
     Activations* a = &m->act;
     int N = m->N, C = c->d_model, Q = qkv_dim(c);
     int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim;
+    await_params(m, c->n_layer);  // the embedding's bucket (and the final norm's)
     embedding_forward(a->residual[0], batch->inputs, P(m, P_EMBED, 0), N, C, m->stream);
     for (int l = 0; l < c->n_layer; l++) {
+        await_params(m, l);
         fp8_cast_weights(m, l);
         // attention block: residual_mid = residual + attention(qk_rope(rmsnorm(residual) W_qkv^T)) W_o^T
         attention_norm(m, l);
@@ -1134,18 +1162,20 @@ static void optimizer_step(GPT* m, const OptimConfig* o) {
     reduce_sum(&m->scalars->grad_norm_sq, grads, m->opt_len, true, false, m->act.partials, m->stream);
     if (m->dp.zero > 0) sum_over_ranks(m, &m->scalars->grad_norm_sq);  // each rank holds a share
     sum_over_ranks(m, &m->scalars->loss_sum);
-    bf16* params_out = m->dp.zero == 0 ? m->params : m->params_shard;
-    adamw_step(m->master, params_out, grads, m->adam_m, m->adam_v, m->decay_flags, 0, m->opt_len, o, m->scalars,
-               m->stream);
-    if (m->dp.zero > 0) {  // the pieces' new bf16 weights to every rank
-        Comm* c = m->dp.comm;
-        comm_follow(c, m->stream);
-        for (int b = 0; b <= m->table.n_layers; b++)
-            comm_all_gather(c, m->params_shard + m->opt_offset[b], m->params + m->table.bucket_offset[b],
-                            bucket_len(&m->table, b) / m->dp.world, sizeof(bf16));
-        comm_join(c, m->stream);
+    optimizer_schedule(o, m->scalars, m->stream);
+    fp8_step_done(m);  // the step's amaxes into the history; the new weights are cast when next used
+    if (m->dp.zero == 0) {
+        adamw_step(m->master, m->params, grads, m->adam_m, m->adam_v, m->decay_flags, 0, m->opt_len, o, m->scalars,
+                   m->stream);
+        return;
     }
-    fp8_step_done(m);
+    for (int i = 0; i <= m->table.n_layers; i++) {  // piece by piece, each sent as soon as it is updated
+        int b = forward_order(i, m->table.n_layers);
+        size_t begin = m->opt_offset[b], end = begin + bucket_len(&m->table, b) / m->dp.world;
+        adamw_step(m->master, m->params_shard, grads, m->adam_m, m->adam_v, m->decay_flags, begin, end, o,
+                   m->scalars, m->stream);
+        send_params(m, b);
+    }
 }
 
 // Sets the device's step count (the schedule's position), e.g. on resume.
@@ -1338,13 +1368,24 @@ static float* download_flat(const GPT* m, const void* device, bool is_bf16) {
 // a manifest records every file's size and CRC32C). Ours holds:
 //   model.safetensors      fp32 master weights under transformers' Qwen3 names
 //   config.json            transformers' config: the directory also loads as a Qwen3 model
-//   optimizer.safetensors  AdamW's moments, exp_avg.<name> and exp_avg_sq.<name>
+//   optimizer.<r>-of-<S>.safetensors   AdamW's moments, shard r of S (below)
 //   trainer_state.bin      the step count, the data loader's state and the trainer's RNGs
-// and the manifest's config object is the ModelConfig, which a resume must match exactly.
-// The learning rate is a function of the step, so the step restores the schedule's position.
+// and the manifest's config object is the ModelConfig, which a resume must match exactly, with
+// the number of optimizer shards and of GPUs of the run that wrote it. The learning rate is a
+// function of the step, so the step restores the schedule's position.
+//
+// The moments are stored as the optimizer holds them: bucket by bucket, cut into S shards, one
+// per rank with ZeRO 1 and 2 (each rank writes its own file), one with ZeRO 0 (rank 0 writes it).
+// Shard r of bucket b is comm.h's CommShards range r of the bucket's used elements: exactly the
+// piece owned_part gives rank r, padding excluded. A run with another number of shards builds its
+// pieces from the old ones with comm_reshard_plan, so resuming on another number of GPUs is a
+// matter of ranges. Rank 0 owns the checkpoint directory, writes the rest (gathering the master
+// weights when they are sharded) and commits once every rank's receipt is in (ckpt.h).
 
 #define TRAINER_STATE_MAGIC 0x54475054u  // "TGPT"
 #define TRAINER_STATE_VERSION 1
+#define CKPT_PEER_WAIT_S 600.0  // how long rank 0 waits for another rank's shard (a dead rank is
+                                // caught sooner, by the comm watchdog)
 typedef struct {
     uint32_t magic, version;
     int64_t step;            // optimizer steps completed
@@ -1354,32 +1395,47 @@ typedef struct {
     LoaderState loader;      // the training loader, positioned at the next step's first batch
 } TrainerState;
 
-static void model_config_json(const ModelConfig* c, JsonWriter* w) {
+static const char* const MODEL_CONFIG_KEYS[] = {"vocab_size", "d_model", "n_layer", "n_head",
+                                                "n_kv_head",  "head_dim", "ffn_dim", "seq_len"};
+static void model_config_ints(const ModelConfig* c, int values[8]) {
+    const int v[] = {c->vocab_size, c->d_model, c->n_layer, c->n_head, c->n_kv_head, c->head_dim, c->ffn_dim,
+                     c->seq_len};
+    memcpy(values, v, sizeof(v));
+}
+
+// Into how many shards this run cuts the optimizer state, and which one is this rank's.
+static int optimizer_shards(const GPT* m) { return m->dp.zero > 0 ? m->dp.world : 1; }
+static int optimizer_shard(const GPT* m) { return m->dp.zero > 0 ? m->dp.rank : 0; }
+
+// The manifest's config object: the model, and how the run that wrote it was sharded.
+static void checkpoint_config_json(const GPT* m, JsonWriter* w) {
+    int values[8];
+    model_config_ints(&m->cfg, values);
     jw_object_begin(w);
-    const char* keys[] = {"vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "ffn_dim", "seq_len"};
-    const int values[] = {c->vocab_size, c->d_model, c->n_layer, c->n_head, c->n_kv_head, c->head_dim, c->ffn_dim,
-                          c->seq_len};
     for (int i = 0; i < 8; i++) {
-        jw_key(w, keys[i]);
+        jw_key(w, MODEL_CONFIG_KEYS[i]);
         jw_int(w, values[i]);
     }
     jw_key(w, "rope_theta");
-    jw_float(w, c->rope_theta);
+    jw_float(w, m->cfg.rope_theta);
     jw_key(w, "norm_eps");
-    jw_float(w, c->norm_eps);
+    jw_float(w, m->cfg.norm_eps);
+    jw_key(w, "optimizer_shards");
+    jw_int(w, optimizer_shards(m));
+    jw_key(w, "gpus");
+    jw_int(w, m->dp.world);
     jw_object_end(w);
 }
 
 // Says which field of the checkpoint's config differs from `c`, if any.
 static bool model_config_matches(const ModelConfig* c, const JsonDoc* doc, const JsonNode* node, char* err,
                                  size_t err_len) {
-    const char* keys[] = {"vocab_size", "d_model", "n_layer", "n_head", "n_kv_head", "head_dim", "ffn_dim", "seq_len"};
-    const int values[] = {c->vocab_size, c->d_model, c->n_layer, c->n_head, c->n_kv_head, c->head_dim, c->ffn_dim,
-                          c->seq_len};
+    int values[8];
+    model_config_ints(c, values);
     for (int i = 0; i < 8; i++) {
         int64_t v;
-        if (!node || json_get_int(doc, node, keys[i], &v) != 0 || v != values[i]) {
-            snprintf(err, err_len, "the checkpoint's %s differs from this run's (%d)", keys[i], values[i]);
+        if (!node || json_get_int(doc, node, MODEL_CONFIG_KEYS[i], &v) != 0 || v != values[i]) {
+            snprintf(err, err_len, "the checkpoint's %s differs from this run's (%d)", MODEL_CONFIG_KEYS[i], values[i]);
             return false;
         }
     }
@@ -1392,29 +1448,74 @@ static bool model_config_matches(const ModelConfig* c, const JsonDoc* doc, const
     return true;
 }
 
-// Writes one checkpoint from host copies of the master weights and moments. Returns false with a
-// message on any failure, leaving the previous checkpoints as they were.
-static bool checkpoint_write(const GPT* m, const float* master, const float* adam_m, const float* adam_v,
-                             const TrainerState* state, const char* out_dir, int keep_last, char* err,
-                             size_t err_len) {
+// Bucket b's used elements cut into n_shards (comm.h's arithmetic, PARAM_ALIGN-aligned pieces).
+static CommShards bucket_shards(const ParamTable* pt, int b, int n_shards) {
+    CommShards shards;
+    char err[256];
+    if (comm_shards_init(&shards, pt->bucket_used[b], n_shards, PARAM_ALIGN, err, sizeof(err)) != 0) {
+        fprintf(stderr, "train_gpt: %s\n", err);
+        exit(1);
+    }
+    return shards;
+}
+
+static void optimizer_file_name(char* out, size_t n, int shard, int n_shards) {
+    snprintf(out, n, "optimizer.%d-of-%d.safetensors", shard, n_shards);
+}
+
+// This rank's shard of both moments (host copies of its optimizer buffers) as one file: per
+// bucket b, exp_avg.<b> and exp_avg_sq.<b>, 1-d fp32 (a bucket with no elements in it has none).
+static int add_optimizer_shard(CkptWriter* w, const GPT* m, const float* adam_m, const float* adam_v, char* err,
+                               size_t err_len) {
+    const ParamTable* pt = &m->table;
+    int n_buckets = pt->n_layers + 1, shard = optimizer_shard(m), n_shards = optimizer_shards(m), n = 0;
+    StTensor* st = (StTensor*)xcalloc(2 * n_buckets, sizeof(StTensor));
+    char(*names)[32] = (char(*)[32])xcalloc(2 * n_buckets, 32);
+    for (int k = 0; k < 2; k++) {
+        for (int b = 0; b < n_buckets; b++) {
+            CommShards shards = bucket_shards(pt, b, n_shards);
+            CommRange mine = comm_shard_range(&shards, shard);
+            if (mine.end == mine.begin) continue;
+            snprintf(names[n], 32, "%s.%d", k ? "exp_avg_sq" : "exp_avg", b);
+            st[n] = (StTensor){names[n], ST_F32, 1, {(int64_t)(mine.end - mine.begin)}, (k ? adam_v : adam_m) +
+                                                                                            m->opt_offset[b]};
+            n++;
+        }
+    }
+    char file[64];
+    optimizer_file_name(file, sizeof(file), shard, n_shards);
+    int rc = ckpt_add_safetensors(w, file, st, n, NULL, 0, err, err_len);
+    free(st);
+    free(names);
+    return rc;
+}
+
+// Rank 0's part of a checkpoint: it owns the directory, writes the model, the configs, the trainer
+// state and its shard, and commits once every other shard's receipt has come in.
+static bool checkpoint_write_owner(const GPT* m, const float* master, const float* adam_m, const float* adam_v,
+                                   const TrainerState* state, const char* out_dir, int keep_last, char* err,
+                                   size_t err_len) {
     int n = hf_tensors(m, NULL);
-    StTensor* st = (StTensor*)calloc(3 * n, sizeof(StTensor));
-    char* names = (char*)malloc((size_t)3 * n * HF_NAME_MAX);
+    StTensor* st = (StTensor*)xcalloc(n, sizeof(StTensor));
+    char* names = (char*)xmalloc((size_t)n * HF_NAME_MAX);
     hf_st_tensors(m, master, "", st, names);
-    hf_st_tensors(m, adam_m, "exp_avg.", st + n, names + n * HF_NAME_MAX);
-    hf_st_tensors(m, adam_v, "exp_avg_sq.", st + 2 * n, names + 2 * n * HF_NAME_MAX);
     char hf_config[2048];
     hf_config_text(&m->cfg, hf_config, sizeof(hf_config));
     JsonWriter config;
     jw_init(&config, 0);
-    model_config_json(&m->cfg, &config);
+    checkpoint_config_json(m, &config);
     CkptWriter w;
     bool ok = ckpt_begin(&w, out_dir, state->step, err, err_len) == 0 &&
               ckpt_add_safetensors(&w, "model.safetensors", st, n, NULL, 0, err, err_len) == 0 &&
               ckpt_add_file(&w, "config.json", hf_config, strlen(hf_config), err, err_len) == 0 &&
-              ckpt_add_safetensors(&w, "optimizer.safetensors", st + n, 2 * n, NULL, 0, err, err_len) == 0 &&
-              ckpt_add_file(&w, "trainer_state.bin", state, sizeof(*state), err, err_len) == 0 &&
-              ckpt_commit(&w, jw_text(&config), keep_last, err, err_len) == 0;
+              add_optimizer_shard(&w, m, adam_m, adam_v, err, err_len) == 0 &&
+              ckpt_add_file(&w, "trainer_state.bin", state, sizeof(*state), err, err_len) == 0;
+    for (int r = 1; ok && r < optimizer_shards(m); r++) {
+        char receipt[32];
+        snprintf(receipt, sizeof(receipt), "receipt.%d", r);
+        ok = ckpt_take_receipt(&w, receipt, CKPT_PEER_WAIT_S, err, err_len) == 0;
+    }
+    ok = ok && ckpt_commit(&w, jw_text(&config), keep_last, err, err_len) == 0;
     if (!ok) ckpt_abort(&w);
     jw_free(&config);
     free(st);
@@ -1422,31 +1523,99 @@ static bool checkpoint_write(const GPT* m, const float* master, const float* ada
     return ok;
 }
 
-// Reads and verifies (checksums, config) a checkpoint directory into host buffers of the flat
-// layout (zeroed padding) and the trainer state.
+// Every other rank's part (ZeRO 1, 2): its shard of the moments into rank 0's directory, and a
+// receipt that says what it wrote, or why it could not.
+static bool checkpoint_write_shard(const GPT* m, const float* adam_m, const float* adam_v, int64_t step,
+                                   const char* out_dir, char* err, size_t err_len) {
+    CkptWriter w;
+    char receipt[32];
+    snprintf(receipt, sizeof(receipt), "receipt.%d", optimizer_shard(m));
+    if (ckpt_join(&w, out_dir, step, CKPT_PEER_WAIT_S, err, err_len) != 0) return false;
+    bool ok = add_optimizer_shard(&w, m, adam_m, adam_v, err, err_len) == 0;
+    char receipt_err[1024];
+    if (ckpt_send_receipt(&w, receipt, ok ? NULL : err, receipt_err, sizeof(receipt_err)) != 0 && ok) {
+        snprintf(err, err_len, "%s", receipt_err);
+        ok = false;
+    }
+    return ok;
+}
+
+// This run's pieces of both moments (its optimizer buffers' layout, opt_len each) from a
+// checkpoint's S shard files, whatever S is: per bucket, comm_reshard_plan says which ranges of
+// which old shards make this rank's piece. Only the files it names are opened.
+static bool read_optimizer_shards(const GPT* m, const CkptReader* r, int old_shards, float* adam_m, float* adam_v,
+                                  char* err, size_t err_len) {
+    const ParamTable* pt = &m->table;
+    StFile* files = (StFile*)xcalloc(old_shards, sizeof(StFile));
+    CommCopy* copies = (CommCopy*)xcalloc(old_shards, sizeof(CommCopy));
+    bool ok = true;
+    for (int b = 0; ok && b <= pt->n_layers; b++) {
+        CommShards from = bucket_shards(pt, b, old_shards), to = bucket_shards(pt, b, optimizer_shards(m));
+        int n_copies = 0;
+        ok = comm_reshard_plan(&from, &to, optimizer_shard(m), copies, old_shards, &n_copies, err, err_len) == 0;
+        for (int i = 0; ok && i < n_copies; i++) {
+            const CommCopy* cp = &copies[i];
+            StFile* f = &files[cp->old_rank];
+            char file[64];
+            optimizer_file_name(file, sizeof(file), cp->old_rank, old_shards);
+            if (!f->map) ok = ckpt_open_safetensors(r, file, f, err, err_len) == 0;
+            CommRange theirs = comm_shard_range(&from, cp->old_rank);
+            for (int k = 0; ok && k < 2; k++) {
+                char name[32];
+                snprintf(name, sizeof(name), "%s.%d", k ? "exp_avg_sq" : "exp_avg", b);
+                const StTensor* t = st_find(f, name);
+                if (!t || t->dtype != ST_F32 || t->ndim != 1 || t->shape[0] != (int64_t)(theirs.end - theirs.begin)) {
+                    snprintf(err, err_len, "%s/%s: tensor %s is missing or not F32 [%zu]", r->dir, file, name,
+                             theirs.end - theirs.begin);
+                    ok = false;
+                } else {
+                    float* dst = (k ? adam_v : adam_m) + m->opt_offset[b] + cp->new_offset;
+                    memcpy(dst, (const uint8_t*)t->data + cp->old_offset * 4, cp->count * 4);
+                }
+            }
+        }
+    }
+    for (int q = 0; q < old_shards; q++) st_close(&files[q]);
+    free(files);
+    free(copies);
+    return ok;
+}
+
+// What a resume needs from the manifest's config: the model must match; the shards may differ.
+static bool checkpoint_config_read(const GPT* m, const CkptReader* r, int* old_shards, int* old_gpus, char* err,
+                                   size_t err_len) {
+    int64_t shards, gpus;
+    if (!model_config_matches(&m->cfg, &r->manifest, r->config, err, err_len)) return false;
+    if (json_get_int(&r->manifest, r->config, "optimizer_shards", &shards) != 0 || shards < 1 || shards > 65536 ||
+        json_get_int(&r->manifest, r->config, "gpus", &gpus) != 0 || gpus < 1 || gpus > 65536) {
+        snprintf(err, err_len, "%s/manifest.json: the config has no \"optimizer_shards\" and \"gpus\" in [1, 65536]",
+                 r->dir);
+        return false;
+    }
+    *old_shards = (int)shards;
+    *old_gpus = (int)gpus;
+    return true;
+}
+
+// Reads and verifies (checksums, config) a checkpoint directory: the master weights into `master`
+// (the flat layout, zeroed padding), this rank's pieces of the moments into adam_m and adam_v (the
+// optimizer buffers' layout), the trainer state, and how the run that wrote it was sharded.
 static bool checkpoint_read(const GPT* m, const char* dir, float* master, float* adam_m, float* adam_v,
-                            TrainerState* state, char* err, size_t err_len) {
+                            TrainerState* state, int* old_shards, int* old_gpus, char* err, size_t err_len) {
     CkptReader r;
     if (ckpt_open(&r, dir, err, err_len) != 0) return false;
-    bool ok = model_config_matches(&m->cfg, &r.manifest, r.config, err, err_len);
-    StFile model, optim;
-    size_t n_elements = m->table.n_elements;
-    memset(master, 0, n_elements * 4);
-    memset(adam_m, 0, n_elements * 4);
-    memset(adam_v, 0, n_elements * 4);
+    bool ok = checkpoint_config_read(m, &r, old_shards, old_gpus, err, err_len);
+    StFile model;
+    memset(master, 0, m->table.n_elements * 4);
+    memset(adam_m, 0, m->opt_len * 4);
+    memset(adam_v, 0, m->opt_len * 4);
     if (ok && ckpt_open_safetensors(&r, "model.safetensors", &model, err, err_len) == 0) {
         ok = hf_st_load(m, &model, "", master, err, err_len);
         st_close(&model);
     } else {
         ok = false;
     }
-    if (ok && ckpt_open_safetensors(&r, "optimizer.safetensors", &optim, err, err_len) == 0) {
-        ok = hf_st_load(m, &optim, "exp_avg.", adam_m, err, err_len) &&
-             hf_st_load(m, &optim, "exp_avg_sq.", adam_v, err, err_len);
-        st_close(&optim);
-    } else {
-        ok = false;
-    }
+    ok = ok && read_optimizer_shards(m, &r, *old_shards, adam_m, adam_v, err, err_len);
     void* bytes = NULL;
     size_t len = 0;
     if (ok && ckpt_read_file(&r, "trainer_state.bin", &bytes, &len, err, err_len) == 0) {
@@ -1465,20 +1634,17 @@ static bool checkpoint_read(const GPT* m, const char* dir, float* master, float*
     return ok;
 }
 
-// Puts host copies (full, of the flat layout) of the master weights and moments on the GPU, this
-// rank's parts of them, and the bf16 weights with them.
+// Puts the master weights (a host copy of the whole flat layout) on the GPU, this rank's parts of
+// them, with the bf16 weights, and the moments when given (host copies of this rank's optimizer
+// buffers, opt_len each).
 static void gpt_upload_state(GPT* m, const float* master, const float* adam_m, const float* adam_v) {
-    const float* host[] = {master, adam_m, adam_v};
-    float* device[] = {m->master, m->adam_m, m->adam_v};
-    for (int i = 0; i < 3; i++) {
-        if (!host[i]) continue;
-        for (int b = 0; b <= m->table.n_layers; b++) {
-            size_t begin, end;
-            owned_part(m, b, &begin, &end);
-            CUDA_CHECK(cudaMemcpy(device[i] + m->opt_offset[b], host[i] + begin, (end - begin) * 4,
-                                  cudaMemcpyHostToDevice));
-        }
+    for (int b = 0; b <= m->table.n_layers; b++) {
+        size_t begin, end;
+        owned_part(m, b, &begin, &end);
+        CUDA_CHECK(cudaMemcpy(m->master + m->opt_offset[b], master + begin, (end - begin) * 4, cudaMemcpyHostToDevice));
     }
+    if (adam_m) CUDA_CHECK(cudaMemcpy(m->adam_m, adam_m, m->opt_len * 4, cudaMemcpyHostToDevice));
+    if (adam_v) CUDA_CHECK(cudaMemcpy(m->adam_v, adam_v, m->opt_len * 4, cudaMemcpyHostToDevice));
     publish_params(m);
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
 }
@@ -1552,12 +1718,6 @@ static bool hf_config_read(const char* dir, ModelConfig* c, char* err, size_t er
     c->norm_eps = (float)eps;
     json_free(&doc);
     return ok;
-}
-
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 #ifndef TRAIN_GPT_NO_MAIN
@@ -1661,7 +1821,7 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--resume", OPT_STR, &o->resume, "continue from a checkpoint: 'latest' (in --out) or its directory"},
         {"--init-from", OPT_STR, &o->init_from,
          "start from a transformers Qwen3 checkpoint directory (its config.json sets the model)"},
-        {"--gpus", OPT_INT, &o->gpus, "GPUs of this machine to train on, one process each (no launcher needed)"},
+        {"--gpus", OPT_INT, &o->gpus, "GPUs of this machine to train on, one process each (no launcher needed); 0: all of them"},
         {"--zero", OPT_INT, &o->zero,
          "0: every GPU holds everything; 1: optimizer state sharded; 2: gradients sharded too"},
         {"--master", OPT_STR, &o->master, "host:port of rank 0 under Slurm when MASTER_ADDR/PORT are not set"},
@@ -1812,7 +1972,7 @@ static void check_options(const Options* o) {
     else if (o->ckpt_every < 0 || o->keep_last < 1) problem = "--ckpt-every must be >= 0 and --keep-last >= 1";
     else if (o->stop_at < 0) problem = "--stop-at must be >= 0";
     else if (o->resume && o->init_from) problem = "--resume and --init-from exclude each other";
-    else if (o->gpus < 1 || o->gpus > 1024) problem = "--gpus must be in [1, 1024]";
+    else if (o->gpus < 1 || o->gpus > 1024) problem = "--gpus must be in [0, 1024] (0: every GPU of this machine)";
     else if (o->zero < 0 || o->zero > 2) problem = "--zero must be 0, 1 or 2";
     else if (!(o->timeout >= 5.0f)) problem = "--timeout must be at least 5 seconds";
     else if (o->fp8 != 0 && o->fp8 != 1) problem = "--fp8 must be 0 or 1";
@@ -1960,7 +2120,10 @@ static void dump_grads(GPT* m, Uploader* up, const uint16_t* window, const char*
 // the end, the trainer waits for the write in flight and learns whether it succeeded.
 typedef struct {
     const GPT* model;
-    float* host;             // pinned: master | adam_m | adam_v, n_elements each
+    bool owner;              // rank 0: it owns the checkpoint directory and writes the master weights
+    bool writes_shard;       // it writes a shard of the moments (rank 0; with ZeRO 1, 2 every rank)
+    float* host_master;      // pinned, the owner's: the whole flat layout
+    float* host_moments;     // pinned: adam_m then adam_v, this rank's optimizer buffers (opt_len each)
     cudaStream_t stream;
     cudaEvent_t ready;       // the optimizer update to snapshot is done
     cudaEvent_t copied;      // the snapshot is in host memory
@@ -1979,7 +2142,10 @@ static void checkpointer_create(Checkpointer* c, const GPT* m, const char* out_d
     c->model = m;
     c->out_dir = out_dir;
     c->keep_last = keep_last;
-    if (m->dp.rank == 0) CUDA_CHECK(cudaMallocHost(&c->host, 3 * m->table.n_elements * sizeof(float)));
+    c->owner = m->dp.rank == 0;
+    c->writes_shard = c->owner || m->dp.zero > 0;
+    if (c->owner) CUDA_CHECK(cudaMallocHost(&c->host_master, m->table.n_elements * sizeof(float)));
+    if (c->writes_shard) CUDA_CHECK(cudaMallocHost(&c->host_moments, 2 * m->opt_len * sizeof(float)));
     CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&c->copied, cudaEventDisableTiming));
@@ -1989,9 +2155,13 @@ static void* checkpoint_thread(void* arg) {
     Checkpointer* c = (Checkpointer*)arg;
     CUDA_CHECK(cudaEventSynchronize(c->copied));
     double t0 = now_seconds();
-    size_t n = c->model->table.n_elements;
-    c->failed = !checkpoint_write(c->model, c->host, c->host + n, c->host + 2 * n, &c->state, c->out_dir,
-                                  c->keep_last, c->err, sizeof(c->err));
+    const float *adam_m = c->host_moments, *adam_v = c->host_moments + c->model->opt_len;
+    if (c->owner)
+        c->failed = !checkpoint_write_owner(c->model, c->host_master, adam_m, adam_v, &c->state, c->out_dir,
+                                            c->keep_last, c->err, sizeof(c->err));
+    else
+        c->failed = !checkpoint_write_shard(c->model, adam_m, adam_v, c->state.step, c->out_dir, c->err,
+                                            sizeof(c->err));
     c->write_seconds = now_seconds() - t0;
     return NULL;
 }
@@ -2001,31 +2171,25 @@ static bool checkpoint_wait(Checkpointer* c) {
     if (!c->writing) return true;
     pthread_join(c->thread, NULL);
     c->writing = false;
-    if (!c->failed)
+    if (!c->failed && c->owner)
         printf("checkpoint of step %lld written to %s/ckpt_%lld in %.2f s\n", (long long)c->state.step, c->out_dir,
                (long long)c->state.step, c->write_seconds);
     return !c->failed;
 }
 
 // Snapshots the state after the optimizer update just queued on the model's stream. Every rank
-// calls it; rank 0 writes. With ZeRO 0 rank 0 holds everything and copies it on a side stream;
-// with ZeRO 1/2 every rank joins the all-gathers that bring the pieces to rank 0's host buffer.
+// calls it. The master weights go whole to rank 0 (with ZeRO 1/2 every rank joins the all-gathers
+// that bring the pieces there); each rank that writes a shard copies its moments.
 static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state) {
-    size_t n = m->table.n_elements;
-    bool writer = m->dp.rank == 0;
-    if (m->dp.zero == 0 && writer) {
-        CUDA_CHECK(cudaEventRecord(c->ready, m->stream));
-        CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ready, 0));
-        CUDA_CHECK(cudaMemcpyAsync(c->host, m->master, n * 4, cudaMemcpyDeviceToHost, c->stream));
-        CUDA_CHECK(cudaMemcpyAsync(c->host + n, m->adam_m, n * 4, cudaMemcpyDeviceToHost, c->stream));
-        CUDA_CHECK(cudaMemcpyAsync(c->host + 2 * n, m->adam_v, n * 4, cudaMemcpyDeviceToHost, c->stream));
-        CUDA_CHECK(cudaEventRecord(c->copied, c->stream));
-    } else if (m->dp.zero > 0) {
-        const float* state_buffers[] = {m->master, m->adam_m, m->adam_v};
-        for (int i = 0; i < 3; i++) gpt_download_state(m, state_buffers[i], writer ? c->host + i * n : NULL);
-        CUDA_CHECK(cudaEventRecord(c->copied, m->stream));
-    }
-    if (!writer) return;
+    if (m->dp.zero > 0) gpt_download_state(m, m->master, c->host_master);  // NULL but on rank 0
+    if (!c->writes_shard) return;
+    CUDA_CHECK(cudaEventRecord(c->ready, m->stream));
+    CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ready, 0));
+    size_t S = m->opt_len;
+    if (m->dp.zero == 0) CUDA_CHECK(cudaMemcpyAsync(c->host_master, m->master, S * 4, cudaMemcpyDeviceToHost, c->stream));
+    CUDA_CHECK(cudaMemcpyAsync(c->host_moments, m->adam_m, S * 4, cudaMemcpyDeviceToHost, c->stream));
+    CUDA_CHECK(cudaMemcpyAsync(c->host_moments + S, m->adam_v, S * 4, cudaMemcpyDeviceToHost, c->stream));
+    CUDA_CHECK(cudaEventRecord(c->copied, c->stream));
     c->state = *state;
     c->failed = false;
     if (pthread_create(&c->thread, NULL, checkpoint_thread, c) != 0) {
@@ -2037,7 +2201,8 @@ static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state)
 
 static void checkpointer_free(Checkpointer* c) {
     checkpoint_wait(c);
-    CUDA_CHECK(cudaFreeHost(c->host));
+    CUDA_CHECK(cudaFreeHost(c->host_master));
+    CUDA_CHECK(cudaFreeHost(c->host_moments));
     CUDA_CHECK(cudaStreamDestroy(c->stream));
     CUDA_CHECK(cudaEventDestroy(c->ready));
     CUDA_CHECK(cudaEventDestroy(c->copied));
@@ -2079,16 +2244,22 @@ static void resume_from(GPT* m, const char* which, const char* out_dir, TrainerS
     } else {
         snprintf(dir, sizeof(dir), "%s", which);
     }
-    size_t n = m->table.n_elements;
-    float* host = (float*)malloc(3 * n * sizeof(float));
-    if (!checkpoint_read(m, dir, host, host + n, host + 2 * n, state, err, sizeof(err))) {
+    float* master = (float*)xmalloc(m->table.n_elements * sizeof(float));
+    float* moments = (float*)xmalloc(2 * m->opt_len * sizeof(float));
+    int old_shards = 0, old_gpus = 0;
+    if (!checkpoint_read(m, dir, master, moments, moments + m->opt_len, state, &old_shards, &old_gpus, err,
+                         sizeof(err))) {
         fprintf(stderr, "train_gpt: --resume: %s\n", err);
         exit(1);
     }
-    gpt_upload_state(m, host, host + n, host + 2 * n);
+    gpt_upload_state(m, master, moments, moments + m->opt_len);
     set_step(m, (int)state->step);
-    free(host);
+    free(master);
+    free(moments);
     printf("resumed from %s at step %lld\n", dir, (long long)state->step);
+    if (old_gpus != m->dp.world || old_shards != optimizer_shards(m))
+        printf("the checkpoint was written on %d GPU(s) with the optimizer state in %d shard(s); this run has %d "
+               "GPU(s) and %d: resharded\n", old_gpus, old_shards, m->dp.world, optimizer_shards(m));
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -2317,7 +2488,7 @@ static void log_one_step(Trainer* t, int index) {
     CUDA_CHECK(cudaEventElapsedTime(&ms, t->step_start[slot], t->step_end[slot]));
     const OptimScalars* s = &t->readback[slot];
     double now = now_seconds(), tokens = (double)t->model.N * t->accum * t->model.dp.world;
-    if (t->parallel) t->comm.last_progress = comm_now();  // the watchdog's sign of life
+    if (t->parallel) t->comm.last_progress = now_seconds();  // the watchdog's sign of life
     if (index == t->start_step) t->t_first_step = now - t->t_start;
     if (index == t->start_step) t->t_loop = now;  // the ETA leaves out the first step's warm-up
     double per_step = index > t->start_step ? (now - t->t_loop) / (index - t->start_step) : ms / 1e3;
@@ -2485,6 +2656,17 @@ static void read_launch_env(const Options* o, CommEnv* env) {
 }
 
 // --gpus N without a launcher: this process starts the N ranks and waits for them.
+// --gpus 0: every GPU this process sees (the ranks are exec'd afresh, so asking CUDA here is safe).
+static int count_gpus(void) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n < 1) {
+        fprintf(stderr, "train_gpt: --gpus 0 (every GPU): this machine has no CUDA GPU that this process can use\n");
+        exit(1);
+    }
+    return n;
+}
+
 static int launch_ranks(int n, char** argv) {
     char err[1024];
     int status = comm_launch_local(n, argv, err, sizeof(err));
@@ -2510,6 +2692,7 @@ int main(int argc, char** argv) {
     Options o;
     options_default(&o);
     parse_args(&o, argc, argv);
+    if (o.gpus == 0) o.gpus = count_gpus();
     read_init_from_config(&o);
     check_options(&o);
     CommEnv env;
