@@ -4,6 +4,7 @@
 #   test      build, then the FP8 tests and the matmul and whole-model tests
 #   bench     ours: BF16, FP8 delayed, FP8 current, at the default config and at 1b
 #   torch     torch_baseline.py (in the ignored .bench/) BF16 torch.compile and --fp8 tensorwise, both sizes
+#   profile   Nsight Compute: the kernels of one FP8 step at the default config (scripts/profile_step.sh)
 #   converge  300 steps on the default corpus: BF16 (seeds 1337, 1338), FP8 delayed and current; then 1b
 # Logs go to $OUT (or /tmp/out), one summary line per run on stdout.
 set -uo pipefail
@@ -34,6 +35,8 @@ for step in ${*:-test bench}; do
           PYTHONUNBUFFERED=1 python3 .bench/torch_baseline.py $args $fp8 2>&1 | tee -a "$OUT/torch.log" | tail -2 | head -1
         done
       done ;;
+    profile)
+      ARGS="--fp8 1" COUNT=1200 bash scripts/profile_step.sh 2>&1 | tee "$OUT/profile_fp8.log" ;;
     converge)
       for size in default 1b; do
         args=""; [ $size = 1b ] && args=$ONE_B
