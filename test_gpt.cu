@@ -1482,6 +1482,9 @@ static int test_two_gpus_kill_and_resume(void) {
     return TEST_RESULT;
 }
 
+// FP8 mode's tests use the whole-model helpers above.
+#include "test/test_fp8.h"
+
 static const TestCase model_tests[] = {
     {"config_accepts_sane_configs", test_config_accepts_sane_configs},
     {"config_rejects_bad_configs", test_config_rejects_bad_configs},
@@ -1533,6 +1536,7 @@ int main(int argc, char** argv) {
         {data_tests, n_data_tests},
         {ckpt_tests, n_ckpt_tests},
         {comm_tests, n_comm_tests},
+        {fp8_tests, n_fp8_tests},
     };
     int passed = 0, failed = 0, skipped = 0;
     for (auto& suite : suites)

@@ -38,6 +38,7 @@
 #include <pthread.h>
 #include <cuda_fp16.h>
 #include "kernels.cuh"
+#include "lib/fp8.cuh"
 #include "data.h"
 #include "lib/tokenizer.h"
 #include "ckpt.h"
@@ -356,6 +357,30 @@ struct GPT;
 // this micro-batch (layers L-1 down to 0, then bucket L); comm.h sends it from here.
 typedef void (*GradsReadyHook)(void* ctx, const struct GPT* m, int bucket);
 
+// FP8 mode (--fp8 1, lib/fp8.cuh): the four matrices of every layer multiply in FP8. Each matrix
+// has three scaled tensors, its weight, its input activation and the gradient of its output, so
+// a layer has FP8_ROLES x 4 scales. The FP8 weights (and their transposes, for the input
+// gradient) sit at the parameter table's offsets; the casts of activations and gradients go
+// through scratch buffers that every layer reuses.
+typedef enum { FP8_ROLE_WEIGHT, FP8_ROLE_INPUT, FP8_ROLE_GRAD, FP8_ROLES } Fp8Role;
+#define FP8_MATRICES 4  // P_QKV, P_ATTN_OUT, P_GATE_UP, P_DOWN: the layer kinds that are matrices
+
+typedef struct {
+    bool on;
+    Fp8Scaling scaling;
+    bool calibrated;        // delayed: a step has filled the history (before that, casts measure)
+    bool weights_stale;     // the bf16 weights changed since they were last cast
+    Fp8Scale* scales;       // [L * FP8_ROLES * FP8_MATRICES]
+    uint8_t* weights;       // [n_elements] E4M3 W [O, I] of each layer matrix, at its table offset
+    uint8_t* weights_t;     // [n_elements] E4M3 W^T [I, O]
+    uint8_t* x;             // [N, widest input]   E4M3 input of the forward's product
+    uint8_t* x_t;           // [widest input, N]   E4M3 input, transposed, for the weight gradient
+    uint8_t* dy;            // [N, widest output]  E5M2 output gradient, for the input gradient
+    uint8_t* dy_t;          // [widest output, N]  and transposed, for the weight gradient
+    void* memory;           // the one allocation all of the above are carved from
+    size_t bytes;
+} GptFp8;
+
 typedef struct GPT {
     ModelConfig cfg;
     ParamTable table;
@@ -394,6 +419,7 @@ typedef struct GPT {
     GradsReadyHook grads_ready;  // NULL on one GPU
     void* grads_ready_ctx;
     size_t bytes_params, bytes_grads, bytes_optimizer, bytes_activations, bytes_scratch;
+    GptFp8 fp8;
 } GPT;
 
 // The elements of bucket b this rank's optimizer owns: all of it (ZeRO 0), or its piece.
@@ -496,7 +522,7 @@ static double gib(size_t bytes) { return bytes / (double)(1ull << 30); }
 
 static size_t gpt_bytes_total(const GPT* m) {
     return m->bytes_params + m->bytes_grads + m->bytes_optimizer + m->bytes_activations + m->bytes_scratch +
-           CUBLASLT_WORKSPACE_BYTES;
+           m->fp8.bytes + CUBLASLT_WORKSPACE_BYTES;
 }
 
 // Where each bucket's owned part sits in the optimizer's buffers, and their length.
@@ -645,7 +671,7 @@ static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recomp
 static void gpt_free(GPT* m) {
     void* buffers[] = {m->master, m->params, m->grads, m->adam_m, m->adam_v, m->decay_flags, m->scalars,
                        m->grad_shard, m->params_shard, m->grad_ring[0], m->grad_ring[1], m->grad_tail,
-                       m->rs_scratch, m->activation_memory, m->scratch_memory, m->rope_cos};
+                       m->rs_scratch, m->activation_memory, m->scratch_memory, m->rope_cos, m->fp8.memory};
     for (void* p : buffers) CUDA_CHECK(cudaFree(p));
     if (m->dp.zero == 2)
         for (int i = 0; i < 3; i++) CUDA_CHECK(cudaEventDestroy(m->ring_free[i]));
@@ -655,6 +681,44 @@ static void gpt_free(GPT* m) {
     matmul_free();
     param_table_free(&m->table);
     free(m->opt_offset);
+}
+
+// Turns FP8 mode on (after gpt_create, before any step): allocates the FP8 weights, the scratch
+// of the casts and the scales, and says so in one line if they do not fit. FP8 matmuls want every
+// side a multiple of 16 bytes, so N and the matrices' sides must be multiples of 16.
+static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling) {
+    GptFp8* f = &m->fp8;
+    int L = m->cfg.n_layer;
+    size_t widest_in = 0, widest_out = 0;
+    for (int k = 0; k < FP8_MATRICES; k++) {
+        const ParamTensor* t = param(&m->table, (ParamKind)k, 0);
+        if (t->rows % 16 || t->cols % 16 || m->N % 16) {
+            fprintf(stderr, "train_gpt: --fp8 needs B x T and every matrix side a multiple of 16 (%s is %lld x %lld, "
+                            "B x T %d)\n", t->name, (long long)t->rows, (long long)t->cols, m->N);
+            exit(2);
+        }
+        widest_in = (size_t)t->cols > widest_in ? (size_t)t->cols : widest_in;
+        widest_out = (size_t)t->rows > widest_out ? (size_t)t->rows : widest_out;
+    }
+    size_t n_scales = (size_t)L * FP8_ROLES * FP8_MATRICES, P = m->table.n_elements, N = m->N;
+    Arena a = {NULL, 0, 0};
+    size_t sizes[] = {n_scales * sizeof(Fp8Scale), P, P, N * widest_in, N * widest_in, N * widest_out, N * widest_out};
+    for (size_t bytes : sizes) arena_take(&a, bytes);
+    f->bytes = a.used;
+    f->on = true;
+    gpt_check_fits(m);
+    CUDA_CHECK(cudaMalloc(&a.base, a.used));
+    a.used = 0;
+    f->memory = a.base;
+    uint8_t** parts[] = {(uint8_t**)&f->scales, &f->weights, &f->weights_t, &f->x, &f->x_t, &f->dy, &f->dy_t};
+    for (int i = 0; i < 7; i++) *parts[i] = (uint8_t*)arena_take(&a, sizes[i]);
+    Fp8Scale* host = (Fp8Scale*)xcalloc(n_scales, sizeof(Fp8Scale));
+    for (size_t i = 0; i < n_scales; i++) host[i] = fp8_scale_initial(i / FP8_MATRICES % FP8_ROLES == FP8_ROLE_GRAD);
+    CUDA_CHECK(cudaMemcpy(f->scales, host, n_scales * sizeof(Fp8Scale), cudaMemcpyHostToDevice));
+    free(host);
+    f->scaling = scaling;
+    f->calibrated = false;
+    f->weights_stale = true;
 }
 
 // With ZeRO 1 and 2, each rank computes the new bf16 weights of its pieces only (params_shard),
@@ -678,6 +742,7 @@ static void await_params(GPT* m, int b) {
 
 // The bf16 weights every rank computes with, from the optimizer's fp32 master (init, resume).
 static void publish_params(GPT* m) {
+    m->fp8.weights_stale = true;
     if (m->dp.zero == 0) {
         cast_to_bf16(m->params, m->master, m->opt_len, m->stream);
         return;
@@ -718,6 +783,9 @@ static void print_memory_plan(const GPT* m) {
            gib(m->bytes_params), gib(m->bytes_grads), gib(m->bytes_optimizer), gib(m->bytes_activations),
            m->recompute ? " (recompute on)" : "", gib(m->bytes_scratch), m->loss_chunk,
            gib(CUBLASLT_WORKSPACE_BYTES), gib(gpt_bytes_total(m)));
+    if (m->fp8.on)
+        printf("fp8: the layers' matrices in FP8 (%s scaling); its weight copies and scratch: %.2f GiB of the total\n",
+               m->fp8.scaling == FP8_DELAYED ? "delayed" : "current", gib(m->fp8.bytes));
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -848,29 +916,108 @@ static void mlp_swiglu(GPT* m, int l) {
     swiglu_forward(m->act.mlp_act[l], m->act.gate_up[l], m->N, m->cfg.ffn_dim, m->stream);
 }
 
+// A layer's matrix (kind P_QKV .. P_DOWN), in bf16 or, with FP8 mode on, in FP8. Its shape is
+// the table's: W [O, I]. In FP8 each product is the TN form cuBLASLt's FP8 kernels take (see
+// matmul in kernels.cuh): the forward multiplies W by x as they are; the input gradient needs W^T
+// (cast with W, once per optimizer step) and dy; the weight gradient needs x^T and dy^T, which
+// the casts of the backward write in the same pass.
+static Fp8Scale* fp8_scale(const GPT* m, Fp8Role role, ParamKind kind, int l) {
+    return m->fp8.scales + ((size_t)l * FP8_ROLES + role) * FP8_MATRICES + kind;
+}
+
+// Current scaling measures every tensor; delayed too, until a step has filled the history.
+static Fp8CastScale fp8_how(const GPT* m) {
+    return m->fp8.scaling == FP8_CURRENT || !m->fp8.calibrated ? FP8_CAST_MEASURE : FP8_CAST_DELAYED;
+}
+
+// Layer l's four FP8 weights and their transposes, from the bf16 weights, when those changed.
+static void fp8_cast_weights(GPT* m, int l) {
+    if (!m->fp8.on || !m->fp8.weights_stale) return;
+    for (int k = 0; k < FP8_MATRICES; k++) {
+        const ParamTensor* t = param(&m->table, (ParamKind)k, l);
+        fp8_cast(m->fp8.weights + t->offset, m->fp8.weights_t + t->offset, m->params + t->offset, (int)t->rows,
+                 (int)t->cols, false, fp8_scale(m, FP8_ROLE_WEIGHT, (ParamKind)k, l), fp8_how(m), m->stream);
+    }
+    if (l == m->cfg.n_layer - 1) m->fp8.weights_stale = false;
+}
+
+// y[N, O] = x[N, I] W^T (+ residual)
+static void layer_forward(GPT* m, ParamKind kind, int l, bf16* y, const bf16* x, const bf16* residual) {
+    const ParamTensor* t = param(&m->table, kind, l);
+    int N = m->N, O = (int)t->rows, I = (int)t->cols;
+    if (!m->fp8.on) {
+        linear_forward(y, x, m->params + t->offset, residual, N, I, O, m->stream);
+        return;
+    }
+    GptFp8* f = &m->fp8;
+    Fp8Scale *sw = fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), *sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
+    fp8_cast(f->x, NULL, x, N, I, false, sx, fp8_how(m), m->stream);
+    matmul(mm_bf16(y), fp8_operand(f->weights + t->offset, false, sw), fp8_operand(f->x, false, sx), residual, 1.0f,
+           O, N, I, true, false, m->stream);
+}
+
+// dW += dy^T x and dx = dy W, for dy [N, O] and the layer's input x [N, I] (as the forward saw it)
+static void layer_backward(GPT* m, ParamKind kind, int l, bf16* dx, const bf16* dy, const bf16* x) {
+    const ParamTensor* t = param(&m->table, kind, l);
+    int N = m->N, O = (int)t->rows, I = (int)t->cols;
+    float* dW = G(m, kind, l);
+    if (!m->fp8.on) {
+        linear_backward_weight(dW, dy, x, N, I, O, m->stream);
+        linear_backward_input(dx, dy, m->params + t->offset, N, I, O, m->stream);
+        return;
+    }
+    GptFp8* f = &m->fp8;
+    Fp8Scale *sw = fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), *sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
+    Fp8Scale* sg = fp8_scale(m, FP8_ROLE_GRAD, kind, l);
+    fp8_cast(f->dy, f->dy_t, dy, N, O, true, sg, fp8_how(m), m->stream);
+    // x's scale is the one its forward cast used: delayed, the step's; current, the forward's amax
+    fp8_cast(NULL, f->x_t, x, N, I, false, sx, fp8_how(m) == FP8_CAST_DELAYED ? FP8_CAST_DELAYED : FP8_CAST_MEASURED,
+             m->stream);
+    // dW [O, I] is column-major D[m = I, n = O] = op_T(A) B over k = N, with A = x^T (row-major
+    // [I, N]) and B = dy^T (row-major [O, N]); beta 1 accumulates into dW
+    matmul(mm_f32(dW), fp8_operand(f->x_t, false, sx), fp8_operand(f->dy_t, true, sg), dW, 1.0f, I, O, N, true, false,
+           m->stream);
+    // dx [N, I] is column-major D[m = I, n = N] = op_T(A) B over k = O, with A = W^T (row-major
+    // [I, O]) and B = dy (row-major [N, O])
+    matmul(mm_bf16(dx), fp8_operand(f->weights_t + t->offset, false, sw), fp8_operand(f->dy, true, sg), NULL, 0.0f,
+           I, N, O, true, false, m->stream);
+}
+
+// After an optimizer step: the weights changed, and (delayed) the step's amaxes join the history.
+static void fp8_step_done(GPT* m) {
+    GptFp8* f = &m->fp8;
+    if (!f->on) return;
+    if (f->scaling == FP8_DELAYED) {
+        fp8_update_scales(f->scales, m->cfg.n_layer * FP8_ROLES * FP8_MATRICES, m->stream);
+        f->calibrated = true;
+    }
+    f->weights_stale = true;
+}
+
 // Runs the layers and the final norm; leaves xnorm_final [N, C] for the output head.
 static void forward_layers(GPT* m, const Batch* batch) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
-    int N = m->N, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c), A = c->n_head * c->head_dim;
+    int N = m->N, C = c->d_model, Q = qkv_dim(c);
     int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim;
     await_params(m, c->n_layer);  // the embedding's bucket (and the final norm's)
     embedding_forward(a->residual[0], batch->inputs, P(m, P_EMBED, 0), N, C, m->stream);
     for (int l = 0; l < c->n_layer; l++) {
         await_params(m, l);
+        fp8_cast_weights(m, l);
         // attention block: residual_mid = residual + attention(qk_rope(rmsnorm(residual) W_qkv^T)) W_o^T
         attention_norm(m, l);
-        linear_forward(a->qkv[l], a->xnorm_attn[l], P(m, P_QKV, l), NULL, N, C, Q, m->stream);
+        layer_forward(m, P_QKV, l, a->qkv[l], a->xnorm_attn[l], NULL);
         qk_norm_rope(m, l);
         const bf16* q = a->qkv_rot[l];
         attention_forward(a->attn_out[l], a->lse[l], q, q + Hq * D, q + (Hq + Hkv) * D, Q, m->B, m->T, Hq, Hkv, D,
                           m->stream);
-        linear_forward(a->residual_mid[l], a->attn_out[l], P(m, P_ATTN_OUT, l), a->residual[l], N, A, C, m->stream);
+        layer_forward(m, P_ATTN_OUT, l, a->residual_mid[l], a->attn_out[l], a->residual[l]);
         // MLP block: residual' = residual_mid + swiglu(rmsnorm(residual_mid) W_gate_up^T) W_down^T
         mlp_norm(m, l);
-        linear_forward(a->gate_up[l], a->xnorm_mlp[l], P(m, P_GATE_UP, l), NULL, N, C, 2 * F, m->stream);
+        layer_forward(m, P_GATE_UP, l, a->gate_up[l], a->xnorm_mlp[l], NULL);
         mlp_swiglu(m, l);
-        linear_forward(a->residual[l + 1], a->mlp_act[l], P(m, P_DOWN, l), a->residual_mid[l], N, F, C, m->stream);
+        layer_forward(m, P_DOWN, l, a->residual[l + 1], a->mlp_act[l], a->residual_mid[l]);
     }
     rmsnorm_forward(a->xnorm_final, a->rstd_final, a->residual[c->n_layer], P(m, P_FINAL_NORM, 0), N, C,
                     c->norm_eps, m->stream);
@@ -936,7 +1083,7 @@ static void grads_ready(GPT* m, int b) {
 static void backward(GPT* m, const Batch* batch) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
-    int N = m->N, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c), A = c->n_head * c->head_dim;
+    int N = m->N, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c);
     int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim, L = c->n_layer;
     CUDA_CHECK(cudaMemsetAsync(a->d_residual, 0, (size_t)N * C * sizeof(bf16), m->stream));
     rmsnorm_backward(a->d_residual, G(m, P_FINAL_NORM, 0), a->partials, a->d_xnorm, a->residual[L],
@@ -949,11 +1096,9 @@ static void backward(GPT* m, const Batch* batch) {
             mlp_norm(m, l);
             mlp_swiglu(m, l);
         }
-        linear_backward_weight(G(m, P_DOWN, l), a->d_residual, a->mlp_act[l], N, F, C, m->stream);
-        linear_backward_input(a->d_mlp_act, a->d_residual, P(m, P_DOWN, l), N, F, C, m->stream);
+        layer_backward(m, P_DOWN, l, a->d_mlp_act, a->d_residual, a->mlp_act[l]);
         swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], N, F, m->stream);
-        linear_backward_weight(G(m, P_GATE_UP, l), a->d_gate_up, a->xnorm_mlp[l], N, C, 2 * F, m->stream);
-        linear_backward_input(a->d_xnorm, a->d_gate_up, P(m, P_GATE_UP, l), N, C, 2 * F, m->stream);
+        layer_backward(m, P_GATE_UP, l, a->d_xnorm, a->d_gate_up, a->xnorm_mlp[l]);
         rmsnorm_backward(a->d_residual, G(m, P_MLP_NORM, l), a->partials, a->d_xnorm, a->residual_mid[l],
                          P(m, P_MLP_NORM, l), a->rstd_mlp[l], N, C, m->stream);
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
@@ -961,8 +1106,7 @@ static void backward(GPT* m, const Batch* batch) {
             attention_norm(m, l);
             qk_norm_rope(m, l);
         }
-        linear_backward_weight(G(m, P_ATTN_OUT, l), a->d_residual, a->attn_out[l], N, A, C, m->stream);
-        linear_backward_input(a->d_attn_out, a->d_residual, P(m, P_ATTN_OUT, l), N, A, C, m->stream);
+        layer_backward(m, P_ATTN_OUT, l, a->d_attn_out, a->d_residual, a->attn_out[l]);
         const bf16* q = a->qkv_rot[l];
         attention_backward(a->d_qkv, a->d_qkv + Hq * D, a->d_qkv + (Hq + Hkv) * D, a->attn_scratch, a->d_attn_out,
                            a->attn_out[l], a->lse[l], q, q + Hq * D, q + (Hq + Hkv) * D, Q, Q, m->B, m->T, Hq, Hkv, D,
@@ -970,8 +1114,7 @@ static void backward(GPT* m, const Batch* batch) {
         qk_norm_rope_backward(a->d_qkv, G(m, P_Q_NORM, l), G(m, P_K_NORM, l), a->partials, a->qkv[l], a->rstd_qk[l],
                               P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos, m->rope_sin, N, m->T, Hq, Hkv, D,
                               m->stream);
-        linear_backward_weight(G(m, P_QKV, l), a->d_qkv, a->xnorm_attn[l], N, C, Q, m->stream);
-        linear_backward_input(a->d_xnorm, a->d_qkv, P(m, P_QKV, l), N, C, Q, m->stream);
+        layer_backward(m, P_QKV, l, a->d_xnorm, a->d_qkv, a->xnorm_attn[l]);
         rmsnorm_backward(a->d_residual, G(m, P_ATTN_NORM, l), a->partials, a->d_xnorm, a->residual[l],
                          P(m, P_ATTN_NORM, l), a->rstd_attn[l], N, C, m->stream);
         grads_ready(m, l);  // layer l's gradients are complete
@@ -1022,6 +1165,7 @@ static void optimizer_step(GPT* m, const OptimConfig* o) {
     static_assert(offsetof(OptimScalars, grad_norm_sq) == offsetof(OptimScalars, loss_sum) + sizeof(float), "");
     sum_over_ranks(m, &m->scalars->loss_sum, m->dp.zero > 0 ? 2 : 1);
     optimizer_schedule(o, m->scalars, m->stream);
+    fp8_step_done(m);  // the step's amaxes into the history; the new weights are cast when next used
     if (m->dp.zero == 0) {
         adamw_step(m->master, m->params, grads, m->adam_m, m->adam_v, m->decay_flags, 0, m->opt_len, o, m->scalars,
                    m->stream);
@@ -1611,6 +1755,8 @@ typedef struct {
     int gpus, zero;          // data parallelism: ranks started here (without a launcher), ZeRO mode
     const char* master;      // host:port of rank 0, for Slurm without MASTER_ADDR / MASTER_PORT
     float timeout;           // seconds without progress before a rank gives up on its peers
+    int fp8;                 // 1: the layers' matrices in FP8
+    const char* fp8_scaling; // "delayed" or "current"
 } Options;
 
 typedef enum { OPT_INT, OPT_FLOAT, OPT_STR, OPT_U64, OPT_FLAG } OptType;
@@ -1682,6 +1828,9 @@ static int option_specs(Options* o, OptionSpec* specs) {
          "0: every GPU holds everything; 1: optimizer state sharded; 2: gradients sharded too"},
         {"--master", OPT_STR, &o->master, "host:port of rank 0 under Slurm when MASTER_ADDR/PORT are not set"},
         {"--timeout", OPT_FLOAT, &o->timeout, "seconds a rank waits for its peers (start-up, or a step) before it stops"},
+        {"--fp8", OPT_INT, &o->fp8, "1: every layer's four matmuls in FP8 (E4M3 weights and activations, E5M2 gradients)"},
+        {"--fp8-scaling", OPT_STR, &o->fp8_scaling,
+         "FP8 per-tensor scales: 'delayed' (amax history of 16 steps) or 'current' (each tensor's amax, one more pass)"},
     };
     int n = (int)(sizeof(all) / sizeof(all[0]));
     if (specs) memcpy(specs, all, sizeof(all));
@@ -1725,6 +1874,8 @@ static void options_default(Options* o) {
     o->gpus = 1;
     o->zero = 0;
     o->timeout = 50.0f;
+    o->fp8 = 0;
+    o->fp8_scaling = "delayed";
 }
 
 static void print_help(void) {
@@ -1826,6 +1977,9 @@ static void check_options(const Options* o) {
     else if (o->gpus < 1 || o->gpus > 1024) problem = "--gpus must be in [0, 1024] (0: every GPU of this machine)";
     else if (o->zero < 0 || o->zero > 2) problem = "--zero must be 0, 1 or 2";
     else if (!(o->timeout >= 5.0f)) problem = "--timeout must be at least 5 seconds";
+    else if (o->fp8 != 0 && o->fp8 != 1) problem = "--fp8 must be 0 or 1";
+    else if (strcmp(o->fp8_scaling, "delayed") != 0 && strcmp(o->fp8_scaling, "current") != 0)
+        problem = "--fp8-scaling must be 'delayed' or 'current'";
     if (problem) {
         fprintf(stderr, "train_gpt: %s\n", problem);
         exit(2);
@@ -2231,6 +2385,7 @@ static void trainer_open_model(Trainer* t) {
     if (t->parallel) dp = (Sharding){t->env.rank, t->env.world, o->zero, &t->comm};
     gpt_create(m, &o->model, o->batch_size, o->model.seq_len, o->recompute != 0, o->loss_chunk, &dp);
     m->deterministic = o->deterministic != 0;
+    if (o->fp8) gpt_enable_fp8(m, strcmp(o->fp8_scaling, "current") == 0 ? FP8_CURRENT : FP8_DELAYED);
     gpt_init(m, o->seed);
     if (o->init_from) load_init_from(m, o->init_from);
     t->bench_rng = o->seed * 0x9E3779B97F4A7C15ull + 1;
@@ -2424,11 +2579,11 @@ static void print_bench_result(const Trainer* t) {
     double flops = flops_per_token(c);
     printf("{\"bench\": \"train_gpt\", \"device\": \"%s\", \"gpus\": %d, \"zero\": %d, \"B\": %d, \"T\": %d, "
            "\"d_model\": %d, \"layers\": %d, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"ffn\": %d, "
-           "\"recompute\": %d, \"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, \"tokens_per_s_per_gpu\": %.1f, "
+           "\"recompute\": %d, \"fp8\": \"%s\", \"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, \"tokens_per_s_per_gpu\": %.1f, "
            "\"mfu\": %.4f, \"flops_per_token\": %.6g, \"peak_mem_gib\": %.3f, \"first_step_s\": %.2f, "
            "\"final_loss\": %.4f}\n",
            t->prop.name, world, t->model.dp.zero, t->model.B, t->model.T, c->d_model, c->n_layer, c->n_head,
-           c->n_kv_head, c->head_dim, c->ffn_dim, t->o.recompute, ms, tok_s, tok_s / world,
+           c->n_kv_head, c->head_dim, c->ffn_dim, t->o.recompute, t->o.fp8 ? t->o.fp8_scaling : "off", ms, tok_s, tok_s / world,
            tok_s / world * flops / (t->o.peak_tflops * 1e12), flops, gib(gpt_bytes_total(&t->model)),
            t->t_first_step, t->last_loss);
 }
