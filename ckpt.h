@@ -14,7 +14,8 @@
  * runs out (that comes back as an error too: the writer thread must not take training down); a
  * failed write leaves the previous checkpoint intact.
  *
- * Sections: CRC32C; JSON writer; JSON reader; atomic files; safetensors; checkpoint directories.
+ * Sections: CRC32C; JSON writer; JSON reader; atomic files; safetensors; checkpoint directories
+ * (with several writers: one per rank of a data-parallel run).
  * doc/checkpoints.md describes the directory layout, the manifest and why each fsync is there.
  */
 #ifndef CKPT_H
@@ -1113,7 +1114,8 @@ typedef struct {
     char out_dir[CK_PATH_MAX];
     char tmp_dir[CK_PATH_MAX];
     int64_t step;
-    int active;                /* between ckpt_begin and ckpt_commit / ckpt_abort */
+    int active;                /* between ckpt_begin (or ckpt_join) and ckpt_commit / ckpt_abort */
+    int joined;                /* a writer that joined another's checkpoint: it never removes the directory */
     CkptFileInfo* files;
     int n_files, cap_files;
 } CkptWriter;
@@ -1138,6 +1140,19 @@ static int ckpt_valid_name(const char* name) {
     return 1;
 }
 
+/* A manifest's (and a receipt's) "crc32c": exactly 8 hex digits. */
+static int ckpt_parse_crc(const char* s, uint32_t* out) {
+    uint32_t v = 0;
+    for (int i = 0; i < 8; i++) {
+        int d = hex_digit(s[i]);
+        if (d < 0) return -1;
+        v = v * 16 + (uint32_t)d;
+    }
+    if (s[8] != '\0') return -1;
+    *out = v;
+    return 0;
+}
+
 /* The step of a directory entry named ckpt_<digits>, or -1. Digits as ckpt_begin writes them (no
  * leading zeros), so that a step names exactly one directory. */
 static int64_t ckpt_parse_dirname(const char* name) {
@@ -1151,7 +1166,7 @@ static int64_t ckpt_parse_dirname(const char* name) {
 }
 
 static void ckpt_abort(CkptWriter* w) {
-    if (w->active) ck_rmtree(w->tmp_dir, NULL, 0);
+    if (w->active && !w->joined) ck_rmtree(w->tmp_dir, NULL, 0);
     free(w->files);
     w->files = NULL;
     w->n_files = w->cap_files = 0;
@@ -1186,14 +1201,19 @@ static int ckpt_file_begin(CkptWriter* w, const char* name, AtomicFile* f, char*
     return af_open(f, path, err, err_len);
 }
 
+/* Room for one more entry in the writer's list of files. */
+static int ckpt_grow_files(CkptWriter* w, char* err, size_t err_len) {
+    if (w->n_files < w->cap_files) return 0;
+    int cap = w->cap_files ? 2 * w->cap_files : 8;
+    CkptFileInfo* files = (CkptFileInfo*)realloc(w->files, (size_t)cap * sizeof(CkptFileInfo));
+    if (!files) return fail(err, err_len, "%s: out of memory", w->tmp_dir);
+    w->files = files;
+    w->cap_files = cap;
+    return 0;
+}
+
 static int ckpt_file_end(CkptWriter* w, const char* name, AtomicFile* f, char* err, size_t err_len) {
-    if (w->n_files == w->cap_files) {
-        int cap = w->cap_files ? 2 * w->cap_files : 8;
-        CkptFileInfo* files = (CkptFileInfo*)realloc(w->files, (size_t)cap * sizeof(CkptFileInfo));
-        if (!files) { af_abort(f); return fail(err, err_len, "%s: out of memory", f->path); }
-        w->files = files;
-        w->cap_files = cap;
-    }
+    if (ckpt_grow_files(w, err, err_len)) { af_abort(f); return -1; }
     if (af_commit(f, err, err_len)) return -1;
     CkptFileInfo* info = &w->files[w->n_files++];
     snprintf(info->name, sizeof info->name, "%s", name);
@@ -1347,6 +1367,127 @@ static int ckpt_commit(CkptWriter* w, const char* config_json, int keep_last, ch
     return rc;
 }
 
+/* ----------------------------------------------------------------------------------------------
+ * Several writers, one checkpoint. In a data-parallel run each rank writes its own shard of the
+ * optimizer state into the same ckpt_<step>.tmp/ (so the output directory must be one that every
+ * rank sees: one machine, or a shared file system). One writer owns the checkpoint: ckpt_begin,
+ * its own files, then ckpt_take_receipt for each other writer, then ckpt_commit. Each other writer
+ * calls ckpt_join (which waits for the owner's directory), adds its files as usual, and ends with
+ * ckpt_send_receipt: a small file in the directory that lists the files it wrote, with their sizes
+ * and CRC32Cs, one "<name> <bytes> <crc32c>" line each, or says why it failed ("failed: <why>").
+ * The owner folds each receipt's files into its own list and removes the receipt, so the manifest
+ * covers every rank's files; since the manifest is written and the directory renamed only after
+ * every receipt came in, a checkpoint is complete for all ranks or not at all.
+ */
+
+#define CKPT_RECEIPT_MAX 65536
+
+/* Joins checkpoint `step` of out_dir, begun by its owner: waits up to timeout_s for the directory. */
+static int ckpt_join(CkptWriter* w, const char* out_dir, int64_t step, double timeout_s, char* err, size_t err_len) {
+    memset(w, 0, sizeof *w);
+    if (snprintf(w->out_dir, sizeof w->out_dir, "%s", out_dir) >= (int)sizeof w->out_dir ||
+        snprintf(w->tmp_dir, sizeof w->tmp_dir, "%s/ckpt_%" PRId64 ".tmp", out_dir, step) >= (int)sizeof w->tmp_dir)
+        return fail(err, err_len, "%s: path too long", out_dir);
+    struct stat st;
+    for (double deadline = now_seconds() + timeout_s; stat(w->tmp_dir, &st) != 0 || !S_ISDIR(st.st_mode);
+         sleep_seconds(0.01))
+        if (now_seconds() > deadline)
+            return fail(err, err_len, "%s: not created within %.0f s by the writer that owns the checkpoint",
+                        w->tmp_dir, timeout_s);
+    w->step = step;
+    w->active = 1;
+    w->joined = 1;
+    return 0;
+}
+
+/* A joined writer's last word: the files it wrote, or (why != NULL) the reason it failed. Ends
+ * the writer (ckpt_abort) either way. */
+static int ckpt_send_receipt(CkptWriter* w, const char* receipt, const char* why, char* err, size_t err_len) {
+    JsonWriter text;  /* used as a growing string */
+    jw_init(&text, 0);
+    char line[CKPT_NAME_MAX + 64];
+    if (why) {
+        jw_puts(&text, "failed: ");
+        for (const char* c = why; *c; c++) jw_putn(&text, *c == '\n' ? " " : c, 1);
+        jw_puts(&text, "\n");
+    }
+    for (int i = 0; !why && i < w->n_files; i++) {
+        snprintf(line, sizeof line, "%s %" PRIu64 " %08x\n", w->files[i].name, w->files[i].bytes, w->files[i].crc32c);
+        jw_puts(&text, line);
+    }
+    char path[CK_PATH_MAX];
+    int rc;
+    if (!jw_text(&text)) rc = fail(err, err_len, "%s: out of memory", w->tmp_dir);
+    else if (snprintf(path, sizeof path, "%s/%s", w->tmp_dir, receipt) >= (int)sizeof path)
+        rc = fail(err, err_len, "%s/%s: path too long", w->tmp_dir, receipt);
+    else
+        rc = ck_write_file_atomic(path, text.buf, text.len, err, err_len);
+    jw_free(&text);
+    ckpt_abort(w);
+    return rc;
+}
+
+/* One receipt line "<name> <bytes> <crc32c>" into the owner's list, after checking the file is
+ * there with that size. */
+static int ckpt_receipt_line(CkptWriter* w, const char* rpath, const char* line, char* err, size_t err_len) {
+    char name[CKPT_NAME_MAX], *digits_end = NULL;
+    const char* bytes_text = strchr(line, ' ');
+    const char* crc_text = bytes_text ? strchr(bytes_text + 1, ' ') : NULL;
+    size_t name_len = bytes_text ? (size_t)(bytes_text - line) : 0;
+    unsigned long long bytes = crc_text && bytes_text[1] >= '0' && bytes_text[1] <= '9'
+                                   ? strtoull(bytes_text + 1, &digits_end, 10) : 0;
+    uint32_t crc;
+    if (!crc_text || digits_end != crc_text || name_len >= CKPT_NAME_MAX || ckpt_parse_crc(crc_text + 1, &crc))
+        return fail(err, err_len, "%s: not a receipt line: '%.60s'", rpath, line);
+    memcpy(name, line, name_len);
+    name[name_len] = '\0';
+    if (!ckpt_valid_name(name) || strcmp(name, CKPT_MANIFEST) == 0)
+        return fail(err, err_len, "%s: invalid file name '%s'", rpath, name);
+    for (int i = 0; i < w->n_files; i++)
+        if (strcmp(w->files[i].name, name) == 0) return fail(err, err_len, "%s/%s: written twice", w->tmp_dir, name);
+    char path[CK_PATH_MAX];
+    struct stat st;
+    if (snprintf(path, sizeof path, "%s/%s", w->tmp_dir, name) >= (int)sizeof path)
+        return fail(err, err_len, "%s/%s: path too long", w->tmp_dir, name);
+    if (stat(path, &st) != 0 || (uint64_t)st.st_size != bytes)
+        return fail(err, err_len, "%s: listed in %s with %llu bytes, but it is missing or of another size", path,
+                    rpath, bytes);
+    if (ckpt_grow_files(w, err, err_len)) return -1;
+    CkptFileInfo* info = &w->files[w->n_files++];
+    snprintf(info->name, sizeof info->name, "%s", name);
+    info->bytes = bytes;
+    info->crc32c = crc;
+    return 0;
+}
+
+/* The owner waits up to timeout_s for another writer's receipt, adds the files it lists to the
+ * checkpoint (or fails with the other writer's reason), and removes it. */
+static int ckpt_take_receipt(CkptWriter* w, const char* receipt, double timeout_s, char* err, size_t err_len) {
+    char rpath[CK_PATH_MAX];
+    if (snprintf(rpath, sizeof rpath, "%s/%s", w->tmp_dir, receipt) >= (int)sizeof rpath)
+        return fail(err, err_len, "%s/%s: path too long", w->tmp_dir, receipt);
+    struct stat st;
+    for (double deadline = now_seconds() + timeout_s; stat(rpath, &st) != 0; sleep_seconds(0.01))
+        if (now_seconds() > deadline) return fail(err, err_len, "%s: did not arrive within %.0f s", rpath, timeout_s);
+    char* text;
+    size_t len;
+    if (read_whole_file(rpath, CKPT_RECEIPT_MAX, &text, &len, err, err_len)) return -1;
+    int rc = 0;
+    if (strncmp(text, "failed: ", 8) == 0) {
+        text[strcspn(text, "\n")] = '\0';
+        rc = fail(err, err_len, "another rank: %s", text + 8);
+    }
+    for (char *line = text, *end; !rc && *line; line = end + 1) {
+        end = strchr(line, '\n');
+        if (!end) { rc = fail(err, err_len, "%s: the last line is unfinished", rpath); break; }
+        *end = '\0';
+        rc = ckpt_receipt_line(w, rpath, line, err, err_len);
+    }
+    free(text);
+    if (!rc && unlink(rpath) != 0) rc = fail_errno(err, err_len, errno, "remove %s", rpath);
+    return rc;
+}
+
 /* Removes what crashed runs left in out_dir: ckpt_*.tmp directories and latest.tmp. Call once at
  * startup, before the first ckpt_begin. Returns the number of entries removed, or -1. */
 static int ckpt_cleanup(const char* out_dir, char* err, size_t err_len) {
@@ -1411,19 +1552,6 @@ static const CkptFileInfo* ckpt_find_file(const CkptReader* r, const char* name)
     for (int i = 0; i < r->n_files; i++)
         if (strcmp(r->files[i].name, name) == 0) return &r->files[i];
     return NULL;
-}
-
-/* A manifest's "crc32c": exactly 8 hex digits. */
-static int ckpt_parse_crc(const char* s, uint32_t* out) {
-    uint32_t v = 0;
-    for (int i = 0; i < 8; i++) {
-        int d = hex_digit(s[i]);
-        if (d < 0) return -1;
-        v = v * 16 + (uint32_t)d;
-    }
-    if (s[8] != '\0') return -1;
-    *out = v;
-    return 0;
 }
 
 /* Parses and checks manifest.json into r (files, step, config). */

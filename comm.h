@@ -58,21 +58,10 @@ static int comm_prefix(char* err, size_t err_len, const char* prefix) {
     return -1;
 }
 
-static double comm_now(void) {  // monotonic seconds: deadlines must not jump with the wall clock
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
 // Milliseconds until the deadline, rounded up (so that a poll that times out has reached it).
 static int comm_ms_left(double deadline) {
-    double ms = (deadline - comm_now()) * 1e3;
+    double ms = (deadline - now_seconds()) * 1e3;
     return ms <= 0 ? 0 : ms > 1e9 ? 1000000000 : (int)ms + 1;
-}
-
-static void comm_sleep(double seconds) {
-    struct timespec t = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
-    while (nanosleep(&t, &t) != 0 && errno == EINTR) {}
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -292,7 +281,7 @@ static int comm_wait_fd(int fd, short events, double deadline) {
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) return -1;
         if (r > 0) return 1;  // ready, or an error or hang-up that the next send or recv reports
-        if (comm_now() >= deadline) return 0;
+        if (now_seconds() >= deadline) return 0;
     }
 }
 
@@ -568,7 +557,7 @@ static void comm_root_close(CommRoot* s, bool failed) {
 
 static int comm_bootstrap_root(const CommEnv* env, const void* blob, size_t len, double timeout_s, char* err,
                                size_t err_len) {
-    double deadline = comm_now() + timeout_s;
+    double deadline = now_seconds() + timeout_s;
     CommRoot s;
     memset(&s, 0, sizeof(s));
     s.env = env, s.blob_len = len;
@@ -611,11 +600,11 @@ static struct addrinfo* comm_resolve(const CommEnv* env, double deadline, char* 
     for (;;) {
         int rc = getaddrinfo(env->master_addr, port, &hints, &list);
         if (rc == 0) return list;
-        if (rc != EAI_AGAIN || comm_now() >= deadline) {
+        if (rc != EAI_AGAIN || now_seconds() >= deadline) {
             fail(err, err_len, "cannot resolve rank 0's address '%s': %s", env->master_addr, gai_strerror(rc));
             return NULL;
         }
-        comm_sleep(0.1);
+        sleep_seconds(0.1);
     }
 }
 
@@ -650,7 +639,7 @@ static int comm_peer_connect(const CommEnv* env, double deadline, double timeout
     int last_errno = ETIMEDOUT;
     for (;;) {
         for (const struct addrinfo* ai = list; ai; ai = ai->ai_next) {
-            double attempt = comm_now() + 2.0;
+            double attempt = now_seconds() + 2.0;
             int fd = comm_connect_once(ai, attempt < deadline ? attempt : deadline);
             if (fd >= 0) {
                 freeaddrinfo(list);
@@ -658,9 +647,9 @@ static int comm_peer_connect(const CommEnv* env, double deadline, double timeout
             }
             last_errno = errno;
         }
-        double left = deadline - comm_now();
+        double left = deadline - now_seconds();
         if (left <= 0) break;
-        comm_sleep(left < 0.05 ? left : 0.05);
+        sleep_seconds(left < 0.05 ? left : 0.05);
     }
     freeaddrinfo(list);
     char text[128];
@@ -695,7 +684,7 @@ static int comm_peer_refused(const CommEnv* env, uint32_t status, uint32_t detai
 
 static int comm_bootstrap_peer(const CommEnv* env, void* blob, size_t len, double timeout_s, char* err,
                                size_t err_len) {
-    double deadline = comm_now() + timeout_s;
+    double deadline = now_seconds() + timeout_s;
     int fd = comm_peer_connect(env, deadline, timeout_s, err, err_len);
     if (fd < 0) return -1;
     uint8_t hello[COMM_HELLO_BYTES], reply[COMM_REPLY_BYTES];
@@ -865,9 +854,9 @@ static int comm_nccl_wait(ncclComm_t comm, double deadline, double timeout_s, ch
         ncclResult_t r = ncclCommGetAsyncError(comm, &state);
         if (r != ncclSuccess) return fail(err, err_len, "ncclCommGetAsyncError: %s", ncclGetErrorString(r));
         if (state != ncclInProgress) break;
-        if (comm_now() >= deadline)
+        if (now_seconds() >= deadline)
             return fail(err, err_len, "NCCL did not finish within %.1f s: a rank is missing or stuck", timeout_s);
-        comm_sleep(0.001);
+        sleep_seconds(0.001);
     }
     if (state != ncclSuccess)
         return fail(err, err_len, "NCCL: %s (%s)", ncclGetErrorString(state), ncclGetLastError(comm));
@@ -904,7 +893,7 @@ static int comm_nccl_init(ncclComm_t* out, const CommEnv* env, double timeout_s,
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t comm = NULL;
-    double deadline = comm_now() + timeout_s;
+    double deadline = now_seconds() + timeout_s;
     r = ncclCommInitRankConfig(&comm, env->world, id, env->rank, &config);
     int rc = 0;
     if (r != ncclSuccess && r != ncclInProgress)
@@ -937,7 +926,7 @@ typedef struct {
     cudaStream_t stream;
     cudaEvent_t to_comm, from_comm;  // reused: a wait takes the event's latest record
     double timeout_s;
-    volatile double last_progress;   // comm_now() of the trainer's last finished step (watchdog)
+    volatile double last_progress;   // now_seconds() of the trainer's last finished step (watchdog)
     pthread_t watchdog;
     bool watching;
 } Comm;
@@ -954,7 +943,7 @@ static void comm_call(Comm* c, ncclResult_t r, const char* what) {
         snprintf(line, sizeof(line), "%s: %s (%s)", what, ncclGetErrorString(r), ncclGetLastError(c->nccl));
         comm_die(c, line);
     }
-    if (r == ncclInProgress && comm_nccl_wait(c->nccl, comm_now() + c->timeout_s, c->timeout_s, err, sizeof(err))) {
+    if (r == ncclInProgress && comm_nccl_wait(c->nccl, now_seconds() + c->timeout_s, c->timeout_s, err, sizeof(err))) {
         snprintf(line, sizeof(line), "%s: %s", what, err);
         comm_die(c, line);
     }
@@ -1017,7 +1006,7 @@ static void* comm_watchdog_main(void* arg) {
     Comm* c = (Comm*)arg;
     char line[512];
     for (;;) {
-        comm_sleep(1.0);
+        sleep_seconds(1.0);
         ncclResult_t state = ncclSuccess;
         ncclCommGetAsyncError(c->nccl, &state);
         if (state != ncclSuccess && state != ncclInProgress) {
@@ -1025,7 +1014,7 @@ static void* comm_watchdog_main(void* arg) {
                      ncclGetErrorString(state), ncclGetLastError(c->nccl));
             comm_die(c, line);
         }
-        if (comm_now() - c->last_progress > c->timeout_s) {
+        if (now_seconds() - c->last_progress > c->timeout_s) {
             snprintf(line, sizeof(line), "no training step finished in %.0f s: another rank has stopped or hangs; "
                      "stopping (resume with --resume latest)", c->timeout_s);
             comm_die(c, line);
@@ -1035,7 +1024,7 @@ static void* comm_watchdog_main(void* arg) {
 }
 
 static void comm_watchdog_start(Comm* c) {
-    c->last_progress = comm_now();
+    c->last_progress = now_seconds();
     if (pthread_create(&c->watchdog, NULL, comm_watchdog_main, c) != 0) comm_die(c, "cannot start the watchdog");
     pthread_detach(c->watchdog);
     c->watching = true;

@@ -88,16 +88,15 @@ static const ConfigField* config_field_of_flag(const char* flag) {
     return NULL;
 }
 
-// The config as a checkpoint manifest stores it.
-static void model_config_json(const ModelConfig* c, JsonWriter* w) {
-    jw_object_begin(w);
+// The config's members as a checkpoint manifest's config object holds them (the caller opens and
+// closes the object, and may add members of its own).
+static void model_config_members(const ModelConfig* c, JsonWriter* w) {
     for (int i = 0; i < N_CONFIG_FIELDS; i++) {
         const ConfigField* f = &CONFIG_FIELDS[i];
         jw_key(w, f->ckpt);
         if (f->is_float) jw_float(w, (float)config_get(c, f));
         else jw_int(w, (int64_t)config_get(c, f));
     }
-    jw_object_end(w);
 }
 
 // Reads member `key` of obj into field f of c: there, a number, and representable. Returns 0, or

@@ -637,12 +637,17 @@ __global__ void adamw_kernel(float* master, bf16* params, const float* grads, fl
     }
 }
 
-// One optimizer step over elements [begin, end): advance the schedule, then update. The gradient
-// norm must already be in s->grad_norm_sq.
-static void adamw_step(float* master, bf16* params, const float* grads, float* m, float* v, const uint8_t* decay,
-                       size_t begin, size_t end, const OptimConfig* o, OptimScalars* s, cudaStream_t stream) {
+// An optimizer step is one optimizer_schedule (the step's learning rate and bias corrections),
+// then adamw_step over one or more ranges [begin, end) of the flat buffers (the trainer updates
+// bucket by bucket, so that each bucket's new weights can be sent while the next is updated). The
+// gradient norm must already be in s->grad_norm_sq.
+static void optimizer_schedule(const OptimConfig* o, OptimScalars* s, cudaStream_t stream) {
     optimizer_schedule_kernel<<<1, 1, 0, stream>>>(s, *o);
     LAUNCH_CHECK();
+}
+
+static void adamw_step(float* master, bf16* params, const float* grads, float* m, float* v, const uint8_t* decay,
+                       size_t begin, size_t end, const OptimConfig* o, const OptimScalars* s, cudaStream_t stream) {
     adamw_kernel<<<1024, 256, 0, stream>>>(master, params, grads, m, v, decay, begin, end, *o, s);
     LAUNCH_CHECK();
 }

@@ -38,6 +38,7 @@
 #include <pthread.h>
 #include <cuda_fp16.h>
 #include "kernels.cuh"
+#include "lib/fp8.cuh"
 #include "data.h"
 #include "lib/tokenizer.h"
 #include "ckpt.h"
@@ -154,6 +155,8 @@ typedef struct {
     int n_layers;
     size_t* bucket_offset;     // [L + 2]: bucket b is [bucket_offset[b], bucket_offset[b + 1]), a multiple
                                // of world * PARAM_ALIGN elements long
+    size_t* bucket_used;       // [L + 1]: its first bucket_used[b] elements hold tensors, the rest is the
+                               // padding to that multiple (the same for every world size)
     size_t n_elements;         // length of the flat buffers, padding included
 } ParamTable;
 
@@ -198,15 +201,18 @@ static void param_table_build(ParamTable* pt, const ModelConfig* c, int world) {
     pt->n_tensors = 0;
     pt->tensors = (ParamTensor*)calloc((size_t)L * N_LAYER_KINDS + 2, sizeof(ParamTensor));
     pt->bucket_offset = (size_t*)calloc(L + 2, sizeof(size_t));
+    pt->bucket_used = (size_t*)calloc(L + 1, sizeof(size_t));
     size_t offset = 0;
     for (int l = 0; l < L; l++) {
         pt->bucket_offset[l] = offset;
         for (int k = 0; k < N_LAYER_KINDS; k++) param_add(pt, c, (ParamKind)k, l, &offset);
+        pt->bucket_used[l] = offset - pt->bucket_offset[l];
         bucket_pad(&offset, pt->bucket_offset[l], world);
     }
     pt->bucket_offset[L] = offset;
     param_add(pt, c, P_EMBED, -1, &offset);
     param_add(pt, c, P_FINAL_NORM, -1, &offset);
+    pt->bucket_used[L] = offset - pt->bucket_offset[L];
     bucket_pad(&offset, pt->bucket_offset[L], world);
     pt->bucket_offset[L + 1] = offset;
     pt->n_elements = offset;
@@ -215,6 +221,7 @@ static void param_table_build(ParamTable* pt, const ModelConfig* c, int world) {
 static void param_table_free(ParamTable* pt) {
     free(pt->tensors);
     free(pt->bucket_offset);
+    free(pt->bucket_used);
 }
 
 static const ParamTensor* param(const ParamTable* pt, ParamKind kind, int layer) {
@@ -325,6 +332,30 @@ struct GPT;
 // this micro-batch (layers L-1 down to 0, then bucket L); comm.h sends it from here.
 typedef void (*GradsReadyHook)(void* ctx, const struct GPT* m, int bucket);
 
+// FP8 mode (--fp8 1, lib/fp8.cuh): the four matrices of every layer multiply in FP8. Each matrix
+// has three scaled tensors, its weight, its input activation and the gradient of its output, so
+// a layer has FP8_ROLES x 4 scales. The FP8 weights (and their transposes, for the input
+// gradient) sit at the parameter table's offsets; the casts of activations and gradients go
+// through scratch buffers that every layer reuses.
+typedef enum { FP8_ROLE_WEIGHT, FP8_ROLE_INPUT, FP8_ROLE_GRAD, FP8_ROLES } Fp8Role;
+#define FP8_MATRICES 4  // P_QKV, P_ATTN_OUT, P_GATE_UP, P_DOWN: the layer kinds that are matrices
+
+typedef struct {
+    bool on;
+    Fp8Scaling scaling;
+    bool calibrated;        // delayed: a step has filled the history (before that, casts measure)
+    bool weights_stale;     // the bf16 weights changed since they were last cast
+    Fp8Scale* scales;       // [L * FP8_ROLES * FP8_MATRICES]
+    uint8_t* weights;       // [n_elements] E4M3 W [O, I] of each layer matrix, at its table offset
+    uint8_t* weights_t;     // [n_elements] E4M3 W^T [I, O]
+    uint8_t* x;             // [N, widest input]   E4M3 input of the forward's product
+    uint8_t* x_t;           // [widest input, N]   E4M3 input, transposed, for the weight gradient
+    uint8_t* dy;            // [N, widest output]  E5M2 output gradient, for the input gradient
+    uint8_t* dy_t;          // [widest output, N]  and transposed, for the weight gradient
+    void* memory;           // the one allocation all of the above are carved from
+    size_t bytes;
+} GptFp8;
+
 typedef struct GPT {
     ModelConfig cfg;
     ParamTable table;
@@ -351,6 +382,7 @@ typedef struct GPT {
     float* grad_tail;
     float* rs_scratch;      // ZeRO 2: a reduce-scatter's output before it is added to grad_shard
     cudaEvent_t ring_free[3];  // ZeRO 2: ring[i]'s (and, [2], grad_tail's) last reduce-scatter is done
+    cudaEvent_t params_ready[MAX_LAYERS + 1];  // ZeRO 1, 2: bucket b's bf16 weights have arrived
     int micro, accum;       // the micro-batch being run, of how many this step
     OptimScalars* scalars;  // the step's scalars (step, lr, loss, gradient norm), on the device
     Activations act;
@@ -362,6 +394,7 @@ typedef struct GPT {
     GradsReadyHook grads_ready;  // NULL on one GPU
     void* grads_ready_ctx;
     size_t bytes_params, bytes_grads, bytes_optimizer, bytes_activations, bytes_scratch;
+    GptFp8 fp8;
 } GPT;
 
 // The elements of bucket b this rank's optimizer owns: all of it (ZeRO 0), or its piece.
@@ -464,7 +497,7 @@ static double gib(size_t bytes) { return bytes / (double)(1ull << 30); }
 
 static size_t gpt_bytes_total(const GPT* m) {
     return m->bytes_params + m->bytes_grads + m->bytes_optimizer + m->bytes_activations + m->bytes_scratch +
-           CUBLASLT_WORKSPACE_BYTES;
+           m->fp8.bytes + CUBLASLT_WORKSPACE_BYTES;
 }
 
 // Where each bucket's owned part sits in the optimizer's buffers, and their length.
@@ -562,7 +595,11 @@ static void gpt_allocate(GPT* m) {
         CUDA_CHECK(cudaMalloc(buffer, S * 4));
         CUDA_CHECK(cudaMemsetAsync(*buffer, 0, S * 4, m->stream));
     }
-    if (m->dp.zero > 0) CUDA_CHECK(cudaMalloc(&m->params_shard, S * 2));
+    if (m->dp.zero > 0) {
+        CUDA_CHECK(cudaMalloc(&m->params_shard, S * 2));
+        for (int b = 0; b <= m->table.n_layers; b++)
+            CUDA_CHECK(cudaEventCreateWithFlags(&m->params_ready[b], cudaEventDisableTiming));
+    }
     gpt_allocate_grads(m);
     gpt_upload_decay_flags(m);
     CUDA_CHECK(cudaMalloc(&m->scalars, sizeof(OptimScalars)));
@@ -609,30 +646,84 @@ static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recomp
 static void gpt_free(GPT* m) {
     void* buffers[] = {m->master, m->params, m->grads, m->adam_m, m->adam_v, m->decay_flags, m->scalars,
                        m->grad_shard, m->params_shard, m->grad_ring[0], m->grad_ring[1], m->grad_tail,
-                       m->rs_scratch, m->activation_memory, m->scratch_memory, m->rope_cos};
+                       m->rs_scratch, m->activation_memory, m->scratch_memory, m->rope_cos, m->fp8.memory};
     for (void* p : buffers) CUDA_CHECK(cudaFree(p));
     if (m->dp.zero == 2)
         for (int i = 0; i < 3; i++) CUDA_CHECK(cudaEventDestroy(m->ring_free[i]));
+    if (m->dp.zero > 0)
+        for (int b = 0; b <= m->table.n_layers; b++) CUDA_CHECK(cudaEventDestroy(m->params_ready[b]));
     CUDA_CHECK(cudaStreamDestroy(m->stream));
     matmul_free();
     param_table_free(&m->table);
     free(m->opt_offset);
 }
 
-// The bf16 weights every rank computes with, from the optimizer's fp32 master: cast (all of it,
-// or this rank's pieces, then all-gathered bucket by bucket).
+// Turns FP8 mode on (after gpt_create, before any step): allocates the FP8 weights, the scratch
+// of the casts and the scales, and says so in one line if they do not fit. FP8 matmuls want every
+// side a multiple of 16 bytes, so N and the matrices' sides must be multiples of 16.
+static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling) {
+    GptFp8* f = &m->fp8;
+    int L = m->cfg.n_layer;
+    size_t widest_in = 0, widest_out = 0;
+    for (int k = 0; k < FP8_MATRICES; k++) {
+        const ParamTensor* t = param(&m->table, (ParamKind)k, 0);
+        if (t->rows % 16 || t->cols % 16 || m->N % 16) {
+            fprintf(stderr, "train_gpt: --fp8 needs B x T and every matrix side a multiple of 16 (%s is %lld x %lld, "
+                            "B x T %d)\n", t->name, (long long)t->rows, (long long)t->cols, m->N);
+            exit(2);
+        }
+        widest_in = (size_t)t->cols > widest_in ? (size_t)t->cols : widest_in;
+        widest_out = (size_t)t->rows > widest_out ? (size_t)t->rows : widest_out;
+    }
+    size_t n_scales = (size_t)L * FP8_ROLES * FP8_MATRICES, P = m->table.n_elements, N = m->N;
+    Arena a = {NULL, 0, 0};
+    size_t sizes[] = {n_scales * sizeof(Fp8Scale), P, P, N * widest_in, N * widest_in, N * widest_out, N * widest_out};
+    for (size_t bytes : sizes) arena_take(&a, bytes);
+    f->bytes = a.used;
+    f->on = true;
+    gpt_check_fits(m);
+    CUDA_CHECK(cudaMalloc(&a.base, a.used));
+    a.used = 0;
+    f->memory = a.base;
+    uint8_t** parts[] = {(uint8_t**)&f->scales, &f->weights, &f->weights_t, &f->x, &f->x_t, &f->dy, &f->dy_t};
+    for (int i = 0; i < 7; i++) *parts[i] = (uint8_t*)arena_take(&a, sizes[i]);
+    Fp8Scale* host = (Fp8Scale*)xcalloc(n_scales, sizeof(Fp8Scale));
+    for (size_t i = 0; i < n_scales; i++) host[i] = fp8_scale_initial(i / FP8_MATRICES % FP8_ROLES == FP8_ROLE_GRAD);
+    CUDA_CHECK(cudaMemcpy(f->scales, host, n_scales * sizeof(Fp8Scale), cudaMemcpyHostToDevice));
+    free(host);
+    f->scaling = scaling;
+    f->calibrated = false;
+    f->weights_stale = true;
+}
+
+// With ZeRO 1 and 2, each rank computes the new bf16 weights of its pieces only (params_shard),
+// and every bucket is then all-gathered into params on the comm stream. The buckets go in the
+// order the forward needs them (the embedding's first, then layer by layer), each as soon as its
+// own weights are ready, and the next forward waits for each bucket just before its first use
+// (await_params): the sending of the later layers' weights overlaps the earlier layers' forward.
+static int forward_order(int i, int n_layers) { return i == 0 ? n_layers : i - 1; }
+
+static void send_params(GPT* m, int b) {
+    Comm* c = m->dp.comm;
+    comm_follow(c, m->stream);
+    comm_all_gather(c, m->params_shard + m->opt_offset[b], m->params + m->table.bucket_offset[b],
+                    bucket_len(&m->table, b) / m->dp.world, sizeof(bf16));
+    CUDA_CHECK(cudaEventRecord(m->params_ready[b], c->stream));
+}
+
+static void await_params(GPT* m, int b) {
+    if (m->dp.zero > 0) CUDA_CHECK(cudaStreamWaitEvent(m->stream, m->params_ready[b], 0));
+}
+
+// The bf16 weights every rank computes with, from the optimizer's fp32 master (init, resume).
 static void publish_params(GPT* m) {
+    m->fp8.weights_stale = true;
     if (m->dp.zero == 0) {
         cast_to_bf16(m->params, m->master, m->opt_len, m->stream);
         return;
     }
     cast_to_bf16(m->params_shard, m->master, m->opt_len, m->stream);
-    Comm* c = m->dp.comm;
-    comm_follow(c, m->stream);
-    for (int b = 0; b <= m->table.n_layers; b++)
-        comm_all_gather(c, m->params_shard + m->opt_offset[b], m->params + m->table.bucket_offset[b],
-                        bucket_len(&m->table, b) / m->dp.world, sizeof(bf16));
-    comm_join(c, m->stream);
+    for (int i = 0; i <= m->table.n_layers; i++) send_params(m, forward_order(i, m->table.n_layers));
 }
 
 // Initialization as in GPT-2 and torch_baseline.py: matrices N(0, 0.02), norm weights 1.
@@ -667,6 +758,9 @@ static void print_memory_plan(const GPT* m) {
            gib(m->bytes_params), gib(m->bytes_grads), gib(m->bytes_optimizer), gib(m->bytes_activations),
            m->recompute ? " (recompute on)" : "", gib(m->bytes_scratch), m->loss_chunk,
            gib(CUBLASLT_WORKSPACE_BYTES), gib(gpt_bytes_total(m)));
+    if (m->fp8.on)
+        printf("fp8: the layers' matrices in FP8 (%s scaling); its weight copies and scratch: %.2f GiB of the total\n",
+               m->fp8.scaling == FP8_DELAYED ? "delayed" : "current", gib(m->fp8.bytes));
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -797,27 +891,108 @@ static void mlp_swiglu(GPT* m, int l) {
     swiglu_forward(m->act.mlp_act[l], m->act.gate_up[l], m->N, m->cfg.ffn_dim, m->stream);
 }
 
+// A layer's matrix (kind P_QKV .. P_DOWN), in bf16 or, with FP8 mode on, in FP8. Its shape is
+// the table's: W [O, I]. In FP8 each product is the TN form cuBLASLt's FP8 kernels take (see
+// matmul in kernels.cuh): the forward multiplies W by x as they are; the input gradient needs W^T
+// (cast with W, once per optimizer step) and dy; the weight gradient needs x^T and dy^T, which
+// the casts of the backward write in the same pass.
+static Fp8Scale* fp8_scale(const GPT* m, Fp8Role role, ParamKind kind, int l) {
+    return m->fp8.scales + ((size_t)l * FP8_ROLES + role) * FP8_MATRICES + kind;
+}
+
+// Current scaling measures every tensor; delayed too, until a step has filled the history.
+static Fp8CastScale fp8_how(const GPT* m) {
+    return m->fp8.scaling == FP8_CURRENT || !m->fp8.calibrated ? FP8_CAST_MEASURE : FP8_CAST_DELAYED;
+}
+
+// Layer l's four FP8 weights and their transposes, from the bf16 weights, when those changed.
+static void fp8_cast_weights(GPT* m, int l) {
+    if (!m->fp8.on || !m->fp8.weights_stale) return;
+    for (int k = 0; k < FP8_MATRICES; k++) {
+        const ParamTensor* t = param(&m->table, (ParamKind)k, l);
+        fp8_cast(m->fp8.weights + t->offset, m->fp8.weights_t + t->offset, m->params + t->offset, (int)t->rows,
+                 (int)t->cols, false, fp8_scale(m, FP8_ROLE_WEIGHT, (ParamKind)k, l), fp8_how(m), m->stream);
+    }
+    if (l == m->cfg.n_layer - 1) m->fp8.weights_stale = false;
+}
+
+// y[N, O] = x[N, I] W^T (+ residual)
+static void layer_forward(GPT* m, ParamKind kind, int l, bf16* y, const bf16* x, const bf16* residual) {
+    const ParamTensor* t = param(&m->table, kind, l);
+    int N = m->N, O = (int)t->rows, I = (int)t->cols;
+    if (!m->fp8.on) {
+        linear_forward(y, x, m->params + t->offset, residual, N, I, O, m->stream);
+        return;
+    }
+    GptFp8* f = &m->fp8;
+    Fp8Scale *sw = fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), *sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
+    fp8_cast(f->x, NULL, x, N, I, false, sx, fp8_how(m), m->stream);
+    matmul(mm_bf16(y), fp8_operand(f->weights + t->offset, false, sw), fp8_operand(f->x, false, sx), residual, 1.0f,
+           O, N, I, true, false, m->stream);
+}
+
+// dW += dy^T x and dx = dy W, for dy [N, O] and the layer's input x [N, I] (as the forward saw it)
+static void layer_backward(GPT* m, ParamKind kind, int l, bf16* dx, const bf16* dy, const bf16* x) {
+    const ParamTensor* t = param(&m->table, kind, l);
+    int N = m->N, O = (int)t->rows, I = (int)t->cols;
+    float* dW = G(m, kind, l);
+    if (!m->fp8.on) {
+        linear_backward_weight(dW, dy, x, N, I, O, m->stream);
+        linear_backward_input(dx, dy, m->params + t->offset, N, I, O, m->stream);
+        return;
+    }
+    GptFp8* f = &m->fp8;
+    Fp8Scale *sw = fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), *sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
+    Fp8Scale* sg = fp8_scale(m, FP8_ROLE_GRAD, kind, l);
+    fp8_cast(f->dy, f->dy_t, dy, N, O, true, sg, fp8_how(m), m->stream);
+    // x's scale is the one its forward cast used: delayed, the step's; current, the forward's amax
+    fp8_cast(NULL, f->x_t, x, N, I, false, sx, fp8_how(m) == FP8_CAST_DELAYED ? FP8_CAST_DELAYED : FP8_CAST_MEASURED,
+             m->stream);
+    // dW [O, I] is column-major D[m = I, n = O] = op_T(A) B over k = N, with A = x^T (row-major
+    // [I, N]) and B = dy^T (row-major [O, N]); beta 1 accumulates into dW
+    matmul(mm_f32(dW), fp8_operand(f->x_t, false, sx), fp8_operand(f->dy_t, true, sg), dW, 1.0f, I, O, N, true, false,
+           m->stream);
+    // dx [N, I] is column-major D[m = I, n = N] = op_T(A) B over k = O, with A = W^T (row-major
+    // [I, O]) and B = dy (row-major [N, O])
+    matmul(mm_bf16(dx), fp8_operand(f->weights_t + t->offset, false, sw), fp8_operand(f->dy, true, sg), NULL, 0.0f,
+           I, N, O, true, false, m->stream);
+}
+
+// After an optimizer step: the weights changed, and (delayed) the step's amaxes join the history.
+static void fp8_step_done(GPT* m) {
+    GptFp8* f = &m->fp8;
+    if (!f->on) return;
+    if (f->scaling == FP8_DELAYED) {
+        fp8_update_scales(f->scales, m->cfg.n_layer * FP8_ROLES * FP8_MATRICES, m->stream);
+        f->calibrated = true;
+    }
+    f->weights_stale = true;
+}
+
 // Runs the layers and the final norm; leaves xnorm_final [N, C] for the output head.
 static void forward_layers(GPT* m, const Batch* batch) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
-    int N = m->N, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c), A = c->n_head * c->head_dim;
+    int N = m->N, C = c->d_model, Q = qkv_dim(c);
     int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim;
+    await_params(m, c->n_layer);  // the embedding's bucket (and the final norm's)
     embedding_forward(a->residual[0], batch->inputs, P(m, P_EMBED, 0), N, C, m->stream);
     for (int l = 0; l < c->n_layer; l++) {
+        await_params(m, l);
+        fp8_cast_weights(m, l);
         // attention block: residual_mid = residual + attention(qk_rope(rmsnorm(residual) W_qkv^T)) W_o^T
         attention_norm(m, l);
-        linear_forward(a->qkv[l], a->xnorm_attn[l], P(m, P_QKV, l), NULL, N, C, Q, m->stream);
+        layer_forward(m, P_QKV, l, a->qkv[l], a->xnorm_attn[l], NULL);
         qk_norm_rope(m, l);
         const bf16* q = a->qkv_rot[l];
         attention_forward(a->attn_out[l], a->lse[l], q, q + Hq * D, q + (Hq + Hkv) * D, Q, m->B, m->T, Hq, Hkv, D,
                           m->stream);
-        linear_forward(a->residual_mid[l], a->attn_out[l], P(m, P_ATTN_OUT, l), a->residual[l], N, A, C, m->stream);
+        layer_forward(m, P_ATTN_OUT, l, a->residual_mid[l], a->attn_out[l], a->residual[l]);
         // MLP block: residual' = residual_mid + swiglu(rmsnorm(residual_mid) W_gate_up^T) W_down^T
         mlp_norm(m, l);
-        linear_forward(a->gate_up[l], a->xnorm_mlp[l], P(m, P_GATE_UP, l), NULL, N, C, 2 * F, m->stream);
+        layer_forward(m, P_GATE_UP, l, a->gate_up[l], a->xnorm_mlp[l], NULL);
         mlp_swiglu(m, l);
-        linear_forward(a->residual[l + 1], a->mlp_act[l], P(m, P_DOWN, l), a->residual_mid[l], N, F, C, m->stream);
+        layer_forward(m, P_DOWN, l, a->residual[l + 1], a->mlp_act[l], a->residual_mid[l]);
     }
     rmsnorm_forward(a->xnorm_final, a->rstd_final, a->residual[c->n_layer], P(m, P_FINAL_NORM, 0), N, C,
                     c->norm_eps, m->stream);
@@ -883,7 +1058,7 @@ static void grads_ready(GPT* m, int b) {
 static void backward(GPT* m, const Batch* batch) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
-    int N = m->N, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c), A = c->n_head * c->head_dim;
+    int N = m->N, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c);
     int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim, L = c->n_layer;
     CUDA_CHECK(cudaMemsetAsync(a->d_residual, 0, (size_t)N * C * sizeof(bf16), m->stream));
     rmsnorm_backward(a->d_residual, G(m, P_FINAL_NORM, 0), a->partials, a->d_xnorm, a->residual[L],
@@ -896,11 +1071,9 @@ static void backward(GPT* m, const Batch* batch) {
             mlp_norm(m, l);
             mlp_swiglu(m, l);
         }
-        linear_backward_weight(G(m, P_DOWN, l), a->d_residual, a->mlp_act[l], N, F, C, m->stream);
-        linear_backward_input(a->d_mlp_act, a->d_residual, P(m, P_DOWN, l), N, F, C, m->stream);
+        layer_backward(m, P_DOWN, l, a->d_mlp_act, a->d_residual, a->mlp_act[l]);
         swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], N, F, m->stream);
-        linear_backward_weight(G(m, P_GATE_UP, l), a->d_gate_up, a->xnorm_mlp[l], N, C, 2 * F, m->stream);
-        linear_backward_input(a->d_xnorm, a->d_gate_up, P(m, P_GATE_UP, l), N, C, 2 * F, m->stream);
+        layer_backward(m, P_GATE_UP, l, a->d_xnorm, a->d_gate_up, a->xnorm_mlp[l]);
         rmsnorm_backward(a->d_residual, G(m, P_MLP_NORM, l), a->partials, a->d_xnorm, a->residual_mid[l],
                          P(m, P_MLP_NORM, l), a->rstd_mlp[l], N, C, m->stream);
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
@@ -908,8 +1081,7 @@ static void backward(GPT* m, const Batch* batch) {
             attention_norm(m, l);
             qk_norm_rope(m, l);
         }
-        linear_backward_weight(G(m, P_ATTN_OUT, l), a->d_residual, a->attn_out[l], N, A, C, m->stream);
-        linear_backward_input(a->d_attn_out, a->d_residual, P(m, P_ATTN_OUT, l), N, A, C, m->stream);
+        layer_backward(m, P_ATTN_OUT, l, a->d_attn_out, a->d_residual, a->attn_out[l]);
         const bf16* q = a->qkv_rot[l];
         attention_backward(a->d_qkv, a->d_qkv + Hq * D, a->d_qkv + (Hq + Hkv) * D, a->attn_scratch, a->d_attn_out,
                            a->attn_out[l], a->lse[l], q, q + Hq * D, q + (Hq + Hkv) * D, Q, Q, m->B, m->T, Hq, Hkv, D,
@@ -917,8 +1089,7 @@ static void backward(GPT* m, const Batch* batch) {
         qk_norm_rope_backward(a->d_qkv, G(m, P_Q_NORM, l), G(m, P_K_NORM, l), a->partials, a->qkv[l], a->rstd_qk[l],
                               P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos, m->rope_sin, N, m->T, Hq, Hkv, D,
                               m->stream);
-        linear_backward_weight(G(m, P_QKV, l), a->d_qkv, a->xnorm_attn[l], N, C, Q, m->stream);
-        linear_backward_input(a->d_xnorm, a->d_qkv, P(m, P_QKV, l), N, C, Q, m->stream);
+        layer_backward(m, P_QKV, l, a->d_xnorm, a->d_qkv, a->xnorm_attn[l]);
         rmsnorm_backward(a->d_residual, G(m, P_ATTN_NORM, l), a->partials, a->d_xnorm, a->residual[l],
                          P(m, P_ATTN_NORM, l), a->rstd_attn[l], N, C, m->stream);
         grads_ready(m, l);  // layer l's gradients are complete
@@ -951,12 +1122,12 @@ static void forward_backward(GPT* m, const Batch* batch, int micro, int accum) {
 // learning rate and the bias corrections are computed on the device from the step count there
 // (kernels.cuh), so the step takes nothing from the host.
 
-// Sums a scalar of OptimScalars across the ranks (the loss, a sharded gradient norm).
-static void sum_over_ranks(GPT* m, float* scalar) {
+// Sums `count` adjacent scalars of OptimScalars across the ranks (the loss, a sharded gradient norm).
+static void sum_over_ranks(GPT* m, float* scalars, int count) {
     Comm* c = m->dp.comm;
     if (!c || m->dp.world == 1) return;
     comm_follow(c, m->stream);
-    comm_all_reduce(c, scalar, 1);
+    comm_all_reduce(c, scalars, count);
     comm_join(c, m->stream);
 }
 
@@ -964,18 +1135,23 @@ static void optimizer_step(GPT* m, const OptimConfig* o) {
     if (m->dp.comm) comm_join(m->dp.comm, m->stream);  // every bucket's collective is done
     const float* grads = m->dp.zero == 0 ? m->grads : m->grad_shard;
     reduce_sum(&m->scalars->grad_norm_sq, grads, m->opt_len, true, false, m->act.partials, m->stream);
-    if (m->dp.zero > 0) sum_over_ranks(m, &m->scalars->grad_norm_sq);  // each rank holds a share
-    sum_over_ranks(m, &m->scalars->loss_sum);
-    bf16* params_out = m->dp.zero == 0 ? m->params : m->params_shard;
-    adamw_step(m->master, params_out, grads, m->adam_m, m->adam_v, m->decay_flags, 0, m->opt_len, o, m->scalars,
-               m->stream);
-    if (m->dp.zero > 0) {  // the pieces' new bf16 weights to every rank
-        Comm* c = m->dp.comm;
-        comm_follow(c, m->stream);
-        for (int b = 0; b <= m->table.n_layers; b++)
-            comm_all_gather(c, m->params_shard + m->opt_offset[b], m->params + m->table.bucket_offset[b],
-                            bucket_len(&m->table, b) / m->dp.world, sizeof(bf16));
-        comm_join(c, m->stream);
+    // The loss, and with ZeRO 1, 2 the norm (each rank holds a share): one all-reduce of both,
+    // which sit side by side in OptimScalars.
+    static_assert(offsetof(OptimScalars, grad_norm_sq) == offsetof(OptimScalars, loss_sum) + sizeof(float), "");
+    sum_over_ranks(m, &m->scalars->loss_sum, m->dp.zero > 0 ? 2 : 1);
+    optimizer_schedule(o, m->scalars, m->stream);
+    fp8_step_done(m);  // the step's amaxes into the history; the new weights are cast when next used
+    if (m->dp.zero == 0) {
+        adamw_step(m->master, m->params, grads, m->adam_m, m->adam_v, m->decay_flags, 0, m->opt_len, o, m->scalars,
+                   m->stream);
+        return;
+    }
+    for (int i = 0; i <= m->table.n_layers; i++) {  // piece by piece, each sent as soon as it is updated
+        int b = forward_order(i, m->table.n_layers);
+        size_t begin = m->opt_offset[b], end = begin + bucket_len(&m->table, b) / m->dp.world;
+        adamw_step(m->master, m->params_shard, grads, m->adam_m, m->adam_v, m->decay_flags, begin, end, o,
+                   m->scalars, m->stream);
+        send_params(m, b);
     }
 }
 
@@ -1169,13 +1345,24 @@ static float* download_flat(const GPT* m, const void* device, bool is_bf16) {
 // a manifest records every file's size and CRC32C). Ours holds:
 //   model.safetensors      fp32 master weights under transformers' Qwen3 names
 //   config.json            transformers' config: the directory also loads as a Qwen3 model
-//   optimizer.safetensors  AdamW's moments, exp_avg.<name> and exp_avg_sq.<name>
+//   optimizer.<r>-of-<S>.safetensors   AdamW's moments, shard r of S (below)
 //   trainer_state.bin      the step count, the data loader's state and the trainer's RNGs
-// and the manifest's config object is the ModelConfig, which a resume must match exactly.
-// The learning rate is a function of the step, so the step restores the schedule's position.
+// and the manifest's config object is the ModelConfig, which a resume must match exactly, with
+// the number of optimizer shards and of GPUs of the run that wrote it. The learning rate is a
+// function of the step, so the step restores the schedule's position.
+//
+// The moments are stored as the optimizer holds them: bucket by bucket, cut into S shards, one
+// per rank with ZeRO 1 and 2 (each rank writes its own file), one with ZeRO 0 (rank 0 writes it).
+// Shard r of bucket b is comm.h's CommShards range r of the bucket's used elements: exactly the
+// piece owned_part gives rank r, padding excluded. A run with another number of shards builds its
+// pieces from the old ones with comm_reshard_plan, so resuming on another number of GPUs is a
+// matter of ranges. Rank 0 owns the checkpoint directory, writes the rest (gathering the master
+// weights when they are sharded) and commits once every rank's receipt is in (ckpt.h).
 
 #define TRAINER_STATE_MAGIC 0x54475054u  // "TGPT"
 #define TRAINER_STATE_VERSION 1
+#define CKPT_PEER_WAIT_S 600.0  // how long rank 0 waits for another rank's shard (a dead rank is
+                                // caught sooner, by the comm watchdog)
 typedef struct {
     uint32_t magic, version;
     int64_t step;            // optimizer steps completed
@@ -1185,29 +1372,90 @@ typedef struct {
     LoaderState loader;      // the training loader, positioned at the next step's first batch
 } TrainerState;
 
-// Writes one checkpoint from host copies of the master weights and moments. Returns false with a
-// message on any failure, leaving the previous checkpoints as they were.
-static bool checkpoint_write(const GPT* m, const float* master, const float* adam_m, const float* adam_v,
-                             const TrainerState* state, const char* out_dir, int keep_last, char* err,
-                             size_t err_len) {
+// Into how many shards this run cuts the optimizer state, and which one is this rank's.
+static int optimizer_shards(const GPT* m) { return m->dp.zero > 0 ? m->dp.world : 1; }
+static int optimizer_shard(const GPT* m) { return m->dp.zero > 0 ? m->dp.rank : 0; }
+
+// The manifest's config object: the model (config.h's fields), and how the run that wrote it
+// was sharded.
+static void checkpoint_config_json(const GPT* m, JsonWriter* w) {
+    jw_object_begin(w);
+    model_config_members(&m->cfg, w);
+    jw_key(w, "optimizer_shards");
+    jw_int(w, optimizer_shards(m));
+    jw_key(w, "gpus");
+    jw_int(w, m->dp.world);
+    jw_object_end(w);
+}
+
+// Bucket b's used elements cut into n_shards (comm.h's arithmetic, PARAM_ALIGN-aligned pieces).
+static CommShards bucket_shards(const ParamTable* pt, int b, int n_shards) {
+    CommShards shards;
+    char err[256];
+    if (comm_shards_init(&shards, pt->bucket_used[b], n_shards, PARAM_ALIGN, err, sizeof(err)) != 0) {
+        fprintf(stderr, "train_gpt: %s\n", err);
+        exit(1);
+    }
+    return shards;
+}
+
+static void optimizer_file_name(char* out, size_t n, int shard, int n_shards) {
+    snprintf(out, n, "optimizer.%d-of-%d.safetensors", shard, n_shards);
+}
+
+// This rank's shard of both moments (host copies of its optimizer buffers) as one file: per
+// bucket b, exp_avg.<b> and exp_avg_sq.<b>, 1-d fp32 (a bucket with no elements in it has none).
+static int add_optimizer_shard(CkptWriter* w, const GPT* m, const float* adam_m, const float* adam_v, char* err,
+                               size_t err_len) {
+    const ParamTable* pt = &m->table;
+    int n_buckets = pt->n_layers + 1, shard = optimizer_shard(m), n_shards = optimizer_shards(m), n = 0;
+    StTensor* st = (StTensor*)xcalloc(2 * n_buckets, sizeof(StTensor));
+    char(*names)[32] = (char(*)[32])xcalloc(2 * n_buckets, 32);
+    for (int k = 0; k < 2; k++) {
+        for (int b = 0; b < n_buckets; b++) {
+            CommShards shards = bucket_shards(pt, b, n_shards);
+            CommRange mine = comm_shard_range(&shards, shard);
+            if (mine.end == mine.begin) continue;
+            snprintf(names[n], 32, "%s.%d", k ? "exp_avg_sq" : "exp_avg", b);
+            st[n] = (StTensor){names[n], ST_F32, 1, {(int64_t)(mine.end - mine.begin)}, (k ? adam_v : adam_m) +
+                                                                                            m->opt_offset[b]};
+            n++;
+        }
+    }
+    char file[64];
+    optimizer_file_name(file, sizeof(file), shard, n_shards);
+    int rc = ckpt_add_safetensors(w, file, st, n, NULL, 0, err, err_len);
+    free(st);
+    free(names);
+    return rc;
+}
+
+// Rank 0's part of a checkpoint: it owns the directory, writes the model, the configs, the trainer
+// state and its shard, and commits once every other shard's receipt has come in.
+static bool checkpoint_write_owner(const GPT* m, const float* master, const float* adam_m, const float* adam_v,
+                                   const TrainerState* state, const char* out_dir, int keep_last, char* err,
+                                   size_t err_len) {
     int n = hf_tensors(m, NULL);
-    StTensor* st = (StTensor*)calloc(3 * n, sizeof(StTensor));
-    char* names = (char*)malloc((size_t)3 * n * HF_NAME_MAX);
+    StTensor* st = (StTensor*)xcalloc(n, sizeof(StTensor));
+    char* names = (char*)xmalloc((size_t)n * HF_NAME_MAX);
     hf_st_tensors(m, master, "", st, names);
-    hf_st_tensors(m, adam_m, "exp_avg.", st + n, names + n * HF_NAME_MAX);
-    hf_st_tensors(m, adam_v, "exp_avg_sq.", st + 2 * n, names + 2 * n * HF_NAME_MAX);
     char hf_config[2048];
     hf_config_text(&m->cfg, hf_config, sizeof(hf_config));
     JsonWriter config;
     jw_init(&config, 0);
-    model_config_json(&m->cfg, &config);
+    checkpoint_config_json(m, &config);
     CkptWriter w;
     bool ok = ckpt_begin(&w, out_dir, state->step, err, err_len) == 0 &&
               ckpt_add_safetensors(&w, "model.safetensors", st, n, NULL, 0, err, err_len) == 0 &&
               ckpt_add_file(&w, "config.json", hf_config, strlen(hf_config), err, err_len) == 0 &&
-              ckpt_add_safetensors(&w, "optimizer.safetensors", st + n, 2 * n, NULL, 0, err, err_len) == 0 &&
-              ckpt_add_file(&w, "trainer_state.bin", state, sizeof(*state), err, err_len) == 0 &&
-              ckpt_commit(&w, jw_text(&config), keep_last, err, err_len) == 0;
+              add_optimizer_shard(&w, m, adam_m, adam_v, err, err_len) == 0 &&
+              ckpt_add_file(&w, "trainer_state.bin", state, sizeof(*state), err, err_len) == 0;
+    for (int r = 1; ok && r < optimizer_shards(m); r++) {
+        char receipt[32];
+        snprintf(receipt, sizeof(receipt), "receipt.%d", r);
+        ok = ckpt_take_receipt(&w, receipt, CKPT_PEER_WAIT_S, err, err_len) == 0;
+    }
+    ok = ok && ckpt_commit(&w, jw_text(&config), keep_last, err, err_len) == 0;
     if (!ok) ckpt_abort(&w);
     jw_free(&config);
     free(st);
@@ -1215,31 +1463,99 @@ static bool checkpoint_write(const GPT* m, const float* master, const float* ada
     return ok;
 }
 
-// Reads and verifies (checksums, config) a checkpoint directory into host buffers of the flat
-// layout (zeroed padding) and the trainer state.
+// Every other rank's part (ZeRO 1, 2): its shard of the moments into rank 0's directory, and a
+// receipt that says what it wrote, or why it could not.
+static bool checkpoint_write_shard(const GPT* m, const float* adam_m, const float* adam_v, int64_t step,
+                                   const char* out_dir, char* err, size_t err_len) {
+    CkptWriter w;
+    char receipt[32];
+    snprintf(receipt, sizeof(receipt), "receipt.%d", optimizer_shard(m));
+    if (ckpt_join(&w, out_dir, step, CKPT_PEER_WAIT_S, err, err_len) != 0) return false;
+    bool ok = add_optimizer_shard(&w, m, adam_m, adam_v, err, err_len) == 0;
+    char receipt_err[1024];
+    if (ckpt_send_receipt(&w, receipt, ok ? NULL : err, receipt_err, sizeof(receipt_err)) != 0 && ok) {
+        snprintf(err, err_len, "%s", receipt_err);
+        ok = false;
+    }
+    return ok;
+}
+
+// This run's pieces of both moments (its optimizer buffers' layout, opt_len each) from a
+// checkpoint's S shard files, whatever S is: per bucket, comm_reshard_plan says which ranges of
+// which old shards make this rank's piece. Only the files it names are opened.
+static bool read_optimizer_shards(const GPT* m, const CkptReader* r, int old_shards, float* adam_m, float* adam_v,
+                                  char* err, size_t err_len) {
+    const ParamTable* pt = &m->table;
+    StFile* files = (StFile*)xcalloc(old_shards, sizeof(StFile));
+    CommCopy* copies = (CommCopy*)xcalloc(old_shards, sizeof(CommCopy));
+    bool ok = true;
+    for (int b = 0; ok && b <= pt->n_layers; b++) {
+        CommShards from = bucket_shards(pt, b, old_shards), to = bucket_shards(pt, b, optimizer_shards(m));
+        int n_copies = 0;
+        ok = comm_reshard_plan(&from, &to, optimizer_shard(m), copies, old_shards, &n_copies, err, err_len) == 0;
+        for (int i = 0; ok && i < n_copies; i++) {
+            const CommCopy* cp = &copies[i];
+            StFile* f = &files[cp->old_rank];
+            char file[64];
+            optimizer_file_name(file, sizeof(file), cp->old_rank, old_shards);
+            if (!f->map) ok = ckpt_open_safetensors(r, file, f, err, err_len) == 0;
+            CommRange theirs = comm_shard_range(&from, cp->old_rank);
+            for (int k = 0; ok && k < 2; k++) {
+                char name[32];
+                snprintf(name, sizeof(name), "%s.%d", k ? "exp_avg_sq" : "exp_avg", b);
+                const StTensor* t = st_find(f, name);
+                if (!t || t->dtype != ST_F32 || t->ndim != 1 || t->shape[0] != (int64_t)(theirs.end - theirs.begin)) {
+                    snprintf(err, err_len, "%s/%s: tensor %s is missing or not F32 [%zu]", r->dir, file, name,
+                             theirs.end - theirs.begin);
+                    ok = false;
+                } else {
+                    float* dst = (k ? adam_v : adam_m) + m->opt_offset[b] + cp->new_offset;
+                    memcpy(dst, (const uint8_t*)t->data + cp->old_offset * 4, cp->count * 4);
+                }
+            }
+        }
+    }
+    for (int q = 0; q < old_shards; q++) st_close(&files[q]);
+    free(files);
+    free(copies);
+    return ok;
+}
+
+// What a resume needs from the manifest's config: the model must match; the shards may differ.
+static bool checkpoint_config_read(const GPT* m, const CkptReader* r, int* old_shards, int* old_gpus, char* err,
+                                   size_t err_len) {
+    int64_t shards, gpus;
+    if (!model_config_matches(&m->cfg, &r->manifest, r->config, err, err_len)) return false;
+    if (json_get_int(&r->manifest, r->config, "optimizer_shards", &shards) != 0 || shards < 1 || shards > 65536 ||
+        json_get_int(&r->manifest, r->config, "gpus", &gpus) != 0 || gpus < 1 || gpus > 65536) {
+        snprintf(err, err_len, "%s/manifest.json: the config has no \"optimizer_shards\" and \"gpus\" in [1, 65536]",
+                 r->dir);
+        return false;
+    }
+    *old_shards = (int)shards;
+    *old_gpus = (int)gpus;
+    return true;
+}
+
+// Reads and verifies (checksums, config) a checkpoint directory: the master weights into `master`
+// (the flat layout, zeroed padding), this rank's pieces of the moments into adam_m and adam_v (the
+// optimizer buffers' layout), the trainer state, and how the run that wrote it was sharded.
 static bool checkpoint_read(const GPT* m, const char* dir, float* master, float* adam_m, float* adam_v,
-                            TrainerState* state, char* err, size_t err_len) {
+                            TrainerState* state, int* old_shards, int* old_gpus, char* err, size_t err_len) {
     CkptReader r;
     if (ckpt_open(&r, dir, err, err_len) != 0) return false;
-    bool ok = model_config_matches(&m->cfg, &r.manifest, r.config, err, err_len);
-    StFile model, optim;
-    size_t n_elements = m->table.n_elements;
-    memset(master, 0, n_elements * 4);
-    memset(adam_m, 0, n_elements * 4);
-    memset(adam_v, 0, n_elements * 4);
+    bool ok = checkpoint_config_read(m, &r, old_shards, old_gpus, err, err_len);
+    StFile model;
+    memset(master, 0, m->table.n_elements * 4);
+    memset(adam_m, 0, m->opt_len * 4);
+    memset(adam_v, 0, m->opt_len * 4);
     if (ok && ckpt_open_safetensors(&r, "model.safetensors", &model, err, err_len) == 0) {
         ok = hf_st_load(m, &model, "", master, err, err_len);
         st_close(&model);
     } else {
         ok = false;
     }
-    if (ok && ckpt_open_safetensors(&r, "optimizer.safetensors", &optim, err, err_len) == 0) {
-        ok = hf_st_load(m, &optim, "exp_avg.", adam_m, err, err_len) &&
-             hf_st_load(m, &optim, "exp_avg_sq.", adam_v, err, err_len);
-        st_close(&optim);
-    } else {
-        ok = false;
-    }
+    ok = ok && read_optimizer_shards(m, &r, *old_shards, adam_m, adam_v, err, err_len);
     void* bytes = NULL;
     size_t len = 0;
     if (ok && ckpt_read_file(&r, "trainer_state.bin", &bytes, &len, err, err_len) == 0) {
@@ -1258,20 +1574,17 @@ static bool checkpoint_read(const GPT* m, const char* dir, float* master, float*
     return ok;
 }
 
-// Puts host copies (full, of the flat layout) of the master weights and moments on the GPU, this
-// rank's parts of them, and the bf16 weights with them.
+// Puts the master weights (a host copy of the whole flat layout) on the GPU, this rank's parts of
+// them, with the bf16 weights, and the moments when given (host copies of this rank's optimizer
+// buffers, opt_len each).
 static void gpt_upload_state(GPT* m, const float* master, const float* adam_m, const float* adam_v) {
-    const float* host[] = {master, adam_m, adam_v};
-    float* device[] = {m->master, m->adam_m, m->adam_v};
-    for (int i = 0; i < 3; i++) {
-        if (!host[i]) continue;
-        for (int b = 0; b <= m->table.n_layers; b++) {
-            size_t begin, end;
-            owned_part(m, b, &begin, &end);
-            CUDA_CHECK(cudaMemcpy(device[i] + m->opt_offset[b], host[i] + begin, (end - begin) * 4,
-                                  cudaMemcpyHostToDevice));
-        }
+    for (int b = 0; b <= m->table.n_layers; b++) {
+        size_t begin, end;
+        owned_part(m, b, &begin, &end);
+        CUDA_CHECK(cudaMemcpy(m->master + m->opt_offset[b], master + begin, (end - begin) * 4, cudaMemcpyHostToDevice));
     }
+    if (adam_m) CUDA_CHECK(cudaMemcpy(m->adam_m, adam_m, m->opt_len * 4, cudaMemcpyHostToDevice));
+    if (adam_v) CUDA_CHECK(cudaMemcpy(m->adam_v, adam_v, m->opt_len * 4, cudaMemcpyHostToDevice));
     publish_params(m);
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
 }
@@ -1297,12 +1610,6 @@ static void gpt_download_state(GPT* m, const float* state, float* host) {
                                        cudaMemcpyDeviceToHost, c->stream));
     }
     comm_join(c, m->stream);
-}
-
-static double now_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 #ifndef TRAIN_GPT_NO_MAIN
@@ -1339,6 +1646,8 @@ typedef struct {
     const char* master;      // host:port of rank 0, for Slurm without MASTER_ADDR / MASTER_PORT
     float timeout;           // seconds without progress before a rank gives up on its peers
     const char* model_flag;  // a flag of the model's that config.json sets too (for --init-from's check)
+    int fp8;                 // 1: the layers' matrices in FP8
+    const char* fp8_scaling; // "delayed" or "current"
 } Options;
 
 typedef enum { OPT_INT, OPT_BOOL, OPT_FLOAT, OPT_STR, OPT_U64, OPT_FLAG } OptType;  // OPT_BOOL: 0 or 1
@@ -1405,11 +1714,14 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--resume", OPT_STR, &o->resume, "continue from a checkpoint: 'latest' (in --out) or its directory"},
         {"--init-from", OPT_STR, &o->init_from,
          "start from a transformers Qwen3 checkpoint directory (its config.json sets the model)"},
-        {"--gpus", OPT_INT, &o->gpus, "GPUs of this machine to train on, one process each (no launcher needed)"},
+        {"--gpus", OPT_INT, &o->gpus, "GPUs of this machine to train on, one process each (no launcher needed); 0: all of them"},
         {"--zero", OPT_INT, &o->zero,
          "0: every GPU holds everything; 1: optimizer state sharded; 2: gradients sharded too"},
         {"--master", OPT_STR, &o->master, "host:port of rank 0 under Slurm when MASTER_ADDR/PORT are not set"},
         {"--timeout", OPT_FLOAT, &o->timeout, "seconds a rank waits for its peers (start-up, or a step) before it stops"},
+        {"--fp8", OPT_BOOL, &o->fp8, "1: every layer's four matmuls in FP8 (E4M3 weights and activations, E5M2 gradients)"},
+        {"--fp8-scaling", OPT_STR, &o->fp8_scaling,
+         "FP8 per-tensor scales: 'delayed' (amax history of 16 steps) or 'current' (each tensor's amax, one more pass)"},
     };
     int n = (int)(sizeof(all) / sizeof(all[0]));
     if (specs) memcpy(specs, all, sizeof(all));
@@ -1453,6 +1765,8 @@ static void options_default(Options* o) {
     o->gpus = 1;
     o->zero = 0;
     o->timeout = 50.0f;
+    o->fp8 = 0;
+    o->fp8_scaling = "delayed";
 }
 
 static void print_help(void) {
@@ -1573,9 +1887,12 @@ static void check_options(const Options* o) {
     else if (o->stop_at < 0 || o->stop_at > p->total_steps) problem = "--stop-at must be in [0, --steps]";
     else if (!(o->peak_tflops > 0.0f)) problem = "--peak-tflops must be > 0";
     else if (o->resume && o->init_from) problem = "--resume and --init-from exclude each other";
-    else if (o->gpus < 1 || o->gpus > 1024) problem = "--gpus must be in [1, 1024]";
+    else if (o->gpus < 1 || o->gpus > 1024) problem = "--gpus must be in [0, 1024] (0: every GPU of this machine)";
     else if (o->zero < 0 || o->zero > 2) problem = "--zero must be 0, 1 or 2";
     else if (!(o->timeout >= 5.0f)) problem = "--timeout must be at least 5 seconds";
+    else if (o->fp8 != 0 && o->fp8 != 1) problem = "--fp8 must be 0 or 1";
+    else if (strcmp(o->fp8_scaling, "delayed") != 0 && strcmp(o->fp8_scaling, "current") != 0)
+        problem = "--fp8-scaling must be 'delayed' or 'current'";
     if (problem) {
         fprintf(stderr, "train_gpt: %s\n", problem);
         exit(2);
@@ -1605,7 +1922,7 @@ static float validate(GPT* m, Uploader* up, DataLoader* val, int max_batches) {
         forward_layers(m, &b);
         head_and_loss(m, &b, 0.0f, false, &m->scalars->val_loss_sum, i > 0);
     }
-    sum_over_ranks(m, &m->scalars->val_loss_sum);  // each rank read its own batches
+    sum_over_ranks(m, &m->scalars->val_loss_sum, 1);  // each rank read its own batches
     float loss_sum;
     CUDA_CHECK(cudaMemcpyAsync(&loss_sum, &m->scalars->val_loss_sum, sizeof(float), cudaMemcpyDeviceToHost, m->stream));
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
@@ -1718,7 +2035,10 @@ static void dump_grads(GPT* m, Uploader* up, const uint16_t* window, const char*
 // the end, the trainer waits for the write in flight and learns whether it succeeded.
 typedef struct {
     const GPT* model;
-    float* host;             // pinned: master | adam_m | adam_v, n_elements each
+    bool owner;              // rank 0: it owns the checkpoint directory and writes the master weights
+    bool writes_shard;       // it writes a shard of the moments (rank 0; with ZeRO 1, 2 every rank)
+    float* host_master;      // pinned, the owner's: the whole flat layout
+    float* host_moments;     // pinned: adam_m then adam_v, this rank's optimizer buffers (opt_len each)
     cudaStream_t stream;
     cudaEvent_t ready;       // the optimizer update to snapshot is done
     cudaEvent_t copied;      // the snapshot is in host memory
@@ -1737,7 +2057,10 @@ static void checkpointer_create(Checkpointer* c, const GPT* m, const char* out_d
     c->model = m;
     c->out_dir = out_dir;
     c->keep_last = keep_last;
-    if (m->dp.rank == 0) CUDA_CHECK(cudaMallocHost(&c->host, 3 * m->table.n_elements * sizeof(float)));
+    c->owner = m->dp.rank == 0;
+    c->writes_shard = c->owner || m->dp.zero > 0;
+    if (c->owner) CUDA_CHECK(cudaMallocHost(&c->host_master, m->table.n_elements * sizeof(float)));
+    if (c->writes_shard) CUDA_CHECK(cudaMallocHost(&c->host_moments, 2 * m->opt_len * sizeof(float)));
     CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&c->copied, cudaEventDisableTiming));
@@ -1747,9 +2070,13 @@ static void* checkpoint_thread(void* arg) {
     Checkpointer* c = (Checkpointer*)arg;
     CUDA_CHECK(cudaEventSynchronize(c->copied));
     double t0 = now_seconds();
-    size_t n = c->model->table.n_elements;
-    c->failed = !checkpoint_write(c->model, c->host, c->host + n, c->host + 2 * n, &c->state, c->out_dir,
-                                  c->keep_last, c->err, sizeof(c->err));
+    const float *adam_m = c->host_moments, *adam_v = c->host_moments + c->model->opt_len;
+    if (c->owner)
+        c->failed = !checkpoint_write_owner(c->model, c->host_master, adam_m, adam_v, &c->state, c->out_dir,
+                                            c->keep_last, c->err, sizeof(c->err));
+    else
+        c->failed = !checkpoint_write_shard(c->model, adam_m, adam_v, c->state.step, c->out_dir, c->err,
+                                            sizeof(c->err));
     c->write_seconds = now_seconds() - t0;
     return NULL;
 }
@@ -1759,31 +2086,25 @@ static bool checkpoint_wait(Checkpointer* c) {
     if (!c->writing) return true;
     pthread_join(c->thread, NULL);
     c->writing = false;
-    if (!c->failed)
+    if (!c->failed && c->owner)
         printf("checkpoint of step %lld written to %s/ckpt_%lld in %.2f s\n", (long long)c->state.step, c->out_dir,
                (long long)c->state.step, c->write_seconds);
     return !c->failed;
 }
 
 // Snapshots the state after the optimizer update just queued on the model's stream. Every rank
-// calls it; rank 0 writes. With ZeRO 0 rank 0 holds everything and copies it on a side stream;
-// with ZeRO 1/2 every rank joins the all-gathers that bring the pieces to rank 0's host buffer.
+// calls it. The master weights go whole to rank 0 (with ZeRO 1/2 every rank joins the all-gathers
+// that bring the pieces there); each rank that writes a shard copies its moments.
 static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state) {
-    size_t n = m->table.n_elements;
-    bool writer = m->dp.rank == 0;
-    if (m->dp.zero == 0 && writer) {
-        CUDA_CHECK(cudaEventRecord(c->ready, m->stream));
-        CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ready, 0));
-        CUDA_CHECK(cudaMemcpyAsync(c->host, m->master, n * 4, cudaMemcpyDeviceToHost, c->stream));
-        CUDA_CHECK(cudaMemcpyAsync(c->host + n, m->adam_m, n * 4, cudaMemcpyDeviceToHost, c->stream));
-        CUDA_CHECK(cudaMemcpyAsync(c->host + 2 * n, m->adam_v, n * 4, cudaMemcpyDeviceToHost, c->stream));
-        CUDA_CHECK(cudaEventRecord(c->copied, c->stream));
-    } else if (m->dp.zero > 0) {
-        const float* state_buffers[] = {m->master, m->adam_m, m->adam_v};
-        for (int i = 0; i < 3; i++) gpt_download_state(m, state_buffers[i], writer ? c->host + i * n : NULL);
-        CUDA_CHECK(cudaEventRecord(c->copied, m->stream));
-    }
-    if (!writer) return;
+    if (m->dp.zero > 0) gpt_download_state(m, m->master, c->host_master);  // NULL but on rank 0
+    if (!c->writes_shard) return;
+    CUDA_CHECK(cudaEventRecord(c->ready, m->stream));
+    CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ready, 0));
+    size_t S = m->opt_len;
+    if (m->dp.zero == 0) CUDA_CHECK(cudaMemcpyAsync(c->host_master, m->master, S * 4, cudaMemcpyDeviceToHost, c->stream));
+    CUDA_CHECK(cudaMemcpyAsync(c->host_moments, m->adam_m, S * 4, cudaMemcpyDeviceToHost, c->stream));
+    CUDA_CHECK(cudaMemcpyAsync(c->host_moments + S, m->adam_v, S * 4, cudaMemcpyDeviceToHost, c->stream));
+    CUDA_CHECK(cudaEventRecord(c->copied, c->stream));
     c->state = *state;
     c->failed = false;
     if (pthread_create(&c->thread, NULL, checkpoint_thread, c) != 0) {
@@ -1795,7 +2116,8 @@ static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state)
 
 static void checkpointer_free(Checkpointer* c) {
     checkpoint_wait(c);
-    CUDA_CHECK(cudaFreeHost(c->host));
+    CUDA_CHECK(cudaFreeHost(c->host_master));
+    CUDA_CHECK(cudaFreeHost(c->host_moments));
     CUDA_CHECK(cudaStreamDestroy(c->stream));
     CUDA_CHECK(cudaEventDestroy(c->ready));
     CUDA_CHECK(cudaEventDestroy(c->copied));
@@ -1837,16 +2159,22 @@ static void resume_from(GPT* m, const char* which, const char* out_dir, TrainerS
     } else {
         snprintf(dir, sizeof(dir), "%s", which);
     }
-    size_t n = m->table.n_elements;
-    float* host = (float*)malloc(3 * n * sizeof(float));
-    if (!checkpoint_read(m, dir, host, host + n, host + 2 * n, state, err, sizeof(err))) {
+    float* master = (float*)xmalloc(m->table.n_elements * sizeof(float));
+    float* moments = (float*)xmalloc(2 * m->opt_len * sizeof(float));
+    int old_shards = 0, old_gpus = 0;
+    if (!checkpoint_read(m, dir, master, moments, moments + m->opt_len, state, &old_shards, &old_gpus, err,
+                         sizeof(err))) {
         fprintf(stderr, "train_gpt: --resume: %s\n", err);
         exit(1);
     }
-    gpt_upload_state(m, host, host + n, host + 2 * n);
+    gpt_upload_state(m, master, moments, moments + m->opt_len);
     set_step(m, (int)state->step);
-    free(host);
+    free(master);
+    free(moments);
     printf("resumed from %s at step %lld\n", dir, (long long)state->step);
+    if (old_gpus != m->dp.world || old_shards != optimizer_shards(m))
+        printf("the checkpoint was written on %d GPU(s) with the optimizer state in %d shard(s); this run has %d "
+               "GPU(s) and %d: resharded\n", old_gpus, old_shards, m->dp.world, optimizer_shards(m));
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1974,6 +2302,7 @@ static void trainer_open_model(Trainer* t) {
     if (t->parallel) dp = (Sharding){t->env.rank, t->env.world, o->zero, &t->comm};
     gpt_create(m, &o->model, o->batch_size, o->model.seq_len, o->recompute != 0, o->loss_chunk, &dp);
     m->deterministic = o->deterministic != 0;
+    if (o->fp8) gpt_enable_fp8(m, strcmp(o->fp8_scaling, "current") == 0 ? FP8_CURRENT : FP8_DELAYED);
     gpt_init(m, o->seed);
     if (o->init_from) load_init_from(m, o->init_from);
     t->bench_rng = o->seed * 0x9E3779B97F4A7C15ull + 1;
@@ -2078,7 +2407,7 @@ static void log_one_step(Trainer* t, int index) {
     CUDA_CHECK(cudaEventElapsedTime(&ms, t->step_start[slot], t->step_end[slot]));
     const OptimScalars* s = &t->readback[slot];
     double now = now_seconds(), tokens = (double)t->model.N * t->accum * t->model.dp.world;
-    if (t->parallel) t->comm.last_progress = comm_now();  // the watchdog's sign of life
+    if (t->parallel) t->comm.last_progress = now_seconds();  // the watchdog's sign of life
     if (index == t->start_step) t->t_first_step = now - t->t_start;
     if (index == t->start_step) t->t_loop = now;  // the ETA leaves out the first step's warm-up
     double per_step = index > t->start_step ? (now - t->t_loop) / (index - t->start_step) : ms / 1e3;
@@ -2167,11 +2496,11 @@ static void print_bench_result(const Trainer* t) {
     double flops = flops_per_token(c);
     printf("{\"bench\": \"train_gpt\", \"device\": \"%s\", \"gpus\": %d, \"zero\": %d, \"B\": %d, \"T\": %d, "
            "\"d_model\": %d, \"layers\": %d, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"ffn\": %d, "
-           "\"recompute\": %d, \"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, \"tokens_per_s_per_gpu\": %.1f, "
+           "\"recompute\": %d, \"fp8\": \"%s\", \"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, \"tokens_per_s_per_gpu\": %.1f, "
            "\"mfu\": %.4f, \"flops_per_token\": %.6g, \"peak_mem_gib\": %.3f, \"first_step_s\": %.2f, "
            "\"final_loss\": %.4f}\n",
            t->prop.name, world, t->model.dp.zero, t->model.B, t->model.T, c->d_model, c->n_layer, c->n_head,
-           c->n_kv_head, c->head_dim, c->ffn_dim, t->o.recompute, ms, tok_s, tok_s / world,
+           c->n_kv_head, c->head_dim, c->ffn_dim, t->o.recompute, t->o.fp8 ? t->o.fp8_scaling : "off", ms, tok_s, tok_s / world,
            tok_s / world * flops / (t->o.peak_tflops * 1e12), flops, gib(gpt_bytes_total(&t->model)),
            t->t_first_step, t->last_loss);
 }
@@ -2246,6 +2575,17 @@ static void read_launch_env(const Options* o, CommEnv* env) {
 }
 
 // --gpus N without a launcher: this process starts the N ranks and waits for them.
+// --gpus 0: every GPU this process sees (the ranks are exec'd afresh, so asking CUDA here is safe).
+static int count_gpus(void) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n < 1) {
+        fprintf(stderr, "train_gpt: --gpus 0 (every GPU): this machine has no CUDA GPU that this process can use\n");
+        exit(1);
+    }
+    return n;
+}
+
 static int launch_ranks(int n, char** argv) {
     char err[1024];
     int status = comm_launch_local(n, argv, err, sizeof(err));
@@ -2318,6 +2658,7 @@ int main(int argc, char** argv) {
     Options o;
     options_default(&o);
     parse_args(&o, argc, argv);
+    if (o.gpus == 0) o.gpus = count_gpus();
     read_init_from_config(&o);
     check_options(&o);
     check_inputs(&o);

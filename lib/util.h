@@ -1,7 +1,8 @@
 /*
- * lib/util.h - the small C helpers that data.h, ckpt.h and lib/tokenizer.h share: error lines,
- * allocation that cannot come back empty, reading a whole file, and reading JSON strings (the one
- * decoder of string literals, for encoder.json, prepro's JSONL and ckpt.h's JSON reader).
+ * lib/util.h - the small C helpers that data.h, comm.h, ckpt.h and lib/tokenizer.h share: error
+ * lines, monotonic time, allocation that cannot come back empty, reading a whole file, and reading
+ * JSON strings (the one decoder of string literals, for encoder.json, prepro's JSONL and ckpt.h's
+ * JSON reader).
  * Header-only; compiles as C11 (gcc: tools/prepro.c and test/fuzz/, which define
  * _POSIX_C_SOURCE 200809L before any include) and as C++17 (nvcc: train_gpt.cu, test_gpt.cu).
  *
@@ -26,6 +27,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 #include <sys/stat.h>
+#include <time.h>
 
 // ----------------------------------------------------------------------------------------------
 // Errors
@@ -94,6 +96,20 @@ static inline int fail_errno(char* err, size_t err_len, int errnum, const char* 
     snprintf(err + used, err_len - used, ": %s", system_error_text(errnum, buf, sizeof(buf)));
     error_one_line(err, err_len);
     return -1;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Time: monotonic seconds, for durations and deadlines (they must not jump with the wall clock).
+
+static inline double now_seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static inline void sleep_seconds(double seconds) {
+    struct timespec t = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    while (nanosleep(&t, &t) != 0 && errno == EINTR) {}
 }
 
 // ----------------------------------------------------------------------------------------------

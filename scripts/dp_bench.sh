@@ -25,6 +25,8 @@ torchddp() {  # name, torch_baseline flags...
     | grep -a '^{' | tail -1 | sed "s/^{/{\"run\": \"$name\", /" | tee -a "$log" \
     | python3 -c 'import json,sys; [print("%-18s %9.0f tok/s/GPU %7.2f ms %6.2f GiB   (raw: %s)" % (r["run"], r.get("tokens_per_s_per_gpu", r["tokens_per_s"] / 2), r["ms_per_step_mean"], r["peak_mem_gib"], {k: r[k] for k in r if "tokens" in k})) for r in map(json.loads, sys.stdin)]'
 }
+# TORCH=0 leaves PyTorch out (when its figures come from an earlier call); EXTRA="VAR=value ..."
+# adds one more run of each ZeRO mode with those environment variables (e.g. NCCL_MAX_CTAS=8).
 for size in ${*:-default 1b}; do
   echo "=== $size"
   if [ "$size" = 1b ]; then
@@ -36,6 +38,10 @@ for size in ${*:-default 1b}; do
   fi
   ours "ours-1gpu-$size" $model
   for z in 0 1 2; do ours "ours-2gpu-z$z-$size" $model --gpus 2 --zero $z; done
+  if [ -n "${EXTRA:-}" ]; then
+    for z in 1 2; do (export $EXTRA; ours "ours-2gpu-z$z-${EXTRA// /_}-$size" $model --gpus 2 --zero $z); done
+  fi
+  [ "${TORCH:-1}" = 0 ] && continue
   torch1 "torch-1gpu-$size" $tmodel
   torchddp "torch-ddp-2gpu-$size" $tmodel
 done

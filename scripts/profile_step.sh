@@ -3,11 +3,12 @@
 # `./train_gpt --bench` launches under Nsight Compute (kernel durations only, clocks not locked),
 # and prints the time per kernel over one step (from one AdamW launch to the next), largest first.
 # On the GPU machine, from the repository root, with $OUT set: writes $OUT/ncu.csv and $OUT/ncu.err.
+# ARGS: more flags for train_gpt (e.g. ARGS="--fp8 1"); COUNT: launches profiled (a step and more).
 set -uo pipefail
 make -j16 train_gpt > /dev/null 2>&1 || { echo build failed; exit 1; }
 # one step's kernels: skip the first steps' launches, then take a little more than one step
 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
-    --launch-skip 1800 --launch-count 700 ./train_gpt --bench --bench-steps 2 > $OUT/ncu.csv 2> $OUT/ncu.err
+    --launch-skip 1800 --launch-count ${COUNT:-700} ./train_gpt --bench --bench-steps 2 ${ARGS:-} > $OUT/ncu.csv 2> $OUT/ncu.err
 python3 - <<'PY'
 import csv, collections, os
 rows = list(csv.DictReader(l for l in open(os.environ['OUT'] + '/ncu.csv') if l.startswith('"')))
@@ -27,6 +28,7 @@ tot = collections.Counter(); cnt = collections.Counter()
 for i in step:
     name = by_id[i][0]
     short = name.split('(')[0].split('<')[0][:60]
+    if 'fp8_cast_kernel' in name: short = 'fp8_cast_kernel ' + ('E5M2' if '<1>' in name else 'E4M3')
     if 'gemm' in name.lower() or 'sm90' in name.lower() or 'cutlass' in name.lower(): short = 'cuBLASLt ' + short[:45]
     tot[short] += by_id[i][1]; cnt[short] += 1
 total = sum(tot.values())

@@ -350,4 +350,57 @@ static double ref_forward_backward(const ModelConfig* c, const ParamTable* pt, c
     return loss;
 }
 
+// ----------------------------------------------------------------------------------------------
+// FP8 rounding, as the GPU's saturating conversion (cvt.rn.satfinite) does it. Both formats are
+// sign, exponent, mantissa: E4M3 (bias 7, largest 448 = 1.75 * 2^8, no infinities, S.1111.111 is
+// NaN) and E5M2 (bias 15, largest 57344 = 1.75 * 2^15, IEEE-style infinities and NaNs). Rounding
+// is to the nearest representable value, ties to the even mantissa; anything beyond the largest
+// finite value (infinities included) becomes that value with its sign; NaN stays NaN.
+
+typedef struct {
+    int man_bits, bias;
+    double max;
+} RefFp8Format;
+
+static const RefFp8Format REF_E4M3 = {3, 7, 448.0}, REF_E5M2 = {2, 15, 57344.0};
+
+static RefFp8Format ref_fp8_format(bool e5m2) { return e5m2 ? REF_E5M2 : REF_E4M3; }
+
+// The value of an FP8 code (NaN for NaN codes, +-inf for E5M2's infinities).
+static double ref_fp8_decode(uint8_t code, bool e5m2) {
+    RefFp8Format f = ref_fp8_format(e5m2);
+    int exp_bits = 7 - f.man_bits, sign = code >> 7;
+    int e = (code >> f.man_bits) & ((1 << exp_bits) - 1), man = code & ((1 << f.man_bits) - 1);
+    double v;
+    if (!e5m2 && e == 15 && man == 7) v = NAN;
+    else if (e5m2 && e == 31) v = man ? NAN : INFINITY;
+    else if (e == 0) v = ldexp(man, 1 - f.bias - f.man_bits);                 // subnormal
+    else v = ldexp((1 << f.man_bits) + man, e - f.bias - f.man_bits);         // normal
+    return sign ? -v : v;
+}
+
+// x rounded to the format's grid: the spacing at |x| is 2^(exponent - man_bits), never finer
+// than the subnormals'; rint rounds ties to even, and an even multiple of the spacing is an
+// even mantissa. Then saturation to +-max.
+static double ref_fp8_round(double x, bool e5m2) {
+    RefFp8Format f = ref_fp8_format(e5m2);
+    if (isnan(x)) return NAN;
+    double a = fabs(x);
+    if (a >= f.max) return copysign(f.max, x);
+    int e = a > 0 ? ilogb(a) : 1 - f.bias;
+    if (e < 1 - f.bias) e = 1 - f.bias;
+    double spacing = ldexp(1.0, e - f.man_bits);
+    double r = rint(a / spacing) * spacing;
+    return copysign(r > f.max ? f.max : r, x);
+}
+
+// The code of ref_fp8_round(x): the positive code whose value it is, with x's sign bit.
+static uint8_t ref_fp8_encode(double x, bool e5m2) {
+    if (isnan(x)) return e5m2 ? 0x7E : 0x7F;
+    double r = fabs(ref_fp8_round(x, e5m2));
+    for (int c = 0; c < 0x7F; c++)
+        if (ref_fp8_decode((uint8_t)c, e5m2) == r) return (uint8_t)(c | (signbit(x) ? 0x80 : 0));
+    return 0xFF;  // unreachable: every rounded value has a code
+}
+
 #endif

@@ -1,8 +1,9 @@
 /*
  * test/test_ckpt.h - CPU tests of ckpt.h: CRC32C, the JSON writer and reader, safetensors files (our
  * reader, an independent Python reader, and every malformed file the reader must reject), and the
- * checkpoint directory protocol (round trip, corruption, crashes between the steps, pruning, and
- * write failures that must come back as errors while the previous checkpoint stays loadable).
+ * checkpoint directory protocol (round trip, corruption, crashes between the steps, pruning, write
+ * failures that must come back as errors while the previous checkpoint stays loadable, and several
+ * writers committing one checkpoint).
  *
  * test_gpt.cu includes this file and runs ckpt_tests. Each test works in its own mkdtemp directory
  * under /tmp and removes it. A "crash" is simulated by stopping the
@@ -775,6 +776,113 @@ static int test_ckpt_write_errors(void) {
     return TEST_RESULT;
 }
 
+/* Several writers, one checkpoint (ckpt_join, receipts). Writers 1..3 run on threads, as ranks
+ * would, each starting before the owner has made the directory; the owner commits once their
+ * receipts are in. Then: a writer that fails sends its reason and the owner's commit fails with it,
+ * leaving the previous checkpoint as `latest`; a receipt that never comes is a timeout naming it; a
+ * receipt that lies about a file's size is refused. */
+#define CKT_WRITERS 4
+
+typedef struct {
+    const char* out;
+    int64_t step;
+    int index;          /* writer 1..CKT_WRITERS-1 */
+    const char* fail;   /* if set, it sends this reason instead of its file */
+    int rc;
+    char err[CKT_ERR];
+} CktWriterJob;
+
+static void* ckt_writer_thread(void* arg) {
+    CktWriterJob* j = (CktWriterJob*)arg;
+    CkptWriter w;
+    char name[32], receipt[32];
+    snprintf(name, sizeof name, "shard.%d.bin", j->index);
+    snprintf(receipt, sizeof receipt, "receipt.%d", j->index);
+    uint8_t bytes[300];
+    ckt_fill(bytes, sizeof bytes, 100 + j->index);
+    j->rc = ckpt_join(&w, j->out, j->step, 10, j->err, sizeof j->err);
+    if (!j->rc && !j->fail) j->rc = ckpt_add_file(&w, name, bytes, 100 + 50 * j->index, j->err, sizeof j->err);
+    if (!j->rc) j->rc = ckpt_send_receipt(&w, receipt, j->fail, j->err, sizeof j->err);
+    return NULL;
+}
+
+/* One checkpoint at `step` by the owner and CKT_WRITERS-1 threads (writer `failing` fails). */
+static int ckt_shared_checkpoint(const char* out, int64_t step, int failing, char* err, size_t err_len) {
+    pthread_t threads[CKT_WRITERS];
+    CktWriterJob jobs[CKT_WRITERS];
+    for (int i = 1; i < CKT_WRITERS; i++) {
+        jobs[i] = (CktWriterJob){out, step, i, i == failing ? "disk full, say" : NULL, 0, ""};
+        pthread_create(&threads[i], NULL, ckt_writer_thread, &jobs[i]);
+    }
+    sleep_seconds(0.05);  /* the joiners are waiting for the directory now */
+    CkptWriter w;
+    uint8_t own[64];
+    ckt_fill(own, sizeof own, 7);
+    int rc = ckpt_begin(&w, out, step, err, err_len);
+    if (!rc) rc = ckpt_add_file(&w, "shard.0.bin", own, sizeof own, err, err_len);
+    for (int i = 1; !rc && i < CKT_WRITERS; i++) {
+        char receipt[32];
+        snprintf(receipt, sizeof receipt, "receipt.%d", i);
+        rc = ckpt_take_receipt(&w, receipt, 10, err, err_len);
+    }
+    if (!rc) rc = ckpt_commit(&w, NULL, 0, err, err_len);
+    if (rc) ckpt_abort(&w);
+    for (int i = 1; i < CKT_WRITERS; i++) pthread_join(threads[i], NULL);
+    return rc;
+}
+
+static int test_ckpt_several_writers(void) {
+    int failed = 0;
+    char dir[64], out[CK_PATH_MAX], path[CK_PATH_MAX], err[CKT_ERR];
+    if (ckt_mkdtemp(dir, sizeof dir)) return TEST_FAIL;
+    ckt_join(out, dir, "out");
+    EXPECT(ck_mkdir_p(out, err, sizeof err) == 0, "%s", err);
+    EXPECT(ckt_shared_checkpoint(out, 4, 0, err, sizeof err) == 0, "%s", err);
+    CkptReader r;
+    ckt_join(path, out, "ckpt_4");
+    int rc = ckpt_open(&r, path, err, sizeof err);
+    EXPECT(rc == 0, "%s", err);
+    if (rc == 0) {
+        EXPECT(r.n_files == CKT_WRITERS, "%d files in the manifest", r.n_files);
+        for (int i = 1; i < CKT_WRITERS; i++) {
+            char name[32];
+            uint8_t bytes[300];
+            ckt_fill(bytes, sizeof bytes, 100 + i);
+            snprintf(name, sizeof name, "shard.%d.bin", i);
+            const CkptFileInfo* info = ckpt_find_file(&r, name);
+            EXPECT(info && info->bytes == (uint64_t)(100 + 50 * i) &&
+                   info->crc32c == crc32c(0, bytes, (size_t)(100 + 50 * i)), "%s in the manifest", name);
+            snprintf(name, sizeof name, "receipt.%d", i);
+            EXPECT(!ckt_exists(ckt_join(path, r.dir, name)), "%s left in the checkpoint", name);
+        }
+        ckpt_close(&r);
+    }
+    /* writer 2 fails: no checkpoint 5, and latest still names 4 */
+    rc = ckt_shared_checkpoint(out, 5, 2, err, sizeof err);
+    EXPECT(rc == -1 && ckt_has(err, "disk full, say"), "a failed writer: %d '%s'", rc, err);
+    EXPECT(!ckt_exists(ckt_join(path, out, "ckpt_5")) && !ckt_exists(ckt_join(path, out, "ckpt_5.tmp")),
+           "the failed checkpoint left a directory");
+    EXPECT(ckpt_resolve_latest(out, path, sizeof path, err, sizeof err) == 0 && ckt_has(path, "ckpt_4"), "%s", path);
+    /* a receipt that never comes, and one that lies about its file */
+    CkptWriter w;
+    EXPECT(ckpt_begin(&w, out, 6, err, sizeof err) == 0, "%s", err);
+    double t0 = now_seconds();
+    EXPECT(ckpt_take_receipt(&w, "receipt.1", 0.2, err, sizeof err) == -1 && ckt_has(err, "receipt.1") &&
+           ckt_has(err, "did not arrive") && now_seconds() - t0 < 2, "missing receipt: %s", err);
+    const char* lie = "shard.1.bin 999 0badf00d\n";
+    ckt_join(path, w.tmp_dir, "receipt.1");
+    EXPECT(ck_write_file_atomic(path, lie, strlen(lie), err, sizeof err) == 0, "%s", err);
+    EXPECT(ckpt_take_receipt(&w, "receipt.1", 1, err, sizeof err) == -1 && ckt_has(err, "shard.1.bin"),
+           "a lying receipt: %s", err);
+    const char* garbage = "shard.1.bin 12 xyz\n";
+    EXPECT(ck_write_file_atomic(path, garbage, strlen(garbage), err, sizeof err) == 0, "%s", err);
+    EXPECT(ckpt_take_receipt(&w, "receipt.1", 1, err, sizeof err) == -1 && ckt_has(err, "not a receipt line"),
+           "a garbled receipt: %s", err);
+    ckpt_abort(&w);
+    ck_rmtree(dir, NULL, 0);
+    return TEST_RESULT;
+}
+
 static const TestCase ckpt_tests[] = {
     {"crc32c_known_answers", test_crc32c_known_answers},
     {"json_writer", test_json_writer},
@@ -788,6 +896,7 @@ static const TestCase ckpt_tests[] = {
     {"ckpt_crash_between_steps", test_ckpt_crash_between_steps},
     {"ckpt_keep_last_k", test_ckpt_keep_last_k},
     {"ckpt_write_errors", test_ckpt_write_errors},
+    {"ckpt_several_writers", test_ckpt_several_writers},
 };
 static const int n_ckpt_tests = sizeof(ckpt_tests) / sizeof(ckpt_tests[0]);
 

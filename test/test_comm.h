@@ -418,17 +418,17 @@ enum { CT_RANK, CT_ROOT_DROPS, CT_ROOT_ALIEN, CT_STRAY_GARBAGE, CT_STRAY_HALF_HE
 static int ct_fake_root(const CtJob* j, char* msg, size_t n) {
     int lfd = comm_listen(j->env.master_port, msg, n);
     if (lfd < 0) return -1;
-    int rc = comm_wait_fd(lfd, POLLIN, comm_now() + 5) == 1 ? 0 : fail(msg, n, "fake root: nobody came");
+    int rc = comm_wait_fd(lfd, POLLIN, now_seconds() + 5) == 1 ? 0 : fail(msg, n, "fake root: nobody came");
     int fd = rc == 0 ? accept4(lfd, NULL, NULL, SOCK_NONBLOCK) : -1;
     uint8_t hello[COMM_HELLO_BYTES], reply[COMM_REPLY_BYTES];
-    if (fd >= 0) rc = comm_recv_all(fd, hello, sizeof(hello), comm_now() + 5, "the peer", msg, n);
+    if (fd >= 0) rc = comm_recv_all(fd, hello, sizeof(hello), now_seconds() + 5, "the peer", msg, n);
     if (fd >= 0 && rc == 0 && j->kind == CT_ROOT_DROPS) {
         comm_put32(reply, COMM_MAGIC), comm_put32(reply + 4, COMM_ACCEPTED), comm_put32(reply + 8, 0);
-        rc = comm_send_all(fd, reply, sizeof(reply), comm_now() + 5, "the peer", msg, n) ||
-             comm_send_all(fd, j->blob, j->len / 2, comm_now() + 5, "the peer", msg, n);
+        rc = comm_send_all(fd, reply, sizeof(reply), now_seconds() + 5, "the peer", msg, n) ||
+             comm_send_all(fd, j->blob, j->len / 2, now_seconds() + 5, "the peer", msg, n);
     } else if (fd >= 0 && rc == 0) {
         const char* http = "HTTP/1.1 400 Bad Request\r\n\r\n";
-        rc = comm_send_all(fd, http, strlen(http), comm_now() + 5, "the peer", msg, n);
+        rc = comm_send_all(fd, http, strlen(http), now_seconds() + 5, "the peer", msg, n);
     }
     if (fd >= 0) close(fd);
     close(lfd);
@@ -438,28 +438,28 @@ static int ct_fake_root(const CtJob* j, char* msg, size_t n) {
 // A client that is no rank: it connects to rank 0, sends garbage or half a hello, and hangs up.
 static int ct_stray(const CtJob* j, char* msg, size_t n) {
     int fd = -1;
-    for (double end = comm_now() + 5; fd < 0 && comm_now() < end; comm_sleep(0.02)) {
+    for (double end = now_seconds() + 5; fd < 0 && now_seconds() < end; sleep_seconds(0.02)) {
         struct addrinfo hints, *ai = NULL;
         memset(&hints, 0, sizeof(hints));
         hints.ai_family = AF_INET, hints.ai_socktype = SOCK_STREAM;
         char port[16];
         snprintf(port, sizeof(port), "%d", j->env.master_port);
-        if (getaddrinfo("127.0.0.1", port, &hints, &ai) == 0) fd = comm_connect_once(ai, comm_now() + 1);
+        if (getaddrinfo("127.0.0.1", port, &hints, &ai) == 0) fd = comm_connect_once(ai, now_seconds() + 1);
         if (ai) freeaddrinfo(ai);
     }
     if (fd < 0) return fail(msg, n, "stray: could not connect");
     uint8_t bytes[COMM_HELLO_BYTES] = "GET / HTTP/1.1\r\n\r\n";
     if (j->kind == CT_STRAY_HALF_HELLO) comm_put32(bytes, COMM_MAGIC), comm_put32(bytes + 4, COMM_PROTOCOL);
-    int rc = comm_send_all(fd, bytes, j->kind == CT_STRAY_HALF_HELLO ? 10 : sizeof(bytes), comm_now() + 5, "rank 0",
+    int rc = comm_send_all(fd, bytes, j->kind == CT_STRAY_HALF_HELLO ? 10 : sizeof(bytes), now_seconds() + 5, "rank 0",
                            msg, n);
-    comm_sleep(0.2);  // rank 0 reads it before the hang-up
+    sleep_seconds(0.2);  // rank 0 reads it before the hang-up
     close(fd);
     return rc;
 }
 
 static void ct_child(const CtJob* j, int fd) {
     char msg[CT_ERR] = "";
-    comm_sleep(j->delay);
+    sleep_seconds(j->delay);
     int rc;
     if (j->kind == CT_ROOT_DROPS || j->kind == CT_ROOT_ALIEN) rc = ct_fake_root(j, msg, sizeof(msg));
     else if (j->kind != CT_RANK) rc = ct_stray(j, msg, sizeof(msg));
@@ -485,7 +485,7 @@ typedef struct {
 static void ct_run(const CtJob* jobs, int n, double limit, CtResult* out) {
     pid_t pids[16];
     int fds[16];
-    double start = comm_now();
+    double start = now_seconds();
     for (int i = 0; i < n; i++) {
         int p[2] = {-1, -1};
         if (pipe(p) != 0) p[0] = p[1] = -1;
@@ -498,7 +498,7 @@ static void ct_run(const CtJob* jobs, int n, double limit, CtResult* out) {
         out[i].msg[0] = '\0';
     }
     for (int left = n; left > 0;) {
-        bool late = comm_now() > start + limit;
+        bool late = now_seconds() > start + limit;
         for (int i = 0; i < n; i++) {
             if (out[i].status != -2) continue;
             int st = 0;
@@ -506,13 +506,13 @@ static void ct_run(const CtJob* jobs, int n, double limit, CtResult* out) {
             pid_t r = pids[i] > 0 ? waitpid(pids[i], &st, late ? 0 : WNOHANG) : -1;
             if (r == 0) continue;
             out[i].status = late ? -1 : (r > 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0) ? 0 : 1;
-            out[i].seconds = comm_now() - start;
+            out[i].seconds = now_seconds() - start;
             ssize_t got = fds[i] >= 0 ? read(fds[i], out[i].msg, sizeof(out[i].msg) - 1) : 0;
             out[i].msg[got > 0 ? got : 0] = '\0';
             if (fds[i] >= 0) close(fds[i]);
             left--;
         }
-        if (left) comm_sleep(0.005);
+        if (left) sleep_seconds(0.005);
     }
 }
 
@@ -641,10 +641,10 @@ static int test_comm_bootstrap_port_and_name(void) {
     int holder = comm_listen(port, err, sizeof(err));  // someone else's listener
     EXPECT(holder >= 0, "%s", err);
     CommEnv root = ct_rank_env(0, 2, "127.0.0.1", port);
-    double t0 = comm_now();
+    double t0 = now_seconds();
     int rc = comm_bootstrap_exchange(&root, blob, sizeof(blob), 1.0, err, sizeof(err));
     snprintf(want, sizeof(want), "port %d is already in use", port);
-    EXPECT(rc == -1 && ct_has(err, want) && comm_now() - t0 < 0.5, "%s", err);
+    EXPECT(rc == -1 && ct_has(err, want) && now_seconds() - t0 < 0.5, "%s", err);
     if (holder >= 0) close(holder);
     CtJob lost = {CT_RANK, ct_rank_env(1, 2, "no-such-host.invalid", port), 2.0, 0.0, blob, sizeof(blob)};
     CtResult res;

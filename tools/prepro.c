@@ -73,12 +73,6 @@ static void usage_error(const char* fmt, ...) {
     vexit_with(2, fmt, ap);
 }
 
-static double now_seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 static int ends_with(const char* s, const char* suffix) {
     size_t n = strlen(s), m = strlen(suffix);
     return n >= m && strcmp(s + n - m, suffix) == 0;

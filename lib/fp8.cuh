@@ -1,0 +1,199 @@
+/*
+ * lib/fp8.cuh - FP8 training's pieces: the formats, the cast kernels and the per-tensor scales.
+ *
+ * Two 8-bit floating-point formats (OCP FP8, what Hopper's tensor cores multiply):
+ *   E4M3  sign, 4 exponent bits (bias 7), 3 mantissa bits: largest 448, smallest subnormal 2^-9,
+ *         relative spacing 2^-3; no infinities (S.1111.111 is NaN). For weights and activations.
+ *   E5M2  sign, 5 exponent bits (bias 15), 2 mantissa bits: largest 57344, smallest 2^-16,
+ *         relative spacing 2^-2; IEEE-style infinities. For gradients, whose range is wider.
+ * A tensor is stored as q = fp8(x * scale), one scale per tensor, and read as x = q * scale_inv.
+ * The conversion rounds to nearest even and saturates (cvt.rn.satfinite): a value beyond the
+ * largest finite one becomes that value, never an infinity. test/reference.h holds the same
+ * rounding in plain C, and the tests hold the kernels here to it code for code.
+ *
+ * Scales are powers of two (the largest 2^k with amax * 2^k <= the format's largest value), so
+ * scaling is exact and only the rounding to 8 bits loses anything. Where amax comes from:
+ *   current  the amax of the tensor being cast, measured by a pass over it first (fp8_amax_kernel)
+ *   delayed  the largest amax of the last FP8_HISTORY optimizer steps; each cast records its
+ *            tensor's amax as it goes (one pass), and fp8_update_scales rolls the history at the
+ *            end of the step. Before the first step has filled the history, casts use current.
+ * Everything lives on the device in an array of Fp8Scale, one per tensor role; the host never
+ * reads a scale. The convention to know: `scale` multiplies into FP8, `scale_inv` (what a matmul
+ * takes as its operand's scale, and the first field so that it is 16-byte aligned as cuBLASLt
+ * wants) multiplies back out.
+ *
+ * The cast kernel writes the row-major copy, the transposed copy, or both (Hopper's FP8 matmuls
+ * take only the TN form, so the backward's products need transposed operands; doc/fp8.md).
+ */
+#ifndef FP8_CUH
+#define FP8_CUH
+
+#include <cuda_fp8.h>
+#include "../kernels.cuh"
+
+#define FP8_HISTORY 16
+#define FP8_E4M3_MAX 448.0f
+#define FP8_E5M2_MAX 57344.0f
+
+typedef enum { FP8_DELAYED, FP8_CURRENT } Fp8Scaling;
+
+typedef struct __align__(16) {
+    float scale_inv;              // stored -> real: what the matmul multiplies by
+    float scale;                  // real -> stored
+    float amax;                   // delayed: max |x| cast since the last update (as bits: atomicMax)
+    float max;                    // the format's largest finite value (448 or 57344)
+    float history[FP8_HISTORY];   // delayed: the amax of the last steps, newest first
+} Fp8Scale;
+
+// A fresh scale for a tensor of the given format: 1, and an empty history.
+static Fp8Scale fp8_scale_initial(bool e5m2) {
+    Fp8Scale s;
+    memset(&s, 0, sizeof(s));
+    s.scale_inv = s.scale = 1.0f;
+    s.max = e5m2 ? FP8_E5M2_MAX : FP8_E4M3_MAX;
+    return s;
+}
+
+// k such that 2^k is the largest power of two with amax * 2^k <= max (0 for an amax of 0 or one
+// that is not finite), from the exponents alone: amax = ma 2^ea, max = mf 2^ef, ma and mf in
+// [0.5, 1). Clamped to +-120 so that 2^k and 2^-k stay normal floats.
+__host__ __device__ static inline int fp8_scale_exponent(float amax, float max) {
+    if (!(amax > 0.0f) || !(amax <= 3.0e38f)) return 0;
+    int ea, ef;
+    float ma = frexpf(amax, &ea), mf = frexpf(max, &ef);
+    int k = ef - ea - (ma > mf ? 1 : 0);
+    return k < -120 ? -120 : k > 120 ? 120 : k;
+}
+
+__device__ static inline void fp8_set_scale(Fp8Scale* s, float amax) {
+    int k = fp8_scale_exponent(amax, s->max);
+    s->scale = ldexpf(1.0f, k);
+    s->scale_inv = ldexpf(1.0f, -k);
+}
+
+// max over the block (of 256 threads, every one calling), then one atomicMax per block, and only
+// when the block's max exceeds what s->amax already holds: thousands of blocks updating one
+// address one warp at a time cost more than the cast itself (measured: 9 ms of a 71 ms step).
+// Non-negative floats order as their bits, and a max does not depend on the order, so the result
+// is deterministic.
+__device__ static inline void fp8_record_amax(Fp8Scale* s, float amax) {
+    __shared__ float warp_max[8];
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = amax;
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    for (int w = 1; w < 8; w++) amax = fmaxf(amax, warp_max[w]);
+    if (amax > *(volatile float*)&s->amax) atomicMax((unsigned int*)&s->amax, __float_as_uint(amax));
+}
+
+// s->amax = max |x| over n elements (n a multiple of 8; s->amax zeroed before); 256 threads a block.
+__global__ static void fp8_amax_kernel(const bf16* x, size_t n, Fp8Scale* s) {
+    float amax = 0.0f;
+    for (size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 8; i < n; i += (size_t)gridDim.x * blockDim.x * 8) {
+        uint4 v = *(const uint4*)(x + i);
+        const __nv_bfloat162* p = (const __nv_bfloat162*)&v;
+        for (int j = 0; j < 4; j++) {
+            float2 f = __bfloat1622float2(p[j]);
+            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
+    }
+    fp8_record_amax(s, amax);
+}
+
+// Cast x [rows, cols] (bf16, row-major) to FP8: out [rows, cols] and/or out_t [cols, rows].
+// Tile: 64 x 64 elements per block of 256 threads; thread t handles 8 consecutive columns
+// (one 16-byte load) of rows t/8 and t/8 + 32, writes them to `out` at once and to a shared tile,
+// from which, after a barrier, it writes 8 consecutive rows of one column to `out_t`. rows and
+// cols are multiples of 8. Scale: `current` takes it from the amax in s (measured before, by
+// fp8_amax_kernel) and block (0, 0) publishes it; delayed takes s->scale and records the amax.
+#define FP8_TILE 64
+template <__nv_fp8_interpretation_t FORMAT>
+__global__ static void __launch_bounds__(256) fp8_cast_kernel(uint8_t* out, uint8_t* out_t, const bf16* x, int rows,
+                                                              int cols, Fp8Scale* s, bool current) {
+    __shared__ __align__(16) uint8_t tile[FP8_TILE][FP8_TILE + 8];
+    float scale = current ? ldexpf(1.0f, fp8_scale_exponent(s->amax, s->max)) : s->scale;
+    if (current && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) fp8_set_scale(s, s->amax);
+    int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
+    int tc = (threadIdx.x % 8) * 8, tr = threadIdx.x / 8;
+    float amax = 0.0f;
+    for (int pass = 0; pass < 2; pass++) {
+        int r = tr + pass * 32;
+        if (r0 + r >= rows || c0 + tc >= cols) continue;
+        uint4 v = *(const uint4*)(x + (size_t)(r0 + r) * cols + c0 + tc);
+        const __nv_bfloat162* p = (const __nv_bfloat162*)&v;
+        uint2 packed;
+        uint16_t* q = (uint16_t*)&packed;
+        for (int j = 0; j < 4; j++) {
+            float2 f = __bfloat1622float2(p[j]);
+            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+            q[j] = __nv_cvt_float2_to_fp8x2(make_float2(f.x * scale, f.y * scale), __NV_SATFINITE, FORMAT);
+        }
+        if (out) *(uint2*)(out + (size_t)(r0 + r) * cols + c0 + tc) = packed;
+        if (out_t) *(uint2*)&tile[r][tc] = packed;
+    }
+    if (out_t) {
+        __syncthreads();
+        for (int pass = 0; pass < 2; pass++) {
+            int c = tr + pass * 32;  // a column of x: a row of out_t; this thread's 8 rows of x start at tc
+            if (c0 + c >= cols || r0 + tc >= rows) continue;
+            uint2 packed;
+            uint8_t* q = (uint8_t*)&packed;
+            for (int j = 0; j < 8; j++) q[j] = tile[tc + j][c];
+            *(uint2*)(out_t + (size_t)(c0 + c) * rows + r0 + tc) = packed;
+        }
+    }
+    if (!current) fp8_record_amax(s, amax);
+}
+
+// After an optimizer step (delayed scaling): each tensor's amax joins its history, the scale is
+// set from the history's largest, and amax starts again from 0.
+__global__ static void fp8_update_kernel(Fp8Scale* scales, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    Fp8Scale* s = scales + i;
+    float newest = s->amax, most = newest;
+    for (int h = FP8_HISTORY - 1; h > 0; h--) {
+        s->history[h] = s->history[h - 1];
+        most = fmaxf(most, s->history[h]);
+    }
+    s->history[0] = newest;
+    s->amax = 0.0f;
+    fp8_set_scale(s, most);
+}
+
+// How a cast finds its scale: from the history (delayed), from a pass over the tensor first
+// (current), or from the amax such a pass left in s for this same tensor earlier (current: the
+// backward's transposed copy of an activation the forward already measured).
+typedef enum { FP8_CAST_DELAYED, FP8_CAST_MEASURE, FP8_CAST_MEASURED } Fp8CastScale;
+
+static void fp8_cast(uint8_t* out, uint8_t* out_t, const bf16* x, int rows, int cols, bool e5m2, Fp8Scale* s,
+                     Fp8CastScale how, cudaStream_t stream) {
+    if (rows % 8 != 0 || cols % 8 != 0) {
+        fprintf(stderr, "fp8_cast: a %d x %d tensor; FP8 needs both sides multiples of 8\n", rows, cols);
+        exit(1);
+    }
+    if (how == FP8_CAST_MEASURE) {
+        size_t n = (size_t)rows * cols;
+        CUDA_CHECK(cudaMemsetAsync(&s->amax, 0, sizeof(float), stream));
+        int blocks = (int)(ceil_div(n / 8, 256) < 1024 ? ceil_div(n / 8, 256) : 1024);
+        fp8_amax_kernel<<<blocks, 256, 0, stream>>>(x, n, s);
+        LAUNCH_CHECK();
+    }
+    dim3 grid(ceil_div(cols, FP8_TILE), ceil_div(rows, FP8_TILE));
+    bool current = how != FP8_CAST_DELAYED;
+    if (e5m2) fp8_cast_kernel<__NV_E5M2><<<grid, 256, 0, stream>>>(out, out_t, x, rows, cols, s, current);
+    else fp8_cast_kernel<__NV_E4M3><<<grid, 256, 0, stream>>>(out, out_t, x, rows, cols, s, current);
+    LAUNCH_CHECK();
+}
+
+static void fp8_update_scales(Fp8Scale* scales, int n, cudaStream_t stream) {
+    fp8_update_kernel<<<ceil_div(n, 128), 128, 0, stream>>>(scales, n);
+    LAUNCH_CHECK();
+}
+
+// A matmul operand stored in FP8 with the scale s.
+static MatmulOperand fp8_operand(const uint8_t* p, bool e5m2, Fp8Scale* s) {
+    return (MatmulOperand){(void*)p, e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3, &s->scale_inv, NULL};
+}
+
+#endif
