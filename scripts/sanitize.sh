@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # sanitize.sh - compute-sanitizer over the GPU code, on a machine with a GPU: memcheck (out of
-# bounds and misaligned accesses, leaks of device memory) and racecheck (shared-memory hazards)
-# over test_gpt's GPU tests and every version of the dev/ kernel ladders, at their check shapes.
+# bounds and misaligned accesses) and racecheck (shared-memory hazards) over test_gpt's GPU tests
+# of kernels, of the model and of FP8, and every version of the dev/ kernel ladders, at their check
+# shapes.
 #
 #   bash scripts/sanitize.sh [SECONDS]     each run's time limit (default 200)
 #
 # The runs go at once (the sanitizer's cost is mostly the host's, and the checks are small), each
 # under its own time limit; a table at the end gives each run's tool, target, error count and
-# verdict. racecheck covers the kernel tests and the dev checks only: the model tests run every
-# kernel again at larger shapes, which racecheck would take many times the time limit over. Logs go
+# verdict. racecheck covers the kernel, FP8 and dev checks only: the model tests run every kernel
+# again at larger shapes, which racecheck would take many times the time limit over. Logs go
 # to $OUT (default /tmp/sanitize) as sanitize_logs.tgz, with the table in sanitize.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,9 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$logs/gp
 runs=(
     "memcheck_kernel_tests|memcheck|./test_gpt gpu_kernel"
     "memcheck_model_tests|memcheck|./test_gpt gpu_model"
+    "memcheck_fp8_tests|memcheck|./test_gpt gpu_fp8"
     "racecheck_kernel_tests|racecheck|./test_gpt gpu_kernel"
+    "racecheck_fp8_tests|racecheck|./test_gpt gpu_fp8"
 )
 for v in 1 2 3 4; do
     runs+=("memcheck_attention_v$v|memcheck|./dev/attention $v check")
