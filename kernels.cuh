@@ -616,14 +616,14 @@ __global__ void optimizer_schedule_kernel(OptimScalars* s, OptimConfig o) {
 // With g = grad * clip_scale, clip_scale = min(1, max_norm / ||grad||) read from the device:
 //   m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
 //   p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + lr * wd * p     (decoupled decay)
-// over elements [begin, end) of the flat buffers, wd = weight_decay where decay[i / PARAM_ALIGN].
+// for the n elements the pointers start at, wd = weight_decay where decay[i / PARAM_ALIGN] (so a
+// range must start on a PARAM_ALIGN boundary, as every tensor and every ZeRO piece does).
 __global__ void adamw_kernel(float* master, bf16* params, const float* grads, float* m, float* v,
-                             const uint8_t* decay, size_t begin, size_t end, OptimConfig o, const OptimScalars* s) {
+                             const uint8_t* decay, size_t n, OptimConfig o, const OptimScalars* s) {
     float norm = sqrtf(s->grad_norm_sq);
     float clip_scale = (o.grad_clip > 0.0f && norm > o.grad_clip) ? o.grad_clip / norm : 1.0f;
     float lr = s->lr, bias_corr1 = s->bias_corr1, bias_corr2 = s->bias_corr2;
-    for (size_t i = begin + blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < end;
-         i += (size_t)gridDim.x * blockDim.x) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         float g = grads[i] * clip_scale;
         float mi = o.beta1 * m[i] + (1.0f - o.beta1) * g;
         float vi = o.beta2 * v[i] + (1.0f - o.beta2) * g * g;
@@ -638,17 +638,19 @@ __global__ void adamw_kernel(float* master, bf16* params, const float* grads, fl
 }
 
 // An optimizer step is one optimizer_schedule (the step's learning rate and bias corrections),
-// then adamw_step over one or more ranges [begin, end) of the flat buffers (the trainer updates
-// bucket by bucket, so that each bucket's new weights can be sent while the next is updated). The
-// gradient norm must already be in s->grad_norm_sq.
+// then adamw_step over one or more ranges of the flat buffers (the trainer updates bucket by
+// bucket, so that each bucket's new weights can be sent while the next is updated): each pointer
+// points at the range's first element, and params may be elsewhere than the others (ZeRO writes
+// a rank's bf16 piece straight into its place in the full buffer). The gradient norm must
+// already be in s->grad_norm_sq.
 static void optimizer_schedule(const OptimConfig* o, OptimScalars* s, cudaStream_t stream) {
     optimizer_schedule_kernel<<<1, 1, 0, stream>>>(s, *o);
     LAUNCH_CHECK();
 }
 
 static void adamw_step(float* master, bf16* params, const float* grads, float* m, float* v, const uint8_t* decay,
-                       size_t begin, size_t end, const OptimConfig* o, const OptimScalars* s, cudaStream_t stream) {
-    adamw_kernel<<<1024, 256, 0, stream>>>(master, params, grads, m, v, decay, begin, end, *o, s);
+                       size_t n, const OptimConfig* o, const OptimScalars* s, cudaStream_t stream) {
+    adamw_kernel<<<1024, 256, 0, stream>>>(master, params, grads, m, v, decay, n, *o, s);
     LAUNCH_CHECK();
 }
 

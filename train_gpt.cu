@@ -376,11 +376,11 @@ typedef struct GPT {
     float* adam_v;
     uint8_t* decay_flags;   // [opt_len / PARAM_ALIGN] what decays, for AdamW
     float* grad_shard;      // [opt_len] the reduced gradients of the owned pieces (ZeRO 1, 2)
-    bf16* params_shard;     // [opt_len] AdamW's bf16 output, all-gathered into params (ZeRO 1, 2)
     float* grad_bucket[MAX_LAYERS + 1];  // where bucket b's gradients are written this micro-batch
     float* grad_ring[2];    // ZeRO 2: layer l's gradients in ring[l % 2], bucket L's in grad_tail
     float* grad_tail;
-    float* rs_scratch;      // ZeRO 2: a reduce-scatter's output before it is added to grad_shard
+    float* rs_scratch;      // ZeRO 2: a reduce-scatter's output before it is added to grad_shard (one
+                            // bucket's piece; used from the second micro-batch of a step on)
     cudaEvent_t ring_free[3];  // ZeRO 2: ring[i]'s (and, [2], grad_tail's) last reduce-scatter is done
     cudaEvent_t params_ready[MAX_LAYERS + 1];  // ZeRO 1, 2: bucket b's bf16 weights have arrived
     int micro, accum;       // the micro-batch being run, of how many this step
@@ -513,9 +513,10 @@ static void gpt_plan_shards(GPT* m) {
     }
 }
 
-static size_t largest_layer_bucket(const ParamTable* pt) {
+// The longest of buckets [0, n) (n = L: the layers' buckets; n = L + 1: every bucket).
+static size_t largest_bucket(const ParamTable* pt, int n) {
     size_t most = 0;
-    for (int l = 0; l < pt->n_layers; l++) most = bucket_len(pt, l) > most ? bucket_len(pt, l) : most;
+    for (int b = 0; b < n; b++) most = bucket_len(pt, b) > most ? bucket_len(pt, b) : most;
     return most;
 }
 
@@ -526,9 +527,9 @@ static size_t largest_layer_bucket(const ParamTable* pt) {
 static void gpt_plan_memory(GPT* m) {
     const ParamTable* pt = &m->table;
     size_t P = pt->n_elements, S = m->opt_len, L = pt->n_layers, sharded = m->dp.zero > 0;
-    m->bytes_params = P * 2 + S * 4 + sharded * S * 2;
+    m->bytes_params = P * 2 + S * 4;
     if (m->dp.zero < 2) m->bytes_grads = P * 4 + sharded * S * 4;
-    else m->bytes_grads = (2 * largest_layer_bucket(pt) + bucket_len(pt, L) + S) * 4 + S / m->dp.world * 4;
+    else m->bytes_grads = (2 * largest_bucket(pt, L) + bucket_len(pt, L) + S + largest_bucket(pt, L + 1) / m->dp.world) * 4;
     m->bytes_optimizer = S * 8 + S / PARAM_ALIGN;
     Arena kept = {NULL, 0, 0}, scratch = {NULL, 0, 0};
     activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute);
@@ -575,9 +576,9 @@ static void gpt_allocate_grads(GPT* m) {
         for (int b = 0; b <= L; b++) m->grad_bucket[b] = m->grads + pt->bucket_offset[b];
         return;
     }
-    for (int i = 0; i < 2; i++) CUDA_CHECK(cudaMalloc(&m->grad_ring[i], largest_layer_bucket(pt) * 4));
+    for (int i = 0; i < 2; i++) CUDA_CHECK(cudaMalloc(&m->grad_ring[i], largest_bucket(pt, L) * 4));
     CUDA_CHECK(cudaMalloc(&m->grad_tail, bucket_len(pt, L) * 4));
-    CUDA_CHECK(cudaMalloc(&m->rs_scratch, m->opt_len / m->dp.world * 4 + 4));
+    CUDA_CHECK(cudaMalloc(&m->rs_scratch, largest_bucket(pt, L + 1) / m->dp.world * 4));
     for (int i = 0; i < 3; i++) {
         CUDA_CHECK(cudaEventCreateWithFlags(&m->ring_free[i], cudaEventDisableTiming));
         CUDA_CHECK(cudaEventRecord(m->ring_free[i], m->stream));
@@ -596,7 +597,6 @@ static void gpt_allocate(GPT* m) {
         CUDA_CHECK(cudaMemsetAsync(*buffer, 0, S * 4, m->stream));
     }
     if (m->dp.zero > 0) {
-        CUDA_CHECK(cudaMalloc(&m->params_shard, S * 2));
         for (int b = 0; b <= m->table.n_layers; b++)
             CUDA_CHECK(cudaEventCreateWithFlags(&m->params_ready[b], cudaEventDisableTiming));
     }
@@ -645,7 +645,7 @@ static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recomp
 
 static void gpt_free(GPT* m) {
     void* buffers[] = {m->master, m->params, m->grads, m->adam_m, m->adam_v, m->decay_flags, m->scalars,
-                       m->grad_shard, m->params_shard, m->grad_ring[0], m->grad_ring[1], m->grad_tail,
+                       m->grad_shard, m->grad_ring[0], m->grad_ring[1], m->grad_tail,
                        m->rs_scratch, m->activation_memory, m->scratch_memory, m->rope_cos, m->fp8.memory};
     for (void* p : buffers) CUDA_CHECK(cudaFree(p));
     if (m->dp.zero == 2)
@@ -696,18 +696,25 @@ static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling) {
     f->weights_stale = true;
 }
 
-// With ZeRO 1 and 2, each rank computes the new bf16 weights of its pieces only (params_shard),
-// and every bucket is then all-gathered into params on the comm stream. The buckets go in the
+// With ZeRO 1 and 2, each rank computes the new bf16 weights of its pieces only, writing them
+// straight into their places in params (owned_params), and every bucket is then all-gathered in
+// place on the comm stream. The buckets go in the
 // order the forward needs them (the embedding's first, then layer by layer), each as soon as its
 // own weights are ready, and the next forward waits for each bucket just before its first use
 // (await_params): the sending of the later layers' weights overlaps the earlier layers' forward.
 static int forward_order(int i, int n_layers) { return i == 0 ? n_layers : i - 1; }
 
+static bf16* owned_params(const GPT* m, int b) {
+    size_t begin, end;
+    owned_part(m, b, &begin, &end);
+    return m->params + begin;
+}
+
 static void send_params(GPT* m, int b) {
     Comm* c = m->dp.comm;
     comm_follow(c, m->stream);
-    comm_all_gather(c, m->params_shard + m->opt_offset[b], m->params + m->table.bucket_offset[b],
-                    bucket_len(&m->table, b) / m->dp.world, sizeof(bf16));
+    comm_all_gather(c, owned_params(m, b), m->params + m->table.bucket_offset[b], bucket_len(&m->table, b) / m->dp.world,
+                    sizeof(bf16));
     CUDA_CHECK(cudaEventRecord(m->params_ready[b], c->stream));
 }
 
@@ -722,8 +729,12 @@ static void publish_params(GPT* m) {
         cast_to_bf16(m->params, m->master, m->opt_len, m->stream);
         return;
     }
-    cast_to_bf16(m->params_shard, m->master, m->opt_len, m->stream);
-    for (int i = 0; i <= m->table.n_layers; i++) send_params(m, forward_order(i, m->table.n_layers));
+    for (int i = 0; i <= m->table.n_layers; i++) {
+        int b = forward_order(i, m->table.n_layers);
+        cast_to_bf16(owned_params(m, b), m->master + m->opt_offset[b], bucket_len(&m->table, b) / m->dp.world,
+                     m->stream);
+        send_params(m, b);
+    }
 }
 
 // Initialization as in GPT-2 and torch_baseline.py: matrices N(0, 0.02), norm weights 1.
@@ -1142,15 +1153,15 @@ static void optimizer_step(GPT* m, const OptimConfig* o) {
     optimizer_schedule(o, m->scalars, m->stream);
     fp8_step_done(m);  // the step's amaxes into the history; the new weights are cast when next used
     if (m->dp.zero == 0) {
-        adamw_step(m->master, m->params, grads, m->adam_m, m->adam_v, m->decay_flags, 0, m->opt_len, o, m->scalars,
+        adamw_step(m->master, m->params, grads, m->adam_m, m->adam_v, m->decay_flags, m->opt_len, o, m->scalars,
                    m->stream);
         return;
     }
     for (int i = 0; i <= m->table.n_layers; i++) {  // piece by piece, each sent as soon as it is updated
         int b = forward_order(i, m->table.n_layers);
-        size_t begin = m->opt_offset[b], end = begin + bucket_len(&m->table, b) / m->dp.world;
-        adamw_step(m->master, m->params_shard, grads, m->adam_m, m->adam_v, m->decay_flags, begin, end, o,
-                   m->scalars, m->stream);
+        size_t at = m->opt_offset[b];
+        adamw_step(m->master + at, owned_params(m, b), grads + at, m->adam_m + at, m->adam_v + at,
+                   m->decay_flags + at / PARAM_ALIGN, bucket_len(&m->table, b) / m->dp.world, o, m->scalars, m->stream);
         send_params(m, b);
     }
 }
