@@ -727,10 +727,10 @@ static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling) {
 
 // With ZeRO 1 and 2, each rank computes the new bf16 weights of its pieces only, writing them
 // straight into their places in params (owned_params), and every bucket is then all-gathered in
-// place on the comm stream. The buckets go in the
-// order the forward needs them (the embedding's first, then layer by layer), each as soon as its
-// own weights are ready, and the next forward waits for each bucket just before its first use
-// (await_params): the sending of the later layers' weights overlaps the earlier layers' forward.
+// place on the comm stream. The buckets go in the order the forward needs them (the embedding's
+// first, then layer by layer), each as soon as its own weights are ready, and the next forward
+// waits for each bucket just before its first use (await_params): the sending of the later
+// layers' weights overlaps the earlier layers' forward.
 static int forward_order(int i, int n_layers) { return i == 0 ? n_layers : i - 1; }
 
 static bf16* owned_params(const GPT* m, int b) {
