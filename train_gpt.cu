@@ -346,6 +346,8 @@ typedef struct {
     bool calibrated;        // delayed: a step has filled the history (before that, casts measure)
     bool weights_stale;     // the bf16 weights changed since they were last cast
     Fp8Scale* scales;       // [L * FP8_ROLES * FP8_MATRICES]
+    Fp8Scale* scales_saved; // the same, and weights_stale, kept while an evaluation runs (fp8_eval)
+    bool stale_saved;
     uint8_t* weights;       // [n_elements] E4M3 W [O, I] of each layer matrix, at its table offset
     uint8_t* weights_t;     // [n_elements] E4M3 W^T [I, O]
     uint8_t* x;             // [N, widest input]   E4M3 input of the forward's product
@@ -677,7 +679,8 @@ static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling) {
     }
     size_t n_scales = (size_t)L * FP8_ROLES * FP8_MATRICES, P = m->table.n_elements, N = m->N;
     Arena a = {NULL, 0, 0};
-    size_t sizes[] = {n_scales * sizeof(Fp8Scale), P, P, N * widest_in, N * widest_in, N * widest_out, N * widest_out};
+    size_t sizes[] = {n_scales * sizeof(Fp8Scale), n_scales * sizeof(Fp8Scale), P, P, N * widest_in, N * widest_in,
+                      N * widest_out, N * widest_out};
     for (size_t bytes : sizes) arena_take(&a, bytes);
     f->bytes = a.used;
     f->on = true;
@@ -685,8 +688,9 @@ static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling) {
     CUDA_CHECK(cudaMalloc(&a.base, a.used));
     a.used = 0;
     f->memory = a.base;
-    uint8_t** parts[] = {(uint8_t**)&f->scales, &f->weights, &f->weights_t, &f->x, &f->x_t, &f->dy, &f->dy_t};
-    for (int i = 0; i < 7; i++) *parts[i] = (uint8_t*)arena_take(&a, sizes[i]);
+    uint8_t** parts[] = {(uint8_t**)&f->scales, (uint8_t**)&f->scales_saved, &f->weights, &f->weights_t, &f->x, &f->x_t,
+                         &f->dy, &f->dy_t};
+    for (int i = 0; i < 8; i++) *parts[i] = (uint8_t*)arena_take(&a, sizes[i]);
     Fp8Scale* host = (Fp8Scale*)xcalloc(n_scales, sizeof(Fp8Scale));
     for (size_t i = 0; i < n_scales; i++) host[i] = fp8_scale_initial(i / FP8_MATRICES % FP8_ROLES == FP8_ROLE_GRAD);
     CUDA_CHECK(cudaMemcpy(f->scales, host, n_scales * sizeof(Fp8Scale), cudaMemcpyHostToDevice));
@@ -698,10 +702,10 @@ static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling) {
 
 // With ZeRO 1 and 2, each rank computes the new bf16 weights of its pieces only, writing them
 // straight into their places in params (owned_params), and every bucket is then all-gathered in
-// place on the comm stream. The buckets go in the
-// order the forward needs them (the embedding's first, then layer by layer), each as soon as its
-// own weights are ready, and the next forward waits for each bucket just before its first use
-// (await_params): the sending of the later layers' weights overlaps the earlier layers' forward.
+// place on the comm stream. The buckets go in the order the forward needs them (the embedding's
+// first, then layer by layer), each as soon as its own weights are ready, and the next forward
+// waits for each bucket just before its first use (await_params): the sending of the later
+// layers' weights overlaps the earlier layers' forward.
 static int forward_order(int i, int n_layers) { return i == 0 ? n_layers : i - 1; }
 
 static bf16* owned_params(const GPT* m, int b) {
@@ -978,6 +982,20 @@ static void fp8_step_done(GPT* m) {
         f->calibrated = true;
     }
     f->weights_stale = true;
+}
+
+// Evaluation (validation, sampling) runs the FP8 forward too, and its casts would leave their
+// amaxes in the delayed history (current casts set scales), and the weights cast: the scales and
+// the weights' staleness are put back as training left them, so that a run that evaluates at
+// step k goes on exactly as one resumed from step k.
+static void fp8_eval(GPT* m, bool begin) {
+    GptFp8* f = &m->fp8;
+    if (!f->on) return;
+    size_t bytes = (size_t)m->cfg.n_layer * FP8_ROLES * FP8_MATRICES * sizeof(Fp8Scale);
+    CUDA_CHECK(cudaMemcpyAsync(begin ? f->scales_saved : f->scales, begin ? f->scales : f->scales_saved, bytes,
+                               cudaMemcpyDeviceToDevice, m->stream));
+    if (begin) f->stale_saved = f->weights_stale;
+    else f->weights_stale = f->stale_saved;
 }
 
 // Runs the layers and the final norm; leaves xnorm_final [N, C] for the output head.
@@ -1358,6 +1376,7 @@ static float* download_flat(const GPT* m, const void* device, bool is_bf16) {
 //   config.json            transformers' config: the directory also loads as a Qwen3 model
 //   optimizer.<r>-of-<S>.safetensors   AdamW's moments, shard r of S (below)
 //   trainer_state.bin      the step count, the data loader's state and the trainer's RNGs
+//   fp8_scales.bin         FP8 runs: the scales and their amax histories (lib/fp8.cuh)
 // and the manifest's config object is the ModelConfig, which a resume must match exactly, with
 // the number of optimizer shards and of GPUs of the run that wrote it. The learning rate is a
 // function of the step, so the step restores the schedule's position.
@@ -1382,6 +1401,41 @@ typedef struct {
     int32_t has_loader;
     LoaderState loader;      // the training loader, positioned at the next step's first batch
 } TrainerState;
+
+// FP8's scaling state (rank 0's): the delayed scales' amax histories decide the next steps'
+// scales, so an FP8 run resumes bit for bit only with them. A header, then the Fp8Scale array.
+#define FP8_STATE_MAGIC 0x38504654u  // "TFP8"
+typedef struct {
+    uint32_t magic, version;
+    int32_t scaling;         // Fp8Scaling
+    int32_t calibrated;      // delayed: a step has filled the history
+    int64_t n_scales;
+} Fp8StateHeader;
+
+static size_t fp8_state_bytes(const GPT* m) {
+    return sizeof(Fp8StateHeader) + (size_t)m->cfg.n_layer * FP8_ROLES * FP8_MATRICES * sizeof(Fp8Scale);
+}
+
+// The header of the snapshot being taken (its scales are copied from the device behind it).
+static void fp8_state_header(const GPT* m, void* state) {
+    Fp8StateHeader h = {FP8_STATE_MAGIC, 1, (int32_t)m->fp8.scaling, m->fp8.calibrated,
+                        (int64_t)m->cfg.n_layer * FP8_ROLES * FP8_MATRICES};
+    memcpy(state, &h, sizeof(h));
+}
+
+// Restores a snapshot into the model, or says in one line why the run starts its scales afresh
+// (a checkpoint of a BF16 run, or of the other scaling).
+static void fp8_state_restore(GPT* m, const void* state, size_t len, const char* dir) {
+    Fp8StateHeader h = {};
+    if (state && len >= sizeof(h)) memcpy(&h, state, sizeof(h));
+    if (!state || len != fp8_state_bytes(m) || h.magic != FP8_STATE_MAGIC || h.scaling != (int32_t)m->fp8.scaling) {
+        printf("fp8: %s holds no %s scaling state of this model; the scales start afresh\n", dir,
+               m->fp8.scaling == FP8_DELAYED ? "delayed" : "current");
+        return;
+    }
+    CUDA_CHECK(cudaMemcpy(m->fp8.scales, (const uint8_t*)state + sizeof(h), len - sizeof(h), cudaMemcpyHostToDevice));
+    m->fp8.calibrated = h.calibrated != 0;
+}
 
 // Into how many shards this run cuts the optimizer state, and which one is this rank's.
 static int optimizer_shards(const GPT* m) { return m->dp.zero > 0 ? m->dp.world : 1; }
@@ -1444,8 +1498,8 @@ static int add_optimizer_shard(CkptWriter* w, const GPT* m, const float* adam_m,
 // Rank 0's part of a checkpoint: it owns the directory, writes the model, the configs, the trainer
 // state and its shard, and commits once every other shard's receipt has come in.
 static bool checkpoint_write_owner(const GPT* m, const float* master, const float* adam_m, const float* adam_v,
-                                   const TrainerState* state, const char* out_dir, int keep_last, char* err,
-                                   size_t err_len) {
+                                   const void* fp8_state, const TrainerState* state, const char* out_dir, int keep_last,
+                                   char* err, size_t err_len) {
     int n = hf_tensors(m, NULL);
     StTensor* st = (StTensor*)xcalloc(n, sizeof(StTensor));
     char* names = (char*)xmalloc((size_t)n * HF_NAME_MAX);
@@ -1460,7 +1514,8 @@ static bool checkpoint_write_owner(const GPT* m, const float* master, const floa
               ckpt_add_safetensors(&w, "model.safetensors", st, n, NULL, 0, err, err_len) == 0 &&
               ckpt_add_file(&w, "config.json", hf_config, strlen(hf_config), err, err_len) == 0 &&
               add_optimizer_shard(&w, m, adam_m, adam_v, err, err_len) == 0 &&
-              ckpt_add_file(&w, "trainer_state.bin", state, sizeof(*state), err, err_len) == 0;
+              ckpt_add_file(&w, "trainer_state.bin", state, sizeof(*state), err, err_len) == 0 &&
+              (!fp8_state || ckpt_add_file(&w, "fp8_scales.bin", fp8_state, fp8_state_bytes(m), err, err_len) == 0);
     for (int r = 1; ok && r < optimizer_shards(m); r++) {
         char receipt[32];
         snprintf(receipt, sizeof(receipt), "receipt.%d", r);
@@ -1548,25 +1603,42 @@ static bool checkpoint_config_read(const GPT* m, const CkptReader* r, int* old_s
     return true;
 }
 
-// Reads and verifies (checksums, config) a checkpoint directory: the master weights into `master`
-// (the flat layout, zeroed padding), this rank's pieces of the moments into adam_m and adam_v (the
-// optimizer buffers' layout), the trainer state, and how the run that wrote it was sharded.
-static bool checkpoint_read(const GPT* m, const char* dir, float* master, float* adam_m, float* adam_v,
-                            TrainerState* state, int* old_shards, int* old_gpus, char* err, size_t err_len) {
+// What a resume takes from a checkpoint, in host memory.
+typedef struct {
+    float* master;              // [n_elements] the flat layout, zeroed padding
+    float* adam_m;              // [opt_len] this rank's pieces: the optimizer buffers' layout
+    float* adam_v;
+    TrainerState state;
+    void* fp8_state;            // fp8_scales.bin (malloc'd), or NULL when the checkpoint has none
+    size_t fp8_state_len;
+    int old_shards, old_gpus;   // how the run that wrote it was sharded
+} Restored;
+
+// A listed file read whole (verified), or none when the manifest does not list it.
+static bool read_optional_file(const CkptReader* r, const char* name, void** data, size_t* len, char* err,
+                               size_t err_len) {
+    *data = NULL;
+    *len = 0;
+    return !ckpt_find_file(r, name) || ckpt_read_file(r, name, data, len, err, err_len) == 0;
+}
+
+// Reads and verifies (checksums, config) a checkpoint directory into `out`, whose three arrays
+// the caller allocated.
+static bool checkpoint_read(const GPT* m, const char* dir, Restored* out, char* err, size_t err_len) {
     CkptReader r;
     if (ckpt_open(&r, dir, err, err_len) != 0) return false;
-    bool ok = checkpoint_config_read(m, &r, old_shards, old_gpus, err, err_len);
+    bool ok = checkpoint_config_read(m, &r, &out->old_shards, &out->old_gpus, err, err_len);
     StFile model;
-    memset(master, 0, m->table.n_elements * 4);
-    memset(adam_m, 0, m->opt_len * 4);
-    memset(adam_v, 0, m->opt_len * 4);
+    memset(out->master, 0, m->table.n_elements * 4);
+    memset(out->adam_m, 0, m->opt_len * 4);
+    memset(out->adam_v, 0, m->opt_len * 4);
     if (ok && ckpt_open_safetensors(&r, "model.safetensors", &model, err, err_len) == 0) {
-        ok = hf_st_load(m, &model, "", master, err, err_len);
+        ok = hf_st_load(m, &model, "", out->master, err, err_len);
         st_close(&model);
     } else {
         ok = false;
     }
-    ok = ok && read_optimizer_shards(m, &r, *old_shards, adam_m, adam_v, err, err_len);
+    ok = ok && read_optimizer_shards(m, &r, out->old_shards, out->adam_m, out->adam_v, err, err_len);
     void* bytes = NULL;
     size_t len = 0;
     if (ok && ckpt_read_file(&r, "trainer_state.bin", &bytes, &len, err, err_len) == 0) {
@@ -1575,12 +1647,13 @@ static bool checkpoint_read(const GPT* m, const char* dir, float* master, float*
             snprintf(err, err_len, "%s/trainer_state.bin: not a trainer state of this version of train_gpt", dir);
             ok = false;
         } else {
-            *state = *s;
+            out->state = *s;
         }
         free(bytes);
     } else {
         ok = false;
     }
+    ok = ok && read_optional_file(&r, "fp8_scales.bin", &out->fp8_state, &out->fp8_state_len, err, err_len);
     ckpt_close(&r);
     return ok;
 }
@@ -2050,6 +2123,7 @@ typedef struct {
     bool writes_shard;       // it writes a shard of the moments (rank 0; with ZeRO 1, 2 every rank)
     float* host_master;      // pinned, the owner's: the whole flat layout
     float* host_moments;     // pinned: adam_m then adam_v, this rank's optimizer buffers (opt_len each)
+    void* host_fp8;          // pinned, the owner's in FP8 runs: fp8_scales.bin's bytes
     cudaStream_t stream;
     cudaEvent_t ready;       // the optimizer update to snapshot is done
     cudaEvent_t copied;      // the snapshot is in host memory
@@ -2072,6 +2146,7 @@ static void checkpointer_create(Checkpointer* c, const GPT* m, const char* out_d
     c->writes_shard = c->owner || m->dp.zero > 0;
     if (c->owner) CUDA_CHECK(cudaMallocHost(&c->host_master, m->table.n_elements * sizeof(float)));
     if (c->writes_shard) CUDA_CHECK(cudaMallocHost(&c->host_moments, 2 * m->opt_len * sizeof(float)));
+    if (c->owner && m->fp8.on) CUDA_CHECK(cudaMallocHost(&c->host_fp8, fp8_state_bytes(m)));
     CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming));
     CUDA_CHECK(cudaEventCreateWithFlags(&c->copied, cudaEventDisableTiming));
@@ -2083,8 +2158,8 @@ static void* checkpoint_thread(void* arg) {
     double t0 = now_seconds();
     const float *adam_m = c->host_moments, *adam_v = c->host_moments + c->model->opt_len;
     if (c->owner)
-        c->failed = !checkpoint_write_owner(c->model, c->host_master, adam_m, adam_v, &c->state, c->out_dir,
-                                            c->keep_last, c->err, sizeof(c->err));
+        c->failed = !checkpoint_write_owner(c->model, c->host_master, adam_m, adam_v, c->host_fp8, &c->state,
+                                            c->out_dir, c->keep_last, c->err, sizeof(c->err));
     else
         c->failed = !checkpoint_write_shard(c->model, adam_m, adam_v, c->state.step, c->out_dir, c->err,
                                             sizeof(c->err));
@@ -2109,6 +2184,11 @@ static bool checkpoint_wait(Checkpointer* c) {
 static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state) {
     if (m->dp.zero > 0) gpt_download_state(m, m->master, c->host_master);  // NULL but on rank 0
     if (!c->writes_shard) return;
+    if (c->host_fp8) {  // on the model's stream: the next forward's casts update the scales (a few KB)
+        fp8_state_header(m, c->host_fp8);
+        CUDA_CHECK(cudaMemcpyAsync((uint8_t*)c->host_fp8 + sizeof(Fp8StateHeader), m->fp8.scales,
+                                   fp8_state_bytes(m) - sizeof(Fp8StateHeader), cudaMemcpyDeviceToHost, m->stream));
+    }
     CUDA_CHECK(cudaEventRecord(c->ready, m->stream));
     CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ready, 0));
     size_t S = m->opt_len;
@@ -2129,6 +2209,7 @@ static void checkpointer_free(Checkpointer* c) {
     checkpoint_wait(c);
     CUDA_CHECK(cudaFreeHost(c->host_master));
     CUDA_CHECK(cudaFreeHost(c->host_moments));
+    CUDA_CHECK(cudaFreeHost(c->host_fp8));
     CUDA_CHECK(cudaStreamDestroy(c->stream));
     CUDA_CHECK(cudaEventDestroy(c->ready));
     CUDA_CHECK(cudaEventDestroy(c->copied));
@@ -2170,22 +2251,26 @@ static void resume_from(GPT* m, const char* which, const char* out_dir, TrainerS
     } else {
         snprintf(dir, sizeof(dir), "%s", which);
     }
-    float* master = (float*)xmalloc(m->table.n_elements * sizeof(float));
-    float* moments = (float*)xmalloc(2 * m->opt_len * sizeof(float));
-    int old_shards = 0, old_gpus = 0;
-    if (!checkpoint_read(m, dir, master, moments, moments + m->opt_len, state, &old_shards, &old_gpus, err,
-                         sizeof(err))) {
+    Restored got = {};
+    got.master = (float*)xmalloc(m->table.n_elements * sizeof(float));
+    got.adam_m = (float*)xmalloc(m->opt_len * sizeof(float));
+    got.adam_v = (float*)xmalloc(m->opt_len * sizeof(float));
+    if (!checkpoint_read(m, dir, &got, err, sizeof(err))) {
         fprintf(stderr, "train_gpt: --resume: %s\n", err);
         exit(1);
     }
-    gpt_upload_state(m, master, moments, moments + m->opt_len);
-    set_step(m, (int)state->step);
-    free(master);
-    free(moments);
+    gpt_upload_state(m, got.master, got.adam_m, got.adam_v);
+    set_step(m, (int)got.state.step);
+    if (m->fp8.on) fp8_state_restore(m, got.fp8_state, got.fp8_state_len, dir);
+    *state = got.state;
     printf("resumed from %s at step %lld\n", dir, (long long)state->step);
-    if (old_gpus != m->dp.world || old_shards != optimizer_shards(m))
+    if (got.old_gpus != m->dp.world || got.old_shards != optimizer_shards(m))
         printf("the checkpoint was written on %d GPU(s) with the optimizer state in %d shard(s); this run has %d "
-               "GPU(s) and %d: resharded\n", old_gpus, old_shards, m->dp.world, optimizer_shards(m));
+               "GPU(s) and %d: resharded\n", got.old_gpus, got.old_shards, m->dp.world, optimizer_shards(m));
+    free(got.master);
+    free(got.adam_m);
+    free(got.adam_v);
+    free(got.fp8_state);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -2466,7 +2551,9 @@ static void maybe_checkpoint(Trainer* t, int done, bool last) {
 
 static void maybe_validate(Trainer* t, int done, bool last) {
     if (!t->have_val || !(every(done, t->o.val_every) || last)) return;
+    fp8_eval(&t->model, true);
     float val_loss = validate(&t->model, &t->up, &t->val, t->o.val_batches);
+    fp8_eval(&t->model, false);
     printf("step %5d/%d | val loss %8.4f\n", done, t->o.optim.total_steps, val_loss);
     if (t->log) {
         fprintf(t->log, "{\"step\": %d, \"val_loss\": %.6f}\n", done, val_loss);
@@ -2477,8 +2564,10 @@ static void maybe_validate(Trainer* t, int done, bool last) {
 static void maybe_sample(Trainer* t, int done, bool last) {
     if (!t->sampling || !(every(done, t->o.sample_every) || last)) return;
     ByteBuf text = {NULL, 0, 0};
+    fp8_eval(&t->model, true);
     sample_text(&t->model, &t->up, &t->tokenizer, &t->prompt, t->o.sample_len, t->o.temperature, &t->sample_rng,
                 &text);
+    fp8_eval(&t->model, false);
     printf("step %5d/%d | sample: %s%s\n", done, t->o.optim.total_steps, t->o.prompt, byte_buf_cstr(&text));
     free(text.data);
 }
