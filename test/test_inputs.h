@@ -360,6 +360,36 @@ static int test_messages_one_line(void) {
     return TEST_RESULT;
 }
 
+// What train_gpt writes, read back as strictly as anything else: the export's config.json through
+// hf_config_parse, and a manifest's config object (with the members the checkpointer adds) through
+// model_config_matches, for the default model and an odd one.
+static int test_written_configs_read_back(void) {
+    int failed = 0;
+    ModelConfig odd = {512, 136, 3, 6, 3, 64, 344, 96, 500000.0f, 1e-5f};
+    const ModelConfig* configs[] = {&DEFAULT_CONFIG, &odd};
+    for (const ModelConfig* c : configs) {
+        char json[4096], err[512];
+        hf_config_text(c, json, sizeof(json));
+        ModelConfig back = {};
+        back.seq_len = c->seq_len;  // not in config.json
+        EXPECT(hf_config_parse("config.json", json, strlen(json), &back, err, sizeof(err)) == 0, "%s", err);
+        EXPECT(memcmp(&back, c, sizeof(back)) == 0, "config.json did not read back as it was written:\n%s", json);
+        JsonWriter w;
+        jw_init(&w, 1);
+        jw_object_begin(&w);
+        model_config_members(c, &w);
+        jw_key(&w, "gpus");
+        jw_int(&w, 2);
+        jw_object_end(&w);
+        JsonDoc doc;
+        EXPECT(json_parse(&doc, jw_text(&w), strlen(jw_text(&w)), err, sizeof(err)) == 0, "%s", err);
+        EXPECT(model_config_matches(c, &doc, json_root(&doc), err, sizeof(err)), "%s", err);
+        json_free(&doc);
+        jw_free(&w);
+    }
+    return TEST_RESULT;
+}
+
 // A filter that matches no test is an error, not "0 passed, 0 failed".
 static int test_filter_matching_nothing(void) {
     int failed = 0;
@@ -377,6 +407,7 @@ static const TestCase input_tests[] = {
     {"bad_input_prepro_stops_leave_nothing", test_prepro_stops_leave_nothing},
     {"bad_input_test_filter", test_filter_matching_nothing},
     {"bad_input_messages_one_line", test_messages_one_line},
+    {"bad_input_written_configs_read_back", test_written_configs_read_back},
 };
 static const int n_input_tests = sizeof(input_tests) / sizeof(input_tests[0]);
 
