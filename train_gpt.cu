@@ -42,13 +42,14 @@
 #include "data.h"
 #include "lib/tokenizer.h"
 #include "ckpt.h"
-#include "config.h"
+#include "lib/config.h"
 #include "comm.h"
 
 // ----------------------------------------------------------------------------------------------
 // The model's configuration
 
-// ModelConfig, its default and the reading of it from JSON are in config.h.
+// ModelConfig, its default and the reading of it from JSON are in lib/config.h (plain C, so that
+// the fuzzers run the very code that reads config.json and manifests).
 
 static int qkv_dim(const ModelConfig* c) { return (c->n_head + 2 * c->n_kv_head) * c->head_dim; }
 
@@ -1441,7 +1442,7 @@ static void fp8_state_restore(GPT* m, const void* state, size_t len, const char*
 static int optimizer_shards(const GPT* m) { return m->dp.zero > 0 ? m->dp.world : 1; }
 static int optimizer_shard(const GPT* m) { return m->dp.zero > 0 ? m->dp.rank : 0; }
 
-// The manifest's config object: the model (config.h's fields), and how the run that wrote it
+// The manifest's config object: the model (lib/config.h's fields), and how the run that wrote it
 // was sharded.
 static void checkpoint_config_json(const GPT* m, JsonWriter* w) {
     jw_object_begin(w);

@@ -1,5 +1,5 @@
 /*
- * test/fuzz/fuzz_config.c - libFuzzer harness for config.h's reading of transformers' config.json
+ * test/fuzz/fuzz_config.c - libFuzzer harness for lib/config.h's reading of transformers' config.json
  * (--init-from). Built and run by scripts/fuzz.sh.
  *
  * The input is a whole config.json. hf_config_parse must refuse it with one line that names the
@@ -7,7 +7,7 @@
  * config, written as a checkpoint manifest writes it, must read back as the same config.
  */
 #define _POSIX_C_SOURCE 200809L
-#include "../../config.h"
+#include "../../lib/config.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     ModelConfig c = DEFAULT_CONFIG;

@@ -1,6 +1,6 @@
 /*
  * test/fuzz/fuzz_manifest.c - libFuzzer harness for a checkpoint's manifest.json (ckpt.h's
- * ckpt_parse_manifest) and the config it stores (config.h's model_config_matches), what --resume
+ * ckpt_parse_manifest) and the config it stores (lib/config.h's model_config_matches), what --resume
  * reads first. Built and run by scripts/fuzz.sh.
  *
  * The input is a whole manifest. It must be refused with one line naming the file, or accepted
@@ -8,7 +8,7 @@
  * one must give a verdict, and a refusal is one line.
  */
 #define _POSIX_C_SOURCE 200809L
-#include "../../config.h"
+#include "../../lib/config.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     CkptReader r;

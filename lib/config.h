@@ -1,5 +1,5 @@
 /*
- * config.h - the model's configuration (ModelConfig) and reading it, strictly, from JSON: the
+ * lib/config.h - the model's configuration (ModelConfig) and reading it, strictly, from JSON: the
  * config.json of a transformers Qwen3 checkpoint (--init-from) and the "config" object of a
  * train_gpt checkpoint's manifest (--resume). Plain C on ckpt.h's JSON reader, so that the fuzzers
  * (test/fuzz/fuzz_config.c, fuzz_manifest.c) run the very code train_gpt reads them with.
@@ -17,7 +17,7 @@
 #include <limits.h>
 #include <stdbool.h>
 #include <stddef.h>
-#include "ckpt.h"
+#include "../ckpt.h"
 
 typedef struct {
     int vocab_size;  // V: rows of the tied embedding (GPT-2's 50257 tokens padded to 50304)
