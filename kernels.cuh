@@ -580,7 +580,6 @@ typedef struct {
     int warmup_steps, total_steps;
     int wsd;            // 0: warmup then cosine to min_lr; 1: warmup, stable, then linear decay (WSD)
     float decay_frac;   // WSD: the last fraction of the steps that decays
-    OptimizerKind kind;
     float muon_lr;      // Muon's peak learning rate for the hidden matrices (same schedule shape as lr)
     float muon_momentum;
 } OptimConfig;
@@ -701,15 +700,18 @@ static void adamw_step(float* master, bf16* params, const float* grads, float* m
 // fraction within it:  value = 10^-k * (0.1 + 0.9 (f + 1) / 2^r), with k leading zeros, r bits
 // left after the leading one, f their value; code 0 is 0. So the top decade [0.1, 1] gets the
 // most codes (relative spacing ~1%) and each decade below half as many, down to 10^-7 (v, 8
-// magnitude bits) or 10^-6 (m, sign + 7 bits). m is signed and roughly symmetric; v is positive
-// and spans many decades within a block (v ~ g^2), which a linear map would round to 0 (and then
-// m / sqrt(v) explodes): that is why both use the nonlinear map, and v the unsigned one.
-// Quantizing is rounding to the nearest table value (ties down) of |x| / absmax.
+// magnitude bits) or 10^-6 (m, sign + 7 bits). m is signed and roughly symmetric. The second
+// moment is stored as its root r = sqrt(v), unsigned: v ~ g^2 spans twice the decades of g within
+// a block, and a v rounded to 0 while m is not makes m / (sqrt(v) + eps) explode (the CPU test
+// test_adamw8bit_tracks_adamw saw exactly that, storing v itself, when a block's gradients spread
+// over 4 decades); r's 7 decades cover gradients 10^7 apart, and r's relative rounding error is
+// the update's. A linear map would round most of a block to 0. Quantizing is rounding to the
+// nearest table value (ties down) of |x| / absmax.
 #define Q8_BLOCK PARAM_ALIGN
 
 typedef struct {
     float m[256];  // signed: code c < 128 is +mag[c], 128 + c is -mag[c]
-    float v[256];  // unsigned, increasing
+    float v[256];  // unsigned, increasing (for sqrt(v))
 } Q8Maps;
 
 // The magnitude table of `bits` bits (7 for m, 8 for v): increasing, t[0] = 0, t[2^bits - 1] = 1.
@@ -779,9 +781,9 @@ __device__ float block128_max(float x, float* shared4) {
 }
 
 // One thread block of Q8_BLOCK threads per quantization block (grid-stride over the blocks):
-// each thread dequantizes its element's m and v (code * the block's absmax), runs AdamW's update
-// in fp32 exactly as adamw_kernel does, writes the master weight and its bf16 copy; then the
-// block takes the new absmax of |m| and of v, and every thread requantizes its element.
+// each thread dequantizes its element's m and r = sqrt(v) (code value * the block's absmax), runs
+// AdamW's update in fp32 as adamw_kernel does, writes the master weight and its bf16 copy; then
+// the block takes the new absmax of |m| and of r, and every thread requantizes its element.
 // n is a multiple of Q8_BLOCK (every range the trainer passes is).
 __global__ void __launch_bounds__(Q8_BLOCK) adamw8bit_kernel(float* master, bf16* params, const float* grads,
                                                              uint8_t* qm, uint8_t* qv, float* absmax_m,
@@ -796,15 +798,17 @@ __global__ void __launch_bounds__(Q8_BLOCK) adamw8bit_kernel(float* master, bf16
         size_t i = b * Q8_BLOCK + threadIdx.x;
         float g = grads[i] * clip_scale;
         float mi = o.beta1 * q8_decode(qm[i], absmax_m[b], map_m) + (1.0f - o.beta1) * g;
-        float vi = o.beta2 * q8_decode(qv[i], absmax_v[b], map_v) + (1.0f - o.beta2) * g * g;
+        float ri = q8_decode(qv[i], absmax_v[b], map_v);
+        float vi = o.beta2 * ri * ri + (1.0f - o.beta2) * g * g;
         float p = master[i];
         float wd = (flags[b] & PARAM_FLAG_DECAY) ? o.weight_decay : 0.0f;
         p -= lr * ((mi / bias_corr1) / (sqrtf(vi / bias_corr2) + o.eps) + wd * p);
         master[i] = p;
         params[i] = __float2bfloat16(p);
-        float am = block128_max(fabsf(mi), shared4), av = block128_max(vi, shared4);
+        ri = sqrtf(vi);
+        float am = block128_max(fabsf(mi), shared4), av = block128_max(ri, shared4);
         qm[i] = q8_encode(mi, am, map_m, true);
-        qv[i] = q8_encode(vi, av, map_v, false);
+        qv[i] = q8_encode(ri, av, map_v, false);
         if (threadIdx.x == 0) absmax_m[b] = am, absmax_v[b] = av;
     }
 }

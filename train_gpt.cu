@@ -406,7 +406,7 @@ typedef struct {
 // the other in one allocation, and a checkpoint stores each bucket's piece of each as
 // "<name>.<bucket>". AdamW and Muon: exp_avg (Muon: the hidden matrices' momentum; AdamW's m
 // elsewhere) and exp_avg_sq (unused by Muon's matrices); 8-bit AdamW: the codes and the per-block
-// scales of both moments.
+// scales of m and of sqrt(v).
 typedef struct {
     const char* name;
     StDtype dtype;
@@ -417,7 +417,7 @@ typedef struct {
 static int optimizer_state_tensors(OptimizerKind kind, const OptStateTensor** out) {
     static const OptStateTensor fp32[] = {{"exp_avg", ST_F32, 4, 1}, {"exp_avg_sq", ST_F32, 4, 1}};
     static const OptStateTensor q8[] = {{"exp_avg_q8", ST_U8, 1, 1}, {"exp_avg_absmax", ST_F32, 4, Q8_BLOCK},
-                                        {"exp_avg_sq_q8", ST_U8, 1, 1}, {"exp_avg_sq_absmax", ST_F32, 4, Q8_BLOCK}};
+                                        {"exp_avg_sq_root_q8", ST_U8, 1, 1}, {"exp_avg_sq_root_absmax", ST_F32, 4, Q8_BLOCK}};
     *out = kind == OPTIMIZER_ADAMW8BIT ? q8 : fp32;
     return kind == OPTIMIZER_ADAMW8BIT ? 4 : 2;
 }
