@@ -6,7 +6,8 @@
  * sum) and initialization; then the kernels in the order of a training step: embedding, RMSNorm,
  * the per-head QK norm with rotary embedding, attention (in lib/attention.cuh, included at that
  * place; its PTX wrappers are in lib/ptx.cuh), SwiGLU, the chunked cross-entropy; then the
- * optimizer (the learning-rate schedule and the fused AdamW update) and the cuBLASLt wrapper.
+ * optimizer (the learning-rate schedule; the fused AdamW update; 8-bit AdamW's quantization map and
+ * its fused update; Muon's momentum and Newton-Schulz iteration) and the cuBLASLt wrapper.
  * Each forward kernel is followed by its backward, whose comment states the derivative it computes.
  *
  * Conventions a reader must know:
@@ -563,11 +564,24 @@ static void cross_entropy(bf16* logits, float* losses, const int* targets, int r
 // one-thread kernel advances the step and evaluates the schedule there, so the host never passes
 // per-step values and a step can be replayed as a CUDA graph.
 
+// --optimizer: which update rule the step runs (doc/optimizers.md says what each computes).
+typedef enum { OPTIMIZER_ADAMW, OPTIMIZER_MUON, OPTIMIZER_ADAMW8BIT, N_OPTIMIZERS } OptimizerKind;
+static const char* const OPTIMIZER_NAMES[N_OPTIMIZERS] = {"adamw", "muon", "adamw8bit"};
+
+// The kind named `name`, or -1.
+static int optimizer_kind(const char* name) {
+    for (int k = 0; k < N_OPTIMIZERS; k++)
+        if (!strcmp(name, OPTIMIZER_NAMES[k])) return k;
+    return -1;
+}
+
 typedef struct {
     float lr, min_lr_frac, weight_decay, beta1, beta2, eps, grad_clip;
     int warmup_steps, total_steps;
     int wsd;            // 0: warmup then cosine to min_lr; 1: warmup, stable, then linear decay (WSD)
     float decay_frac;   // WSD: the last fraction of the steps that decays
+    float muon_lr;      // Muon's peak learning rate for the hidden matrices (same schedule shape as lr)
+    float muon_momentum;
 } OptimConfig;
 
 // The learning rate of step `step` (0-based). Warmup: linear from lr/warmup to lr. Then cosine:
@@ -599,38 +613,52 @@ typedef struct {
     float loss_sum;                // sum of the per-token losses over the step's micro-batches
     float grad_norm_sq;            // of the whole (unclipped) gradient
     float val_loss_sum;            // sum over a validation pass
+    float muon_lr;                 // Muon's learning rate this step (the schedule with peak muon_lr)
 } OptimScalars;
 
 __global__ void optimizer_schedule_kernel(OptimScalars* s, OptimConfig o) {
     int step = s->step;
     s->lr = learning_rate(&o, step);
+    OptimConfig muon = o;
+    muon.lr = o.muon_lr;
+    s->muon_lr = learning_rate(&muon, step);
     s->bias_corr1 = 1.0f - powf(o.beta1, (float)(step + 1));
     s->bias_corr2 = 1.0f - powf(o.beta2, (float)(step + 1));
     s->step = step + 1;
 }
 
 // Every parameter tensor starts on a PARAM_ALIGN-element boundary of the flat buffers (train_gpt's
-// parameter table), so one flag per PARAM_ALIGN elements says whether weight decay applies there.
+// parameter table), so one flag byte per PARAM_ALIGN elements says how the optimizer treats them:
+// whether weight decay applies, and (--optimizer muon) whether Muon rather than AdamW updates them.
 #define PARAM_ALIGN 128
+#define PARAM_FLAG_DECAY 1
+#define PARAM_FLAG_MUON 2
 
 // With g = grad * clip_scale, clip_scale = min(1, max_norm / ||grad||) read from the device:
 //   m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
 //   p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + lr * wd * p     (decoupled decay)
-// for the n elements the pointers start at, wd = weight_decay where decay[i / PARAM_ALIGN] (so a
-// range must start on a PARAM_ALIGN boundary, as every tensor and every ZeRO piece does).
-__global__ void adamw_kernel(float* master, bf16* params, const float* grads, float* m, float* v,
-                             const uint8_t* decay, size_t n, OptimConfig o, const OptimScalars* s) {
+// for the n elements the pointers start at, wd = weight_decay where flags[i / PARAM_ALIGN] has
+// PARAM_FLAG_DECAY (so a range must start on a PARAM_ALIGN boundary, as every tensor and every ZeRO
+// piece does). Elements flagged PARAM_FLAG_MUON are left alone: Muon updates them.
+__device__ __forceinline__ float clip_scale_of(const OptimConfig& o, const OptimScalars* s) {
     float norm = sqrtf(s->grad_norm_sq);
-    float clip_scale = (o.grad_clip > 0.0f && norm > o.grad_clip) ? o.grad_clip / norm : 1.0f;
+    return (o.grad_clip > 0.0f && norm > o.grad_clip) ? o.grad_clip / norm : 1.0f;
+}
+
+__global__ void adamw_kernel(float* master, bf16* params, const float* grads, float* m, float* v,
+                             const uint8_t* flags, size_t n, OptimConfig o, const OptimScalars* s) {
+    float clip_scale = clip_scale_of(o, s);
     float lr = s->lr, bias_corr1 = s->bias_corr1, bias_corr2 = s->bias_corr2;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint8_t flag = flags[i / PARAM_ALIGN];
+        if (flag & PARAM_FLAG_MUON) continue;
         float g = grads[i] * clip_scale;
         float mi = o.beta1 * m[i] + (1.0f - o.beta1) * g;
         float vi = o.beta2 * v[i] + (1.0f - o.beta2) * g * g;
         m[i] = mi;
         v[i] = vi;
         float p = master[i];
-        float wd = decay[i / PARAM_ALIGN] ? o.weight_decay : 0.0f;
+        float wd = (flag & PARAM_FLAG_DECAY) ? o.weight_decay : 0.0f;
         p -= lr * ((mi / bias_corr1) / (sqrtf(vi / bias_corr2) + o.eps) + wd * p);
         master[i] = p;
         params[i] = __float2bfloat16(p);
@@ -648,9 +676,173 @@ static void optimizer_schedule(const OptimConfig* o, OptimScalars* s, cudaStream
     LAUNCH_CHECK();
 }
 
-static void adamw_step(float* master, bf16* params, const float* grads, float* m, float* v, const uint8_t* decay,
+static void adamw_step(float* master, bf16* params, const float* grads, float* m, float* v, const uint8_t* flags,
                        size_t n, const OptimConfig* o, const OptimScalars* s, cudaStream_t stream) {
-    adamw_kernel<<<1024, 256, 0, stream>>>(master, params, grads, m, v, decay, n, *o, s);
+    adamw_kernel<<<1024, 256, 0, stream>>>(master, params, grads, m, v, flags, n, *o, s);
+    LAUNCH_CHECK();
+}
+
+// ----------------------------------------------------------------------------------------------
+// 8-bit AdamW (--optimizer adamw8bit): both moments stored as one byte per element plus one fp32
+// scale (the block's absolute maximum) per Q8_BLOCK elements: 2 + 8/128 bytes per parameter
+// instead of 8. The update itself is AdamW's, in fp32, on the fp32 master weights.
+//
+// Block size: Q8_BLOCK = PARAM_ALIGN = 128. Every tensor and every ZeRO piece starts on such a
+// boundary, so no block straddles two tensors (a block's scale never mixes an embedding row's
+// moments with a norm's) or two ZeRO pieces: a piece's state is a plain range of codes and scales,
+// and resharding a checkpoint stays a matter of ranges. Small blocks also keep an outlier from
+// flattening its neighbours (bitsandbytes uses 256 to 2048; smaller is more precise, and 128 costs
+// 4/128 bytes per element per moment).
+//
+// The map (one table of 256 values per moment, built on the host, the same table on both sides):
+// a "dynamic exponent" code, as in Dettmers et al. 2022's dynamic tree quantization. The leading
+// zeros of the code's magnitude bits choose a decade, the bits after the first one a linear
+// fraction within it:  value = 10^-k * (0.1 + 0.9 (f + 1) / 2^r), with k leading zeros, r bits
+// left after the leading one, f their value; code 0 is 0. So the top decade [0.1, 1] gets the
+// most codes (relative spacing ~1%) and each decade below half as many, down to 10^-7 (v, 8
+// magnitude bits) or 10^-6 (m, sign + 7 bits). m is signed and roughly symmetric. The second
+// moment is stored as its root r = sqrt(v), unsigned: v ~ g^2 spans twice the decades of g within
+// a block, and a v rounded to 0 while m is not makes m / (sqrt(v) + eps) explode (the CPU test
+// test_adamw8bit_tracks_adamw saw exactly that, storing v itself, when a block's gradients spread
+// over 4 decades); r's 7 decades cover gradients 10^7 apart, and r's relative rounding error is
+// the update's. A linear map would round most of a block to 0. Quantizing is rounding to the
+// nearest table value (ties down) of |x| / absmax.
+#define Q8_BLOCK PARAM_ALIGN
+
+typedef struct {
+    float m[256];  // signed: code c < 128 is +mag[c], 128 + c is -mag[c]
+    float v[256];  // unsigned, increasing (for sqrt(v))
+} Q8Maps;
+
+// The magnitude table of `bits` bits (7 for m, 8 for v): increasing, t[0] = 0, t[2^bits - 1] = 1.
+static void q8_magnitudes(float* t, int bits) {
+    t[0] = 0.0f;
+    for (int c = 1; c < (1 << bits); c++) {
+        int lead = bits - 1;  // the position of the highest set bit
+        while (!(c >> lead & 1)) lead--;
+        int k = bits - 1 - lead, r = lead, f = c & ((1 << r) - 1);
+        t[c] = (float)(pow(10.0, -k) * (0.1 + 0.9 * (f + 1) / (double)(1 << r)));
+    }
+}
+
+static const Q8Maps* q8_maps(void) {
+    static Q8Maps maps;
+    static bool built = false;
+    if (!built) {
+        q8_magnitudes(maps.m, 7);
+        for (int c = 0; c < 128; c++) maps.m[128 + c] = -maps.m[c];
+        q8_magnitudes(maps.v, 8);
+        built = true;
+    }
+    return &maps;
+}
+
+// The code of the table value nearest to a in [0, 1] among t[0..n) (increasing), ties to the lower.
+// Compares and subtractions only: the same result on the host and the device.
+__host__ __device__ static inline int q8_nearest(const float* t, int n, float a) {
+    int lo = 0, hi = n - 1;
+    while (hi - lo > 1) {
+        int mid = (lo + hi) / 2;
+        if (t[mid] <= a) lo = mid;
+        else hi = mid;
+    }
+    return a - t[lo] <= t[hi] - a ? lo : hi;
+}
+
+// x as a code of `map` (Q8Maps.m when is_signed, else Q8Maps.v) relative to absmax >= |x|.
+// The division is correctly rounded on the device too (--use_fast_math would otherwise make it
+// approximate), so the codes match a CPU's bit for bit.
+__host__ __device__ static inline uint8_t q8_encode(float x, float absmax, const float* map, bool is_signed) {
+    if (!(absmax > 0.0f)) return 0;
+#ifdef __CUDA_ARCH__
+    float a = __fdiv_rn(fabsf(x), absmax);
+#else
+    float a = fabsf(x) / absmax;
+#endif
+    a = a > 1.0f ? 1.0f : a;
+    if (!is_signed) return (uint8_t)q8_nearest(map, 256, a);
+    int c = q8_nearest(map, 128, a);
+    return (uint8_t)(x < 0.0f && c ? 128 | c : c);
+}
+
+__host__ __device__ static inline float q8_decode(uint8_t code, float absmax, const float* map) {
+    return map[code] * absmax;
+}
+
+// The largest of the 128 threads' x (Q8_BLOCK threads, four warps); every thread gets it. Max is
+// exact, so the order does not matter.
+__device__ float block128_max(float x, float* shared4) {
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, o));
+    if (threadIdx.x % 32 == 0) shared4[threadIdx.x / 32] = x;
+    __syncthreads();
+    float r = fmaxf(fmaxf(shared4[0], shared4[1]), fmaxf(shared4[2], shared4[3]));
+    __syncthreads();  // before a later call rewrites shared4
+    return r;
+}
+
+// One thread block of Q8_BLOCK threads per quantization block (grid-stride over the blocks):
+// each thread dequantizes its element's m and r = sqrt(v) (code value * the block's absmax), runs
+// AdamW's update in fp32 as adamw_kernel does, writes the master weight and its bf16 copy; then
+// the block takes the new absmax of |m| and of r, and every thread requantizes its element.
+// n is a multiple of Q8_BLOCK (every range the trainer passes is).
+__global__ void __launch_bounds__(Q8_BLOCK) adamw8bit_kernel(float* master, bf16* params, const float* grads,
+                                                             uint8_t* qm, uint8_t* qv, float* absmax_m,
+                                                             float* absmax_v, const uint8_t* flags, size_t n_blocks,
+                                                             OptimConfig o, const OptimScalars* s, Q8Maps maps) {
+    __shared__ float map_m[256], map_v[256], shared4[4];
+    for (int i = threadIdx.x; i < 256; i += Q8_BLOCK) map_m[i] = maps.m[i], map_v[i] = maps.v[i];
+    __syncthreads();
+    float clip_scale = clip_scale_of(o, s);
+    float lr = s->lr, bias_corr1 = s->bias_corr1, bias_corr2 = s->bias_corr2;
+    for (size_t b = blockIdx.x; b < n_blocks; b += gridDim.x) {
+        size_t i = b * Q8_BLOCK + threadIdx.x;
+        float g = grads[i] * clip_scale;
+        float mi = o.beta1 * q8_decode(qm[i], absmax_m[b], map_m) + (1.0f - o.beta1) * g;
+        float ri = q8_decode(qv[i], absmax_v[b], map_v);
+        float vi = o.beta2 * ri * ri + (1.0f - o.beta2) * g * g;
+        float p = master[i];
+        float wd = (flags[b] & PARAM_FLAG_DECAY) ? o.weight_decay : 0.0f;
+        p -= lr * ((mi / bias_corr1) / (sqrtf(vi / bias_corr2) + o.eps) + wd * p);
+        master[i] = p;
+        params[i] = __float2bfloat16(p);
+        ri = sqrtf(vi);
+        float am = block128_max(fabsf(mi), shared4), av = block128_max(ri, shared4);
+        qm[i] = q8_encode(mi, am, map_m, true);
+        qv[i] = q8_encode(ri, av, map_v, false);
+        if (threadIdx.x == 0) absmax_m[b] = am, absmax_v[b] = av;
+    }
+}
+
+// adamw_step's 8-bit twin over n elements (a multiple of Q8_BLOCK); absmax_m, absmax_v and flags
+// point at the range's first block.
+static void adamw8bit_step(float* master, bf16* params, const float* grads, uint8_t* qm, uint8_t* qv, float* absmax_m,
+                           float* absmax_v, const uint8_t* flags, size_t n, const OptimConfig* o, const OptimScalars* s,
+                           cudaStream_t stream) {
+    size_t n_blocks = n / Q8_BLOCK;
+    int grid = n_blocks < 8192 ? (int)n_blocks : 8192;
+    if (grid == 0) return;
+    adamw8bit_kernel<<<grid, Q8_BLOCK, 0, stream>>>(master, params, grads, qm, qv, absmax_m, absmax_v, flags, n_blocks,
+                                                     *o, s, *q8_maps());
+    LAUNCH_CHECK();
+}
+
+// The quantization round trip alone (tests): codes of x (n a multiple of Q8_BLOCK) with each
+// block's absmax, signed (m's map) or not (v's).
+__global__ void q8_quantize_kernel(uint8_t* codes, float* absmax, const float* x, size_t n_blocks, bool is_signed,
+                                   Q8Maps maps) {
+    __shared__ float map[256], shared4[4];
+    for (int i = threadIdx.x; i < 256; i += Q8_BLOCK) map[i] = is_signed ? maps.m[i] : maps.v[i];
+    __syncthreads();
+    for (size_t b = blockIdx.x; b < n_blocks; b += gridDim.x) {
+        size_t i = b * Q8_BLOCK + threadIdx.x;
+        float a = block128_max(fabsf(x[i]), shared4);
+        codes[i] = q8_encode(x[i], a, map, is_signed);
+        if (threadIdx.x == 0) absmax[b] = a;
+    }
+}
+
+static void q8_quantize(uint8_t* codes, float* absmax, const float* x, size_t n, bool is_signed, cudaStream_t stream) {
+    q8_quantize_kernel<<<1024, Q8_BLOCK, 0, stream>>>(codes, absmax, x, n / Q8_BLOCK, is_signed, *q8_maps());
     LAUNCH_CHECK();
 }
 
@@ -842,6 +1034,112 @@ static void linear_backward_input(bf16* dx, const bf16* dy, const bf16* W, int N
 // dW[O, I] += dy[N, O]^T x[N, I].   Column-major: D[m=I, n=O] = x^T(stored [I, N]) op_T(dy stored [O, N]).
 static void linear_backward_weight(float* dW, const bf16* dy, const bf16* x, int N, int I, int O, cudaStream_t s) {
     matmul(mm_f32(dW), mm_bf16(x), mm_bf16(dy), dW, 1.0f, I, O, N, false, true, s);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Muon (--optimizer muon; Jordan et al. 2024, the GPT-2 speedrun's optimizer) for the layers'
+// hidden matrices; the embedding/head and the norm weights stay with AdamW (PARAM_FLAG_MUON marks
+// which elements Muon owns). It comes after the matmul wrapper because its Newton-Schulz iteration
+// is three bf16 matmuls a step. For a matrix G [R, C] (row-major, as the parameter table stores
+// it; the fused qkv and gate_up matrices are orthogonalized per block: q, k, v, gate, up):
+//   buf = mu buf + (1 - mu) g                 momentum, fp32, kept in the m buffer (g clipped as AdamW's)
+//   u   = (1 - mu) g + mu buf                 Nesterov's look-ahead
+//   X   = bf16(u / (||u||_F + 1e-7))          every singular value now <= 1
+//   5 times: A = X X^T, B = b A + c A A, X = a X + B X,   (a, b, c) = (3.4445, -4.7750, 2.0315)
+//   p  -= lr_muon * sqrt(max(1, R / C)) * X   (no weight decay on Muon's matrices)
+// The quintic X -> aX + b (XX^T)X + c (XX^T)^2 X maps each singular value s to
+// s (a + b s^2 + c s^4), which pushes every s in (0, 1] towards [0.7, 1.2] in 5 steps while
+// keeping the singular vectors: X ends near U V^T of u = U S V^T, the orthogonalized update
+// (every direction of the update gets the same step size). When R > C it runs on X^T, so that A
+// is the smaller side's square. The scale sqrt(max(1, R/C)) is Keller Jordan's: it keeps the
+// update's RMS per element comparable across shapes.
+
+#define MUON_NS_STEPS 5
+static const float MUON_NS_A = 3.4445f, MUON_NS_B = -4.7750f, MUON_NS_C = 2.0315f;
+
+// Muon's scratch, sized for the largest matrix (elements) and the largest square of its short side.
+typedef struct {
+    float* u;         // [elements] the Nesterov update in fp32
+    bf16 *x, *y;      // [elements] the iterate and the next one
+    bf16 *a, *ac, *b; // [short side^2] A, c A, B
+    float* norm_sq;   // one float: ||u||^2
+} MuonScratch;
+
+// buf = mu buf + (1 - mu) g;  u = (1 - mu) g + mu buf, over n elements (g = grads * the clip scale).
+__global__ void muon_momentum_kernel(float* buf, float* u, const float* grads, size_t n, OptimConfig o,
+                                     const OptimScalars* s) {
+    float clip_scale = clip_scale_of(o, s), mu = o.muon_momentum;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float g = grads[i] * clip_scale;
+        float b = mu * buf[i] + (1.0f - mu) * g;
+        buf[i] = b;
+        u[i] = (1.0f - mu) * g + mu * b;
+    }
+}
+
+// x = bf16(u / (sqrt(norm_sq) + 1e-7))
+__global__ void muon_normalize_kernel(bf16* x, const float* u, size_t n, const float* norm_sq) {
+    float inv = 1.0f / (sqrtf(*norm_sq) + 1e-7f);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        x[i] = __float2bfloat16(u[i] * inv);
+}
+
+// y = c x (bf16)
+__global__ void scale_bf16_kernel(bf16* y, const bf16* x, size_t n, float c) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        y[i] = __float2bfloat16(c * __bfloat162float(x[i]));
+}
+
+// p -= lr_muon * scale * x, the master weight and its bf16 copy.
+__global__ void muon_update_kernel(float* master, bf16* params, const bf16* x, size_t n, float scale,
+                                   const OptimScalars* s) {
+    float step = s->muon_lr * scale;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        float p = master[i] - step * __bfloat162float(x[i]);
+        master[i] = p;
+        params[i] = __float2bfloat16(p);
+    }
+}
+
+// Five Newton-Schulz steps on X [R, C] (row-major bf16, in w->x, already scaled to norm <= 1);
+// returns the buffer that holds the result (w->x or w->y). In cuBLASLt's column-major terms the
+// buffer is Y = X^T [C, R]. R <= C: A = Y^T Y = X X^T [R, R], and X' = B X + a X is
+// Y' = Y B^T + a Y. R > C: the iteration runs on X^T, which is Y itself: A = Y Y^T [C, C],
+// Y' = B Y + a Y, and Y' read back row-major is the result's X' [R, C].
+static bf16* newton_schulz5(const MuonScratch* w, int R, int C, cudaStream_t stream) {
+    bf16 *x = w->x, *y = w->y;
+    bool wide = R <= C;
+    int r = wide ? R : C;
+    size_t rr = (size_t)r * r;
+    for (int step = 0; step < MUON_NS_STEPS; step++) {
+        if (wide) matmul(mm_bf16(w->a), mm_bf16(x), mm_bf16(x), NULL, 0.0f, R, R, C, true, false, stream);
+        else matmul(mm_bf16(w->a), mm_bf16(x), mm_bf16(x), NULL, 0.0f, C, C, R, false, true, stream);
+        scale_bf16_kernel<<<256, 256, 0, stream>>>(w->ac, w->a, rr, MUON_NS_C);
+        LAUNCH_CHECK();
+        matmul(mm_bf16(w->b), mm_bf16(w->ac), mm_bf16(w->a), w->a, MUON_NS_B, r, r, r, false, false, stream);
+        if (wide) matmul(mm_bf16(y), mm_bf16(x), mm_bf16(w->b), x, MUON_NS_A, C, R, R, false, true, stream);
+        else matmul(mm_bf16(y), mm_bf16(w->b), mm_bf16(x), x, MUON_NS_A, C, R, C, false, false, stream);
+        bf16* t = x;
+        x = y;
+        y = t;
+    }
+    return x;
+}
+
+// One Muon update of the matrix [R, C] whose master weights, bf16 copy, gradient and momentum
+// start at the given pointers. partials: REDUCE_BLOCKS floats of scratch for the norm.
+static void muon_matrix_step(float* master, bf16* params, const float* grads, float* buf, int R, int C,
+                             const MuonScratch* w, float* partials, const OptimConfig* o, const OptimScalars* s,
+                             cudaStream_t stream) {
+    size_t n = (size_t)R * C;
+    muon_momentum_kernel<<<1024, 256, 0, stream>>>(buf, w->u, grads, n, *o, s);
+    LAUNCH_CHECK();
+    reduce_sum(w->norm_sq, w->u, n, true, false, partials, stream);
+    muon_normalize_kernel<<<1024, 256, 0, stream>>>(w->x, w->u, n, w->norm_sq);
+    LAUNCH_CHECK();
+    const bf16* x = newton_schulz5(w, R, C, stream);
+    muon_update_kernel<<<1024, 256, 0, stream>>>(master, params, x, n, sqrtf(fmaxf(1.0f, (float)R / C)), s);
+    LAUNCH_CHECK();
 }
 
 #endif

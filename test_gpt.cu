@@ -1481,6 +1481,7 @@ static int test_two_gpus_kill_and_resume(void) {
 
 // FP8 mode's tests use the whole-model helpers above.
 #include "test/test_fp8.h"
+#include "test/test_optim.h"
 
 static const TestCase model_tests[] = {
     {"config_accepts_sane_configs", test_config_accepts_sane_configs},
@@ -1535,6 +1536,7 @@ int main(int argc, char** argv) {
         {comm_tests, n_comm_tests},
         {fp8_tests, n_fp8_tests},
         {input_tests, n_input_tests},
+        {optim_tests, n_optim_tests},
     };
     int passed = 0, failed = 0, skipped = 0, matched = 0;
     for (auto& suite : suites)

@@ -131,12 +131,14 @@ typedef enum {
 
 typedef struct {
     const char* name;
-    bool decay;  // AdamW's weight decay applies (matrices yes, norm weights no)
+    bool decay;   // AdamW's weight decay applies (matrices yes, norm weights no)
+    bool hidden;  // a layer's matrix: --optimizer muon updates it (the embedding/head is AdamW's)
 } ParamKindInfo;
 
 static const ParamKindInfo PARAM_KINDS[N_PARAM_KINDS] = {
-    {"qkv", true},        {"attn_out", true}, {"gate_up", true}, {"down", true},   {"attn_norm", false},
-    {"q_norm", false},    {"k_norm", false},  {"mlp_norm", false}, {"embed", true}, {"final_norm", false},
+    {"qkv", true, true},      {"attn_out", true, true}, {"gate_up", true, true},    {"down", true, true},
+    {"attn_norm", false, false}, {"q_norm", false, false}, {"k_norm", false, false}, {"mlp_norm", false, false},
+    {"embed", true, false},   {"final_norm", false, false},
 };
 
 #define PARAM_NAME_MAX 48
@@ -251,6 +253,24 @@ static uint8_t* param_decay_flags(const ParamTable* pt) {
     return flags;
 }
 
+// Muon orthogonalizes each linear map on its own: the fused matrices are row blocks of separate
+// maps (qkv: q, k, v; gate_up: gate, up). Fills the blocks' row counts; returns how many (0: the
+// tensor is not a hidden matrix, AdamW updates it).
+static int muon_blocks(const ModelConfig* c, const ParamTensor* t, int64_t rows[3]) {
+    if (!PARAM_KINDS[t->kind].hidden) return 0;
+    if (t->kind == P_QKV) {
+        rows[0] = (int64_t)c->n_head * c->head_dim;
+        rows[1] = rows[2] = (int64_t)c->n_kv_head * c->head_dim;
+        return 3;
+    }
+    if (t->kind == P_GATE_UP) {
+        rows[0] = rows[1] = c->ffn_dim;
+        return 2;
+    }
+    rows[0] = t->rows;
+    return 1;
+}
+
 // FLOPs per token of one training step (forward + backward), as the PyTorch baseline we measure
 // against counts them: 6 per matmul weight (2 forward, 4 backward; the tied embedding counted
 // once, as the output head; the lookup is no matmul) plus attention's two T x T products counted
@@ -359,6 +379,27 @@ typedef struct {
     size_t bytes;
 } GptFp8;
 
+// An optimizer's state as tensors over the optimizer's buffers (opt_len elements): each holds one
+// element of `bytes` bytes per `per` parameters (1, or one scale per Q8_BLOCK). They lie one after
+// the other in one allocation, and a checkpoint stores each bucket's piece of each as
+// "<name>.<bucket>". AdamW and Muon: exp_avg (Muon: the hidden matrices' momentum; AdamW's m
+// elsewhere) and exp_avg_sq (unused by Muon's matrices); 8-bit AdamW: the codes and the per-block
+// scales of m and of sqrt(v).
+typedef struct {
+    const char* name;
+    StDtype dtype;
+    int bytes, per;
+} OptStateTensor;
+#define MAX_OPT_STATE_TENSORS 4
+
+static int optimizer_state_tensors(OptimizerKind kind, const OptStateTensor** out) {
+    static const OptStateTensor fp32[] = {{"exp_avg", ST_F32, 4, 1}, {"exp_avg_sq", ST_F32, 4, 1}};
+    static const OptStateTensor q8[] = {{"exp_avg_q8", ST_U8, 1, 1}, {"exp_avg_absmax", ST_F32, 4, Q8_BLOCK},
+                                        {"exp_avg_sq_root_q8", ST_U8, 1, 1}, {"exp_avg_sq_root_absmax", ST_F32, 4, Q8_BLOCK}};
+    *out = kind == OPTIMIZER_ADAMW8BIT ? q8 : fp32;
+    return kind == OPTIMIZER_ADAMW8BIT ? 4 : 2;
+}
+
 typedef struct GPT {
     ModelConfig cfg;
     ParamTable table;
@@ -374,10 +415,16 @@ typedef struct GPT {
     float* grads;           // fp32, accumulated over micro-batches (NULL with ZeRO 2)
     size_t opt_len;
     size_t* opt_offset;     // [L + 1] where bucket b's owned part starts in the optimizer's buffers
-    float* master;          // fp32 weights, updated by AdamW
-    float* adam_m;
-    float* adam_v;
-    uint8_t* decay_flags;   // [opt_len / PARAM_ALIGN] what decays, for AdamW
+    float* master;          // fp32 weights, updated by the optimizer
+    OptimizerKind optimizer;
+    const OptStateTensor* opt_tensors;  // the optimizer's state tensors (optimizer_state_tensors)
+    int n_opt_tensors;
+    size_t opt_state_offset[MAX_OPT_STATE_TENSORS];  // bytes: where each starts in opt_state
+    size_t opt_state_bytes;
+    void* opt_state;        // the optimizer's state, one allocation (opt_part finds a tensor's element)
+    uint8_t* decay_flags;   // [opt_len / PARAM_ALIGN] PARAM_FLAG_DECAY and PARAM_FLAG_MUON per block
+    MuonScratch muon;       // --optimizer muon: Newton-Schulz's buffers, for the largest matrix
+    void* muon_memory;
     float* grad_shard;      // [opt_len] the reduced gradients of the owned pieces (ZeRO 1, 2)
     float* grad_bucket[MAX_LAYERS + 1];  // where bucket b's gradients are written this micro-batch
     float* grad_ring[2];    // ZeRO 2: layer l's gradients in ring[l % 2], bucket L's in grad_tail
@@ -418,6 +465,13 @@ static float* G(const GPT* m, ParamKind kind, int layer) {
     const ParamTensor* t = param(&m->table, kind, layer);
     int b = bucket_of(t, m->table.n_layers);
     return m->grad_bucket[b] + (t->offset - m->table.bucket_offset[b]);
+}
+
+// Where optimizer element `at` (of this rank's optimizer buffers) of state tensor i lies in `base`,
+// a copy of opt_state (on the device, or a host snapshot of it).
+static void* opt_part(const GPT* m, const void* base, int i, size_t at) {
+    const OptStateTensor* t = &m->opt_tensors[i];
+    return (char*)base + m->opt_state_offset[i] + at / t->per * t->bytes;
 }
 
 // A bump allocator over one cudaMalloc: every carve is 256-byte aligned.
@@ -498,6 +552,40 @@ static void rope_tables(float* cos_out, float* sin_out, int T, int D, float thet
 
 static double gib(size_t bytes) { return bytes / (double)(1ull << 30); }
 
+// The state tensors' places in opt_state (256-byte aligned, one after the other).
+static void gpt_plan_optimizer_state(GPT* m) {
+    m->n_opt_tensors = optimizer_state_tensors(m->optimizer, &m->opt_tensors);
+    size_t at = 0;
+    for (int i = 0; i < m->n_opt_tensors; i++) {
+        m->opt_state_offset[i] = at;
+        at += (m->opt_len / m->opt_tensors[i].per * m->opt_tensors[i].bytes + 255) / 256 * 256;
+    }
+    m->opt_state_bytes = at;
+}
+
+// Muon's scratch for the largest hidden matrix block (elements) and the largest short side, carved
+// from `a` (or, with a->base == NULL, measured).
+static void muon_scratch_layout(MuonScratch* w, Arena* a, const GPT* m) {
+    size_t most = 0, side = 0;
+    for (int i = 0; i < m->table.n_tensors; i++) {
+        const ParamTensor* t = &m->table.tensors[i];
+        int64_t rows[3];
+        int n = muon_blocks(&m->cfg, t, rows);
+        for (int k = 0; k < n; k++) {
+            size_t r = (size_t)rows[k], c = (size_t)t->cols, short_side = r < c ? r : c;
+            most = r * c > most ? r * c : most;
+            side = short_side > side ? short_side : side;
+        }
+    }
+    w->u = (float*)arena_take(a, most * 4);
+    w->x = (bf16*)arena_take(a, most * 2);
+    w->y = (bf16*)arena_take(a, most * 2);
+    w->a = (bf16*)arena_take(a, side * side * 2);
+    w->ac = (bf16*)arena_take(a, side * side * 2);
+    w->b = (bf16*)arena_take(a, side * side * 2);
+    w->norm_sq = (float*)arena_take(a, 4);
+}
+
 static size_t gpt_bytes_total(const GPT* m) {
     return m->bytes_params + m->bytes_grads + m->bytes_optimizer + m->bytes_activations + m->bytes_scratch +
            m->fp8.bytes + CUBLASLT_WORKSPACE_BYTES;
@@ -533,7 +621,10 @@ static void gpt_plan_memory(GPT* m) {
     m->bytes_params = P * 2 + S * 4;
     if (m->dp.zero < 2) m->bytes_grads = P * 4 + sharded * S * 4;
     else m->bytes_grads = (2 * largest_bucket(pt, L) + bucket_len(pt, L) + S + largest_bucket(pt, L + 1) / m->dp.world) * 4;
-    m->bytes_optimizer = S * 8 + S / PARAM_ALIGN;
+    gpt_plan_optimizer_state(m);
+    Arena muon = {NULL, 0, 0};
+    if (m->optimizer == OPTIMIZER_MUON) muon_scratch_layout(&m->muon, &muon, m);
+    m->bytes_optimizer = m->opt_state_bytes + S / PARAM_ALIGN + muon.used;
     Arena kept = {NULL, 0, 0}, scratch = {NULL, 0, 0};
     activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute);
     m->bytes_activations = kept.used;
@@ -552,9 +643,16 @@ static void gpt_check_fits(const GPT* m) {
     }
 }
 
-// AdamW's decay flags for the optimizer's buffers: the table's, for the owned parts.
+// The optimizer's flags for its buffers: the table's decay flags, and with Muon which elements are
+// Muon's (the hidden matrices, whole: Muon runs only with ZeRO 0), for the owned parts.
 static void gpt_upload_decay_flags(GPT* m) {
     uint8_t* full = param_decay_flags(&m->table);
+    for (int i = 0; m->optimizer == OPTIMIZER_MUON && i < m->table.n_tensors; i++) {
+        const ParamTensor* t = &m->table.tensors[i];
+        int64_t rows[3];
+        if (!muon_blocks(&m->cfg, t, rows)) continue;
+        for (size_t j = 0; j < (size_t)(t->rows * t->cols); j += PARAM_ALIGN) full[(t->offset + j) / PARAM_ALIGN] |= PARAM_FLAG_MUON;
+    }
     uint8_t* owned = (uint8_t*)xcalloc(m->opt_len / PARAM_ALIGN, 1);
     for (int b = 0; b <= m->table.n_layers; b++) {
         size_t begin, end;
@@ -594,10 +692,17 @@ static void gpt_allocate(GPT* m) {
     size_t P = m->table.n_elements, S = m->opt_len;
     CUDA_CHECK(cudaMalloc(&m->params, P * 2));
     CUDA_CHECK(cudaMemsetAsync(m->params, 0, P * 2, m->stream));
-    float** fp32[] = {&m->master, &m->adam_m, &m->adam_v};
-    for (float** buffer : fp32) {
-        CUDA_CHECK(cudaMalloc(buffer, S * 4));
-        CUDA_CHECK(cudaMemsetAsync(*buffer, 0, S * 4, m->stream));
+    CUDA_CHECK(cudaMalloc(&m->master, S * 4));
+    CUDA_CHECK(cudaMemsetAsync(m->master, 0, S * 4, m->stream));
+    CUDA_CHECK(cudaMalloc(&m->opt_state, m->opt_state_bytes));  // all zero: m = v = 0 in every format
+    CUDA_CHECK(cudaMemsetAsync(m->opt_state, 0, m->opt_state_bytes, m->stream));
+    if (m->optimizer == OPTIMIZER_MUON) {
+        Arena muon = {NULL, 0, 0};
+        muon_scratch_layout(&m->muon, &muon, m);
+        CUDA_CHECK(cudaMalloc(&muon.base, muon.used));
+        muon.used = 0;
+        m->muon_memory = muon.base;
+        muon_scratch_layout(&m->muon, &muon, m);
     }
     if (m->dp.zero > 0) {
         for (int b = 0; b <= m->table.n_layers; b++)
@@ -624,11 +729,13 @@ static void gpt_allocate(GPT* m) {
     free(host_rope);
 }
 
-// dp says which rank of how many this is and the ZeRO mode (ONE_GPU on one GPU).
-static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recompute, int loss_chunk,
-                       const Sharding* dp) {
+// dp says which rank of how many this is and the ZeRO mode (ONE_GPU on one GPU); `optimizer`
+// which update rule, whose state is sized and allocated here (Muon needs dp->zero == 0).
+static void gpt_create_for(GPT* m, const ModelConfig* cfg, int B, int T, bool recompute, int loss_chunk,
+                           const Sharding* dp, OptimizerKind optimizer) {
     memset(m, 0, sizeof(*m));
     m->cfg = *cfg;
+    m->optimizer = optimizer;
     m->B = B;
     m->T = T;
     m->N = B * T;
@@ -646,8 +753,14 @@ static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recomp
     gpt_allocate(m);
 }
 
+// With AdamW (the tests' models).
+static __attribute__((unused)) void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recompute,
+                                               int loss_chunk, const Sharding* dp) {
+    gpt_create_for(m, cfg, B, T, recompute, loss_chunk, dp, OPTIMIZER_ADAMW);
+}
+
 static void gpt_free(GPT* m) {
-    void* buffers[] = {m->master, m->params, m->grads, m->adam_m, m->adam_v, m->decay_flags, m->scalars,
+    void* buffers[] = {m->master, m->params, m->grads, m->opt_state, m->muon_memory, m->decay_flags, m->scalars,
                        m->grad_shard, m->grad_ring[0], m->grad_ring[1], m->grad_tail,
                        m->rs_scratch, m->activation_memory, m->scratch_memory, m->rope_cos, m->fp8.memory};
     for (void* p : buffers) CUDA_CHECK(cudaFree(p));
@@ -769,6 +882,9 @@ static void print_memory_plan(const GPT* m) {
     printf("model: vocab %d, d_model %d, %d layers, %d query heads, %d kv heads, head_dim %d, ffn %d, seq %d\n",
            c->vocab_size, c->d_model, c->n_layer, c->n_head, c->n_kv_head, c->head_dim, c->ffn_dim, c->seq_len);
     printf("parameters: %.2fM\n", param_count(&m->table) / 1e6);
+    printf("optimizer: %s, its state %.3f bytes per parameter held%s\n", OPTIMIZER_NAMES[m->optimizer],
+           (double)m->opt_state_bytes / m->opt_len,
+           m->optimizer == OPTIMIZER_ADAMW8BIT ? " (AdamW's: 8)" : m->optimizer == OPTIMIZER_MUON ? " (momentum; v for AdamW's part)" : "");
     printf("memory plan (GiB): params %.2f (fp32 master + bf16) | grads %.2f | optimizer %.2f | "
            "activations %.2f%s | scratch %.2f (logits chunk %d rows) | cuBLASLt workspace %.2f | total %.2f\n",
            gib(m->bytes_params), gib(m->bytes_grads), gib(m->bytes_optimizer), gib(m->bytes_activations),
@@ -1147,10 +1263,11 @@ static void forward_backward(GPT* m, const Batch* batch, int micro, int accum) {
 }
 
 // ----------------------------------------------------------------------------------------------
-// The optimizer step: the global gradient norm (kept on the device for the clip inside AdamW),
-// then AdamW over the parameters this rank updates, then the new bf16 weights to every rank. The
-// learning rate and the bias corrections are computed on the device from the step count there
-// (kernels.cuh), so the step takes nothing from the host.
+// The optimizer step: the global gradient norm (kept on the device for the clip inside the
+// update), then the update of the parameters this rank owns, then the new bf16 weights to every
+// rank. The update is AdamW, 8-bit AdamW, or Muon for the hidden matrices and AdamW for the rest
+// (--optimizer; doc/optimizers.md). The learning rates and the bias corrections are computed on
+// the device from the step count there (kernels.cuh), so the step takes nothing from the host.
 
 // Sums `count` adjacent scalars of OptimScalars across the ranks (the loss, a sharded gradient norm).
 static void sum_over_ranks(GPT* m, float* scalars, int count) {
@@ -1159,6 +1276,34 @@ static void sum_over_ranks(GPT* m, float* scalars, int count) {
     comm_follow(c, m->stream);
     comm_all_reduce(c, scalars, count);
     comm_join(c, m->stream);
+}
+
+// AdamW, or 8-bit AdamW, over the n optimizer elements from `at` (Muon's elements are skipped by
+// their flag), writing their bf16 weights at `params`.
+static void adamw_range(GPT* m, const OptimConfig* o, const float* grads, size_t at, bf16* params, size_t n) {
+    const uint8_t* flags = m->decay_flags + at / PARAM_ALIGN;
+    void* st = m->opt_state;
+    if (m->optimizer == OPTIMIZER_ADAMW8BIT)
+        adamw8bit_step(m->master + at, params, grads + at, (uint8_t*)opt_part(m, st, 0, at),
+                       (uint8_t*)opt_part(m, st, 2, at), (float*)opt_part(m, st, 1, at), (float*)opt_part(m, st, 3, at),
+                       flags, n, o, m->scalars, m->stream);
+    else
+        adamw_step(m->master + at, params, grads + at, (float*)opt_part(m, st, 0, at), (float*)opt_part(m, st, 1, at),
+                   flags, n, o, m->scalars, m->stream);
+}
+
+// Muon over every hidden matrix block (ZeRO 0: this rank holds them whole); the momentum lives in
+// exp_avg at the matrix's place.
+static void muon_matrices(GPT* m, const OptimConfig* o) {
+    for (int i = 0; i < m->table.n_tensors; i++) {
+        const ParamTensor* t = &m->table.tensors[i];
+        int64_t rows[3];
+        int n = muon_blocks(&m->cfg, t, rows);
+        size_t at = t->offset;
+        for (int k = 0; k < n; at += (size_t)rows[k] * t->cols, k++)
+            muon_matrix_step(m->master + at, m->params + at, m->grads + at, (float*)opt_part(m, m->opt_state, 0, at),
+                             (int)rows[k], (int)t->cols, &m->muon, m->act.partials, o, m->scalars, m->stream);
+    }
 }
 
 static void optimizer_step(GPT* m, const OptimConfig* o) {
@@ -1172,15 +1317,13 @@ static void optimizer_step(GPT* m, const OptimConfig* o) {
     optimizer_schedule(o, m->scalars, m->stream);
     fp8_step_done(m);  // the step's amaxes into the history; the new weights are cast when next used
     if (m->dp.zero == 0) {
-        adamw_step(m->master, m->params, grads, m->adam_m, m->adam_v, m->decay_flags, m->opt_len, o, m->scalars,
-                   m->stream);
+        adamw_range(m, o, grads, 0, m->params, m->opt_len);
+        if (m->optimizer == OPTIMIZER_MUON) muon_matrices(m, o);
         return;
     }
     for (int i = 0; i <= m->table.n_layers; i++) {  // piece by piece, each sent as soon as it is updated
         int b = forward_order(i, m->table.n_layers);
-        size_t at = m->opt_offset[b];
-        adamw_step(m->master + at, owned_params(m, b), grads + at, m->adam_m + at, m->adam_v + at,
-                   m->decay_flags + at / PARAM_ALIGN, bucket_len(&m->table, b) / m->dp.world, o, m->scalars, m->stream);
+        adamw_range(m, o, grads, m->opt_offset[b], owned_params(m, b), bucket_len(&m->table, b) / m->dp.world);
         send_params(m, b);
     }
 }
@@ -1451,6 +1594,8 @@ static void checkpoint_config_json(const GPT* m, JsonWriter* w) {
     jw_int(w, optimizer_shards(m));
     jw_key(w, "gpus");
     jw_int(w, m->dp.world);
+    jw_key(w, "optimizer");
+    jw_string(w, OPTIMIZER_NAMES[m->optimizer]);
     jw_object_end(w);
 }
 
@@ -1469,22 +1614,23 @@ static void optimizer_file_name(char* out, size_t n, int shard, int n_shards) {
     snprintf(out, n, "optimizer.%d-of-%d.safetensors", shard, n_shards);
 }
 
-// This rank's shard of both moments (host copies of its optimizer buffers) as one file: per
-// bucket b, exp_avg.<b> and exp_avg_sq.<b>, 1-d fp32 (a bucket with no elements in it has none).
-static int add_optimizer_shard(CkptWriter* w, const GPT* m, const float* adam_m, const float* adam_v, char* err,
-                               size_t err_len) {
+// This rank's shard of the optimizer's state (a host copy of its opt_state) as one file: per state
+// tensor and bucket b, "<name>.<b>", 1-d (AdamW, Muon: exp_avg.<b> and exp_avg_sq.<b>, fp32; 8-bit
+// AdamW: the U8 codes and the F32 scales of both moments; a bucket with no elements here has none).
+static int add_optimizer_shard(CkptWriter* w, const GPT* m, const void* opt_state, char* err, size_t err_len) {
     const ParamTable* pt = &m->table;
     int n_buckets = pt->n_layers + 1, shard = optimizer_shard(m), n_shards = optimizer_shards(m), n = 0;
-    StTensor* st = (StTensor*)xcalloc(2 * n_buckets, sizeof(StTensor));
-    char(*names)[32] = (char(*)[32])xcalloc(2 * n_buckets, 32);
-    for (int k = 0; k < 2; k++) {
+    StTensor* st = (StTensor*)xcalloc(m->n_opt_tensors * n_buckets, sizeof(StTensor));
+    char(*names)[32] = (char(*)[32])xcalloc(m->n_opt_tensors * n_buckets, 32);
+    for (int k = 0; k < m->n_opt_tensors; k++) {
+        const OptStateTensor* t = &m->opt_tensors[k];
         for (int b = 0; b < n_buckets; b++) {
             CommShards shards = bucket_shards(pt, b, n_shards);
             CommRange mine = comm_shard_range(&shards, shard);
             if (mine.end == mine.begin) continue;
-            snprintf(names[n], 32, "%s.%d", k ? "exp_avg_sq" : "exp_avg", b);
-            st[n] = (StTensor){names[n], ST_F32, 1, {(int64_t)(mine.end - mine.begin)}, (k ? adam_v : adam_m) +
-                                                                                            m->opt_offset[b]};
+            snprintf(names[n], 32, "%s.%d", t->name, b);
+            st[n] = (StTensor){names[n], t->dtype, 1, {(int64_t)((mine.end - mine.begin) / t->per)},
+                               opt_part(m, opt_state, k, m->opt_offset[b])};
             n++;
         }
     }
@@ -1498,9 +1644,9 @@ static int add_optimizer_shard(CkptWriter* w, const GPT* m, const float* adam_m,
 
 // Rank 0's part of a checkpoint: it owns the directory, writes the model, the configs, the trainer
 // state and its shard, and commits once every other shard's receipt has come in.
-static bool checkpoint_write_owner(const GPT* m, const float* master, const float* adam_m, const float* adam_v,
-                                   const void* fp8_state, const TrainerState* state, const char* out_dir, int keep_last,
-                                   char* err, size_t err_len) {
+static bool checkpoint_write_owner(const GPT* m, const float* master, const void* opt_state, const void* fp8_state,
+                                   const TrainerState* state, const char* out_dir, int keep_last, char* err,
+                                   size_t err_len) {
     int n = hf_tensors(m, NULL);
     StTensor* st = (StTensor*)xcalloc(n, sizeof(StTensor));
     char* names = (char*)xmalloc((size_t)n * HF_NAME_MAX);
@@ -1514,7 +1660,7 @@ static bool checkpoint_write_owner(const GPT* m, const float* master, const floa
     bool ok = ckpt_begin(&w, out_dir, state->step, err, err_len) == 0 &&
               ckpt_add_safetensors(&w, "model.safetensors", st, n, NULL, 0, err, err_len) == 0 &&
               ckpt_add_file(&w, "config.json", hf_config, strlen(hf_config), err, err_len) == 0 &&
-              add_optimizer_shard(&w, m, adam_m, adam_v, err, err_len) == 0 &&
+              add_optimizer_shard(&w, m, opt_state, err, err_len) == 0 &&
               ckpt_add_file(&w, "trainer_state.bin", state, sizeof(*state), err, err_len) == 0 &&
               (!fp8_state || ckpt_add_file(&w, "fp8_scales.bin", fp8_state, fp8_state_bytes(m), err, err_len) == 0);
     for (int r = 1; ok && r < optimizer_shards(m); r++) {
@@ -1530,15 +1676,15 @@ static bool checkpoint_write_owner(const GPT* m, const float* master, const floa
     return ok;
 }
 
-// Every other rank's part (ZeRO 1, 2): its shard of the moments into rank 0's directory, and a
-// receipt that says what it wrote, or why it could not.
-static bool checkpoint_write_shard(const GPT* m, const float* adam_m, const float* adam_v, int64_t step,
+// Every other rank's part (ZeRO 1, 2): its shard of the optimizer's state into rank 0's directory,
+// and a receipt that says what it wrote, or why it could not.
+static bool checkpoint_write_shard(const GPT* m, const void* opt_state, int64_t step,
                                    const char* out_dir, char* err, size_t err_len) {
     CkptWriter w;
     char receipt[32];
     snprintf(receipt, sizeof(receipt), "receipt.%d", optimizer_shard(m));
     if (ckpt_join(&w, out_dir, step, CKPT_PEER_WAIT_S, err, err_len) != 0) return false;
-    bool ok = add_optimizer_shard(&w, m, adam_m, adam_v, err, err_len) == 0;
+    bool ok = add_optimizer_shard(&w, m, opt_state, err, err_len) == 0;
     char receipt_err[1024];
     if (ckpt_send_receipt(&w, receipt, ok ? NULL : err, receipt_err, sizeof(receipt_err)) != 0 && ok) {
         snprintf(err, err_len, "%s", receipt_err);
@@ -1547,11 +1693,12 @@ static bool checkpoint_write_shard(const GPT* m, const float* adam_m, const floa
     return ok;
 }
 
-// This run's pieces of both moments (its optimizer buffers' layout, opt_len each) from a
-// checkpoint's S shard files, whatever S is: per bucket, comm_reshard_plan says which ranges of
-// which old shards make this rank's piece. Only the files it names are opened.
-static bool read_optimizer_shards(const GPT* m, const CkptReader* r, int old_shards, float* adam_m, float* adam_v,
-                                  char* err, size_t err_len) {
+// This run's pieces of the optimizer's state (opt_state's layout) from a checkpoint's S shard
+// files, whatever S is: per bucket, comm_reshard_plan says which ranges of which old shards make
+// this rank's piece. Only the files it names are opened. The ranges start and end on PARAM_ALIGN
+// boundaries, so an 8-bit AdamW scale (one per Q8_BLOCK = PARAM_ALIGN elements) moves whole.
+static bool read_optimizer_shards(const GPT* m, const CkptReader* r, int old_shards, void* opt_state, char* err,
+                                  size_t err_len) {
     const ParamTable* pt = &m->table;
     StFile* files = (StFile*)xcalloc(old_shards, sizeof(StFile));
     CommCopy* copies = (CommCopy*)xcalloc(old_shards, sizeof(CommCopy));
@@ -1567,17 +1714,19 @@ static bool read_optimizer_shards(const GPT* m, const CkptReader* r, int old_sha
             optimizer_file_name(file, sizeof(file), cp->old_rank, old_shards);
             if (!f->map) ok = ckpt_open_safetensors(r, file, f, err, err_len) == 0;
             CommRange theirs = comm_shard_range(&from, cp->old_rank);
-            for (int k = 0; ok && k < 2; k++) {
+            for (int k = 0; ok && k < m->n_opt_tensors; k++) {
+                const OptStateTensor* o = &m->opt_tensors[k];
                 char name[32];
-                snprintf(name, sizeof(name), "%s.%d", k ? "exp_avg_sq" : "exp_avg", b);
+                snprintf(name, sizeof(name), "%s.%d", o->name, b);
                 const StTensor* t = st_find(f, name);
-                if (!t || t->dtype != ST_F32 || t->ndim != 1 || t->shape[0] != (int64_t)(theirs.end - theirs.begin)) {
-                    snprintf(err, err_len, "%s/%s: tensor %s is missing or not F32 [%zu]", r->dir, file, name,
-                             theirs.end - theirs.begin);
+                size_t len = (theirs.end - theirs.begin) / o->per;
+                if (!t || t->dtype != o->dtype || t->ndim != 1 || t->shape[0] != (int64_t)len) {
+                    snprintf(err, err_len, "%s/%s: tensor %s is missing or not %s [%zu]", r->dir, file, name,
+                             st_dtypes[o->dtype].name, len);
                     ok = false;
                 } else {
-                    float* dst = (k ? adam_v : adam_m) + m->opt_offset[b] + cp->new_offset;
-                    memcpy(dst, (const uint8_t*)t->data + cp->old_offset * 4, cp->count * 4);
+                    memcpy(opt_part(m, opt_state, k, m->opt_offset[b] + cp->new_offset),
+                           (const uint8_t*)t->data + cp->old_offset / o->per * o->bytes, cp->count / o->per * o->bytes);
                 }
             }
         }
@@ -1599,6 +1748,15 @@ static bool checkpoint_config_read(const GPT* m, const CkptReader* r, int* old_s
                  r->dir);
         return false;
     }
+    // Checkpoints from before --optimizer existed have no "optimizer": they were AdamW's.
+    const char* optimizer = "adamw";
+    if (json_get_string(&r->manifest, r->config, "optimizer", &optimizer) != 0) optimizer = "adamw";
+    if (strcmp(optimizer, OPTIMIZER_NAMES[m->optimizer]) != 0) {
+        snprintf(err, err_len, "%s was written with --optimizer %s, and this run has --optimizer %s: an optimizer's "
+                 "state cannot continue as another's (resume with --optimizer %s)", r->dir, optimizer,
+                 OPTIMIZER_NAMES[m->optimizer], optimizer);
+        return false;
+    }
     *old_shards = (int)shards;
     *old_gpus = (int)gpus;
     return true;
@@ -1607,8 +1765,7 @@ static bool checkpoint_config_read(const GPT* m, const CkptReader* r, int* old_s
 // What a resume takes from a checkpoint, in host memory.
 typedef struct {
     float* master;              // [n_elements] the flat layout, zeroed padding
-    float* adam_m;              // [opt_len] this rank's pieces: the optimizer buffers' layout
-    float* adam_v;
+    void* opt_state;            // [opt_state_bytes] this rank's pieces of the optimizer's state, its layout
     TrainerState state;
     void* fp8_state;            // fp8_scales.bin (malloc'd), or NULL when the checkpoint has none
     size_t fp8_state_len;
@@ -1623,23 +1780,22 @@ static bool read_optional_file(const CkptReader* r, const char* name, void** dat
     return !ckpt_find_file(r, name) || ckpt_read_file(r, name, data, len, err, err_len) == 0;
 }
 
-// Reads and verifies (checksums, config) a checkpoint directory into `out`, whose three arrays
-// the caller allocated.
+// Reads and verifies (checksums, config) a checkpoint directory into `out`, whose two arrays the
+// caller allocated.
 static bool checkpoint_read(const GPT* m, const char* dir, Restored* out, char* err, size_t err_len) {
     CkptReader r;
     if (ckpt_open(&r, dir, err, err_len) != 0) return false;
     bool ok = checkpoint_config_read(m, &r, &out->old_shards, &out->old_gpus, err, err_len);
     StFile model;
     memset(out->master, 0, m->table.n_elements * 4);
-    memset(out->adam_m, 0, m->opt_len * 4);
-    memset(out->adam_v, 0, m->opt_len * 4);
+    memset(out->opt_state, 0, m->opt_state_bytes);
     if (ok && ckpt_open_safetensors(&r, "model.safetensors", &model, err, err_len) == 0) {
         ok = hf_st_load(m, &model, "", out->master, err, err_len);
         st_close(&model);
     } else {
         ok = false;
     }
-    ok = ok && read_optimizer_shards(m, &r, out->old_shards, out->adam_m, out->adam_v, err, err_len);
+    ok = ok && read_optimizer_shards(m, &r, out->old_shards, out->opt_state, err, err_len);
     void* bytes = NULL;
     size_t len = 0;
     if (ok && ckpt_read_file(&r, "trainer_state.bin", &bytes, &len, err, err_len) == 0) {
@@ -1660,16 +1816,14 @@ static bool checkpoint_read(const GPT* m, const char* dir, Restored* out, char* 
 }
 
 // Puts the master weights (a host copy of the whole flat layout) on the GPU, this rank's parts of
-// them, with the bf16 weights, and the moments when given (host copies of this rank's optimizer
-// buffers, opt_len each).
-static void gpt_upload_state(GPT* m, const float* master, const float* adam_m, const float* adam_v) {
+// them, with the bf16 weights, and the optimizer's state when given (a host copy of opt_state).
+static void gpt_upload_state(GPT* m, const float* master, const void* opt_state) {
     for (int b = 0; b <= m->table.n_layers; b++) {
         size_t begin, end;
         owned_part(m, b, &begin, &end);
         CUDA_CHECK(cudaMemcpy(m->master + m->opt_offset[b], master + begin, (end - begin) * 4, cudaMemcpyHostToDevice));
     }
-    if (adam_m) CUDA_CHECK(cudaMemcpy(m->adam_m, adam_m, m->opt_len * 4, cudaMemcpyHostToDevice));
-    if (adam_v) CUDA_CHECK(cudaMemcpy(m->adam_v, adam_v, m->opt_len * 4, cudaMemcpyHostToDevice));
+    if (opt_state) CUDA_CHECK(cudaMemcpy(m->opt_state, opt_state, m->opt_state_bytes, cudaMemcpyHostToDevice));
     publish_params(m);
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
 }
@@ -1733,6 +1887,7 @@ typedef struct {
     const char* model_flag;  // a flag of the model's that config.json sets too (for --init-from's check)
     int fp8;                 // 1: the layers' matrices in FP8
     const char* fp8_scaling; // "delayed" or "current"
+    const char* optimizer;   // "adamw", "muon" or "adamw8bit" (OPTIMIZER_NAMES)
 } Options;
 
 typedef enum { OPT_INT, OPT_BOOL, OPT_FLOAT, OPT_STR, OPT_U64, OPT_FLAG } OptType;  // OPT_BOOL: 0 or 1
@@ -1768,6 +1923,10 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--beta2", OPT_FLOAT, &o->optim.beta2, "AdamW beta2"},
         {"--adam-eps", OPT_FLOAT, &o->optim.eps, "AdamW epsilon"},
         {"--grad-clip", OPT_FLOAT, &o->optim.grad_clip, "clip the global gradient norm to this (0: off)"},
+        {"--optimizer", OPT_STR, &o->optimizer,
+         "'adamw'; 'muon' (Muon for the layers' matrices, AdamW for the rest; --zero 0); 'adamw8bit' (8-bit moments)"},
+        {"--muon-lr", OPT_FLOAT, &o->optim.muon_lr, "Muon's peak learning rate (the schedule of --lr, scaled)"},
+        {"--muon-momentum", OPT_FLOAT, &o->optim.muon_momentum, "Muon's (Nesterov) momentum"},
         {"--recompute", OPT_BOOL, &o->recompute, "1: recompute norms, QK rope and SwiGLU in the backward"},
         {"--deterministic", OPT_BOOL, &o->deterministic,
          "1: bitwise reproducible steps; 0: attention adds dQ in any order (faster only at long seq)"},
@@ -1827,6 +1986,9 @@ static void options_default(Options* o) {
     o->optim.total_steps = 300;
     o->optim.wsd = 0;
     o->optim.decay_frac = 0.2f;
+    o->optim.muon_lr = 0.02f;
+    o->optim.muon_momentum = 0.95f;
+    o->optimizer = "adamw";
     o->batch_size = 32;
     o->recompute = 1;
     o->deterministic = 1;
@@ -1978,6 +2140,12 @@ static void check_options(const Options* o) {
     else if (o->fp8 != 0 && o->fp8 != 1) problem = "--fp8 must be 0 or 1";
     else if (strcmp(o->fp8_scaling, "delayed") != 0 && strcmp(o->fp8_scaling, "current") != 0)
         problem = "--fp8-scaling must be 'delayed' or 'current'";
+    else if (optimizer_kind(o->optimizer) < 0) problem = "--optimizer must be 'adamw', 'muon' or 'adamw8bit'";
+    else if (!(p->muon_lr >= 0.0f) || !(p->muon_momentum >= 0.0f && p->muon_momentum < 1.0f))
+        problem = "--muon-lr must be >= 0 and --muon-momentum in [0, 1)";
+    else if (optimizer_kind(o->optimizer) == OPTIMIZER_MUON && o->zero != 0)
+        problem = "--optimizer muon needs every matrix whole on each GPU: use --zero 0 (doc/optimizers.md says how "
+                  "Muon could shard)";
     if (problem) {
         fprintf(stderr, "train_gpt: %s\n", problem);
         exit(2);
@@ -2123,7 +2291,7 @@ typedef struct {
     bool owner;              // rank 0: it owns the checkpoint directory and writes the master weights
     bool writes_shard;       // it writes a shard of the moments (rank 0; with ZeRO 1, 2 every rank)
     float* host_master;      // pinned, the owner's: the whole flat layout
-    float* host_moments;     // pinned: adam_m then adam_v, this rank's optimizer buffers (opt_len each)
+    void* host_opt_state;    // pinned: this rank's optimizer state (opt_state_bytes)
     void* host_fp8;          // pinned, the owner's in FP8 runs: fp8_scales.bin's bytes
     cudaStream_t stream;
     cudaEvent_t ready;       // the optimizer update to snapshot is done
@@ -2146,7 +2314,7 @@ static void checkpointer_create(Checkpointer* c, const GPT* m, const char* out_d
     c->owner = m->dp.rank == 0;
     c->writes_shard = c->owner || m->dp.zero > 0;
     if (c->owner) CUDA_CHECK(cudaMallocHost(&c->host_master, m->table.n_elements * sizeof(float)));
-    if (c->writes_shard) CUDA_CHECK(cudaMallocHost(&c->host_moments, 2 * m->opt_len * sizeof(float)));
+    if (c->writes_shard) CUDA_CHECK(cudaMallocHost(&c->host_opt_state, m->opt_state_bytes));
     if (c->owner && m->fp8.on) CUDA_CHECK(cudaMallocHost(&c->host_fp8, fp8_state_bytes(m)));
     CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     CUDA_CHECK(cudaEventCreateWithFlags(&c->ready, cudaEventDisableTiming));
@@ -2157,12 +2325,11 @@ static void* checkpoint_thread(void* arg) {
     Checkpointer* c = (Checkpointer*)arg;
     CUDA_CHECK(cudaEventSynchronize(c->copied));
     double t0 = now_seconds();
-    const float *adam_m = c->host_moments, *adam_v = c->host_moments + c->model->opt_len;
     if (c->owner)
-        c->failed = !checkpoint_write_owner(c->model, c->host_master, adam_m, adam_v, c->host_fp8, &c->state,
+        c->failed = !checkpoint_write_owner(c->model, c->host_master, c->host_opt_state, c->host_fp8, &c->state,
                                             c->out_dir, c->keep_last, c->err, sizeof(c->err));
     else
-        c->failed = !checkpoint_write_shard(c->model, adam_m, adam_v, c->state.step, c->out_dir, c->err,
+        c->failed = !checkpoint_write_shard(c->model, c->host_opt_state, c->state.step, c->out_dir, c->err,
                                             sizeof(c->err));
     c->write_seconds = now_seconds() - t0;
     return NULL;
@@ -2194,8 +2361,7 @@ static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state)
     CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ready, 0));
     size_t S = m->opt_len;
     if (m->dp.zero == 0) CUDA_CHECK(cudaMemcpyAsync(c->host_master, m->master, S * 4, cudaMemcpyDeviceToHost, c->stream));
-    CUDA_CHECK(cudaMemcpyAsync(c->host_moments, m->adam_m, S * 4, cudaMemcpyDeviceToHost, c->stream));
-    CUDA_CHECK(cudaMemcpyAsync(c->host_moments + S, m->adam_v, S * 4, cudaMemcpyDeviceToHost, c->stream));
+    CUDA_CHECK(cudaMemcpyAsync(c->host_opt_state, m->opt_state, m->opt_state_bytes, cudaMemcpyDeviceToHost, c->stream));
     CUDA_CHECK(cudaEventRecord(c->copied, c->stream));
     c->state = *state;
     c->failed = false;
@@ -2209,7 +2375,7 @@ static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state)
 static void checkpointer_free(Checkpointer* c) {
     checkpoint_wait(c);
     CUDA_CHECK(cudaFreeHost(c->host_master));
-    CUDA_CHECK(cudaFreeHost(c->host_moments));
+    CUDA_CHECK(cudaFreeHost(c->host_opt_state));
     CUDA_CHECK(cudaFreeHost(c->host_fp8));
     CUDA_CHECK(cudaStreamDestroy(c->stream));
     CUDA_CHECK(cudaEventDestroy(c->ready));
@@ -2235,7 +2401,7 @@ static void load_init_from(GPT* m, const char* dir) {
         exit(1);
     }
     st_close(&weights);
-    gpt_upload_state(m, master, NULL, NULL);
+    gpt_upload_state(m, master, NULL);
     free(master);
     printf("initialized from %s\n", dir);
 }
@@ -2254,13 +2420,12 @@ static void resume_from(GPT* m, const char* which, const char* out_dir, TrainerS
     }
     Restored got = {};
     got.master = (float*)xmalloc(m->table.n_elements * sizeof(float));
-    got.adam_m = (float*)xmalloc(m->opt_len * sizeof(float));
-    got.adam_v = (float*)xmalloc(m->opt_len * sizeof(float));
+    got.opt_state = xmalloc(m->opt_state_bytes);
     if (!checkpoint_read(m, dir, &got, err, sizeof(err))) {
         fprintf(stderr, "train_gpt: --resume: %s\n", err);
         exit(1);
     }
-    gpt_upload_state(m, got.master, got.adam_m, got.adam_v);
+    gpt_upload_state(m, got.master, got.opt_state);
     set_step(m, (int)got.state.step);
     if (m->fp8.on) fp8_state_restore(m, got.fp8_state, got.fp8_state_len, dir);
     *state = got.state;
@@ -2269,8 +2434,7 @@ static void resume_from(GPT* m, const char* which, const char* out_dir, TrainerS
         printf("the checkpoint was written on %d GPU(s) with the optimizer state in %d shard(s); this run has %d "
                "GPU(s) and %d: resharded\n", got.old_gpus, got.old_shards, m->dp.world, optimizer_shards(m));
     free(got.master);
-    free(got.adam_m);
-    free(got.adam_v);
+    free(got.opt_state);
     free(got.fp8_state);
 }
 
@@ -2397,7 +2561,8 @@ static void trainer_open_model(Trainer* t) {
     GPT* m = &t->model;
     Sharding dp = ONE_GPU;
     if (t->parallel) dp = (Sharding){t->env.rank, t->env.world, o->zero, &t->comm};
-    gpt_create(m, &o->model, o->batch_size, o->model.seq_len, o->recompute != 0, o->loss_chunk, &dp);
+    gpt_create_for(m, &o->model, o->batch_size, o->model.seq_len, o->recompute != 0, o->loss_chunk, &dp,
+                   (OptimizerKind)optimizer_kind(o->optimizer));
     m->deterministic = o->deterministic != 0;
     if (o->fp8) gpt_enable_fp8(m, strcmp(o->fp8_scaling, "current") == 0 ? FP8_CURRENT : FP8_DELAYED);
     gpt_init(m, o->seed);
@@ -2597,11 +2762,11 @@ static void print_bench_result(const Trainer* t) {
     double flops = flops_per_token(c);
     printf("{\"bench\": \"train_gpt\", \"device\": \"%s\", \"gpus\": %d, \"zero\": %d, \"B\": %d, \"T\": %d, "
            "\"d_model\": %d, \"layers\": %d, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"ffn\": %d, "
-           "\"recompute\": %d, \"fp8\": \"%s\", \"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, \"tokens_per_s_per_gpu\": %.1f, "
+           "\"recompute\": %d, \"fp8\": \"%s\", \"optimizer\": \"%s\", \"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, \"tokens_per_s_per_gpu\": %.1f, "
            "\"mfu\": %.4f, \"flops_per_token\": %.6g, \"peak_mem_gib\": %.3f, \"first_step_s\": %.2f, "
            "\"final_loss\": %.4f}\n",
            t->prop.name, world, t->model.dp.zero, t->model.B, t->model.T, c->d_model, c->n_layer, c->n_head,
-           c->n_kv_head, c->head_dim, c->ffn_dim, t->o.recompute, t->o.fp8 ? t->o.fp8_scaling : "off", ms, tok_s, tok_s / world,
+           c->n_kv_head, c->head_dim, c->ffn_dim, t->o.recompute, t->o.fp8 ? t->o.fp8_scaling : "off", t->o.optimizer, ms, tok_s, tok_s / world,
            tok_s / world * flops / (t->o.peak_tflops * 1e12), flops, gib(gpt_bytes_total(&t->model)),
            t->t_first_step, t->last_loss);
 }

@@ -403,4 +403,105 @@ static uint8_t ref_fp8_encode(double x, bool e5m2) {
     return 0xFF;  // unreachable: every rounded value has a code
 }
 
+// ----------------------------------------------------------------------------------------------
+// The optimizers' update rules (kernels.cuh; doc/optimizers.md), on one small tensor, in double.
+
+// AdamW's step t (1-based) on n elements with gradient g (already clipped): m, v, p updated.
+static void ref_adamw_step(double* p, double* m, double* v, const double* g, size_t n, double lr, double beta1,
+                           double beta2, double eps, double wd, int t) {
+    double bc1 = 1 - pow(beta1, t), bc2 = 1 - pow(beta2, t);
+    for (size_t i = 0; i < n; i++) {
+        m[i] = beta1 * m[i] + (1 - beta1) * g[i];
+        v[i] = beta2 * v[i] + (1 - beta2) * g[i] * g[i];
+        p[i] -= lr * ((m[i] / bc1) / (sqrt(v[i] / bc2) + eps) + wd * p[i]);
+    }
+}
+
+// 8-bit AdamW's step on n elements (a multiple of Q8_BLOCK): m and r = sqrt(v) are codes of
+// kernels.cuh's maps with one absmax per block; each block is dequantized, updated as AdamW in
+// double, and requantized against its new absmax (rounded to float, as the GPU stores it).
+static void ref_adamw8bit_step(double* p, uint8_t* qm, uint8_t* qv, float* absmax_m, float* absmax_v, const double* g,
+                               size_t n, double lr, double beta1, double beta2, double eps, double wd, int t) {
+    const Q8Maps* maps = q8_maps();
+    double m[Q8_BLOCK], v[Q8_BLOCK];
+    for (size_t b = 0; b < n / Q8_BLOCK; b++) {
+        size_t at = b * Q8_BLOCK;
+        for (int j = 0; j < Q8_BLOCK; j++) {
+            m[j] = q8_decode(qm[at + j], absmax_m[b], maps->m);
+            double r = q8_decode(qv[at + j], absmax_v[b], maps->v);
+            v[j] = r * r;
+        }
+        ref_adamw_step(p + at, m, v, g + at, Q8_BLOCK, lr, beta1, beta2, eps, wd, t);
+        float am = 0.0f, av = 0.0f;
+        for (int j = 0; j < Q8_BLOCK; j++) {
+            am = fmaxf(am, fabsf((float)m[j]));
+            av = fmaxf(av, (float)sqrt(v[j]));
+        }
+        for (int j = 0; j < Q8_BLOCK; j++) {
+            qm[at + j] = q8_encode((float)m[j], am, maps->m, true);
+            qv[at + j] = q8_encode((float)sqrt(v[j]), av, maps->v, false);
+        }
+        absmax_m[b] = am;
+        absmax_v[b] = av;
+    }
+}
+
+// c[R, C] = a[R, K] b[K, C], row-major.
+static void ref_matmul(double* c, const double* a, const double* b, int R, int K, int C) {
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < C; j++) {
+            double sum = 0.0;
+            for (int k = 0; k < K; k++) sum += a[(size_t)i * K + k] * b[(size_t)k * C + j];
+            c[(size_t)i * C + j] = sum;
+        }
+}
+
+static void ref_transpose(double* out, const double* x, int R, int C) {
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < C; j++) out[(size_t)j * R + i] = x[(size_t)i * C + j];
+}
+
+// Muon's Newton-Schulz iteration on u [R, C] (row-major): X = u / (||u|| + 1e-7), then `steps` times
+// X = a X + (b A + c A A) X with A = X X^T, on X^T when R > C. Writes X to out.
+static void ref_newton_schulz(double* out, const double* u, int R, int C, int steps) {
+    bool tall = R > C;
+    int r = tall ? C : R, c = tall ? R : C;
+    size_t n = (size_t)R * C;
+    double *x = (double*)malloc(n * 8), *a = (double*)malloc((size_t)r * r * 8), *aa = (double*)malloc((size_t)r * r * 8);
+    double *bx = (double*)malloc(n * 8);
+    if (tall) ref_transpose(x, u, R, C);
+    else memcpy(x, u, n * 8);
+    double norm = 0.0;
+    for (size_t i = 0; i < n; i++) norm += x[i] * x[i];
+    norm = sqrt(norm) + 1e-7;
+    for (size_t i = 0; i < n; i++) x[i] /= norm;
+    double *xt = (double*)malloc(n * 8);
+    for (int s = 0; s < steps; s++) {
+        ref_transpose(xt, x, r, c);
+        ref_matmul(a, x, xt, r, c, r);
+        ref_matmul(aa, a, a, r, r, r);
+        for (size_t i = 0; i < (size_t)r * r; i++) aa[i] = MUON_NS_B * a[i] + MUON_NS_C * aa[i];  // B
+        ref_matmul(bx, aa, x, r, r, c);
+        for (size_t i = 0; i < n; i++) x[i] = MUON_NS_A * x[i] + bx[i];
+    }
+    if (tall) ref_transpose(out, x, r, c);
+    else memcpy(out, x, n * 8);
+    free(x); free(a); free(aa); free(bx); free(xt);
+}
+
+// One Muon step of the matrix p [R, C] with gradient g (clipped) and momentum buf, learning rate lr.
+static void ref_muon_step(double* p, double* buf, const double* g, int R, int C, double lr, double mu) {
+    size_t n = (size_t)R * C;
+    double *u = (double*)malloc(n * 8), *x = (double*)malloc(n * 8);
+    for (size_t i = 0; i < n; i++) {
+        buf[i] = mu * buf[i] + (1 - mu) * g[i];
+        u[i] = (1 - mu) * g[i] + mu * buf[i];
+    }
+    ref_newton_schulz(x, u, R, C, MUON_NS_STEPS);
+    double scale = sqrt(R > C ? (double)R / C : 1.0);
+    for (size_t i = 0; i < n; i++) p[i] -= lr * scale * x[i];
+    free(u);
+    free(x);
+}
+
 #endif
