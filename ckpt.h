@@ -1382,18 +1382,24 @@ static int ckpt_commit(CkptWriter* w, const char* config_json, int keep_last, ch
 
 #define CKPT_RECEIPT_MAX 65536
 
+/* Waits up to timeout_s for path to exist (as a directory when want_dir); 0, or -1 on the timeout. */
+static int ck_wait_for(const char* path, int want_dir, double timeout_s) {
+    struct stat st;
+    for (double deadline = now_seconds() + timeout_s;; sleep_seconds(0.01)) {
+        if (stat(path, &st) == 0 && (!want_dir || S_ISDIR(st.st_mode))) return 0;
+        if (now_seconds() > deadline) return -1;
+    }
+}
+
 /* Joins checkpoint `step` of out_dir, begun by its owner: waits up to timeout_s for the directory. */
 static int ckpt_join(CkptWriter* w, const char* out_dir, int64_t step, double timeout_s, char* err, size_t err_len) {
     memset(w, 0, sizeof *w);
     if (snprintf(w->out_dir, sizeof w->out_dir, "%s", out_dir) >= (int)sizeof w->out_dir ||
         snprintf(w->tmp_dir, sizeof w->tmp_dir, "%s/ckpt_%" PRId64 ".tmp", out_dir, step) >= (int)sizeof w->tmp_dir)
         return fail(err, err_len, "%s: path too long", out_dir);
-    struct stat st;
-    for (double deadline = now_seconds() + timeout_s; stat(w->tmp_dir, &st) != 0 || !S_ISDIR(st.st_mode);
-         sleep_seconds(0.01))
-        if (now_seconds() > deadline)
-            return fail(err, err_len, "%s: not created within %.0f s by the writer that owns the checkpoint",
-                        w->tmp_dir, timeout_s);
+    if (ck_wait_for(w->tmp_dir, 1, timeout_s))
+        return fail(err, err_len, "%s: not created within %.0f s by the writer that owns the checkpoint", w->tmp_dir,
+                    timeout_s);
     w->step = step;
     w->active = 1;
     w->joined = 1;
@@ -1466,9 +1472,7 @@ static int ckpt_take_receipt(CkptWriter* w, const char* receipt, double timeout_
     char rpath[CK_PATH_MAX];
     if (snprintf(rpath, sizeof rpath, "%s/%s", w->tmp_dir, receipt) >= (int)sizeof rpath)
         return fail(err, err_len, "%s/%s: path too long", w->tmp_dir, receipt);
-    struct stat st;
-    for (double deadline = now_seconds() + timeout_s; stat(rpath, &st) != 0; sleep_seconds(0.01))
-        if (now_seconds() > deadline) return fail(err, err_len, "%s: did not arrive within %.0f s", rpath, timeout_s);
+    if (ck_wait_for(rpath, 0, timeout_s)) return fail(err, err_len, "%s: did not arrive within %.0f s", rpath, timeout_s);
     char* text;
     size_t len;
     if (read_whole_file(rpath, CKPT_RECEIPT_MAX, &text, &len, err, err_len)) return -1;

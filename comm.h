@@ -1,23 +1,27 @@
 /*
- * comm.h - data parallelism's foundation: who this process is (the launcher's environment), how
- * the processes meet (a TCP bootstrap that hands NCCL's unique id from rank 0 to every other rank,
+ * comm.h - data parallelism over NCCL: who this process is (the launcher's environment), how the
+ * processes meet (a TCP bootstrap that hands NCCL's unique id from rank 0 to every other rank,
  * without MPI or a shared file system), who owns which part of the parameters (ZeRO's shard
- * arithmetic), and the NCCL communicator built from all three.
+ * arithmetic and the resharding of checkpoints), the NCCL communicator with its own stream and the
+ * collectives train_gpt.cu queues on it, the watchdog that stops a rank whose peer died, and the
+ * launcher behind --gpus N.
  *
  * train_gpt runs one process per GPU. A launcher (torchrun, or Slurm's srun) starts them and tells
  * each its rank in environment variables, which comm_env_read turns into a CommEnv. Rank 0 then
  * asks NCCL for a unique id, comm_bootstrap_exchange sends those 128 bytes from rank 0 to every
  * other rank over TCP, and each rank joins the communicator with it (comm_nccl_init). ZeRO splits
- * the flat parameter buffer of train_gpt.cu's ParamTable into equal, aligned shards, one per rank;
- * CommShards does that arithmetic, including the plan that reshards a checkpoint written by W1
- * ranks for a run of W2. doc/data_parallel.md says how the ZeRO modes use it, and what they cost.
+ * each bucket (one layer's range) of train_gpt.cu's flat parameter buffer into equal, aligned
+ * pieces, one per rank; CommShards does that arithmetic, including the plan that reshards a
+ * checkpoint written by W1 ranks for a run of W2. doc/data_parallel.md says how the ZeRO modes use
+ * it, and what they cost.
  *
  * The convention: a function that can fail returns 0 (or a file descriptor) on success and -1 on
  * failure, with one line in (err, err_len) naming what failed and what to do about it. Nothing here
- * prints or exits (NCCL_CHECK, for the calls that cannot fail for a peer's sake, lives beside
- * CUDA_CHECK in lib/cuda_check.h). Every wait has a
- * deadline: a rank that never arrives is an error naming it, never a hang. The bootstrap moves
- * bytes and knows nothing of NCCL, so test/test_comm.h runs it between real processes, no GPU.
+ * prints or exits, except the collectives and the watchdog, which stop the process with one line
+ * when NCCL fails (NCCL_CHECK, for the calls that cannot fail for a peer's sake, lives beside
+ * CUDA_CHECK in lib/cuda_check.h). Every wait has a deadline: a rank that never arrives is an
+ * error naming it, never a hang. The bootstrap moves bytes and knows nothing of NCCL, so
+ * test/test_comm.h runs it between real processes, no GPU.
  */
 #ifndef COMM_H
 #define COMM_H

@@ -645,6 +645,13 @@ __device__ __forceinline__ float clip_scale_of(const OptimConfig& o, const Optim
     return (o.grad_clip > 0.0f && norm > o.grad_clip) ? o.grad_clip / norm : 1.0f;
 }
 
+// AdamW's new weight from the new moments: the one place the update formula is written (the
+// fp32 and the 8-bit kernels both call it, so they agree to the bit on the same m and v).
+__device__ __forceinline__ float adamw_new_weight(float p, float mi, float vi, float wd, float lr,
+                                                  float bias_corr1, float bias_corr2, float eps) {
+    return p - lr * ((mi / bias_corr1) / (sqrtf(vi / bias_corr2) + eps) + wd * p);
+}
+
 __global__ void adamw_kernel(float* master, bf16* params, const float* grads, float* m, float* v,
                              const uint8_t* flags, size_t n, OptimConfig o, const OptimScalars* s) {
     float clip_scale = clip_scale_of(o, s);
@@ -657,9 +664,8 @@ __global__ void adamw_kernel(float* master, bf16* params, const float* grads, fl
         float vi = o.beta2 * v[i] + (1.0f - o.beta2) * g * g;
         m[i] = mi;
         v[i] = vi;
-        float p = master[i];
         float wd = (flag & PARAM_FLAG_DECAY) ? o.weight_decay : 0.0f;
-        p -= lr * ((mi / bias_corr1) / (sqrtf(vi / bias_corr2) + o.eps) + wd * p);
+        float p = adamw_new_weight(master[i], mi, vi, wd, lr, bias_corr1, bias_corr2, o.eps);
         master[i] = p;
         params[i] = __float2bfloat16(p);
     }
@@ -800,9 +806,8 @@ __global__ void __launch_bounds__(Q8_BLOCK) adamw8bit_kernel(float* master, bf16
         float mi = o.beta1 * q8_decode(qm[i], absmax_m[b], map_m) + (1.0f - o.beta1) * g;
         float ri = q8_decode(qv[i], absmax_v[b], map_v);
         float vi = o.beta2 * ri * ri + (1.0f - o.beta2) * g * g;
-        float p = master[i];
         float wd = (flags[b] & PARAM_FLAG_DECAY) ? o.weight_decay : 0.0f;
-        p -= lr * ((mi / bias_corr1) / (sqrtf(vi / bias_corr2) + o.eps) + wd * p);
+        float p = adamw_new_weight(master[i], mi, vi, wd, lr, bias_corr1, bias_corr2, o.eps);
         master[i] = p;
         params[i] = __float2bfloat16(p);
         ri = sqrtf(vi);

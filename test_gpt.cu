@@ -727,7 +727,7 @@ static int test_kernel_embedding_and_reductions(void) {
     // embedding forward/backward through upload_batch's bucketing, with many repeated tokens
     ModelConfig c = {64, 72, 1, 2, 1, 64, 8, 50, 1e4f, 1e-6f};
     GPT m;
-    gpt_create(&m, &c, 3, 50, false, 4096, &ONE_GPU);
+    gpt_create(&m, &c, 3, 50, false, 4096, &ONE_GPU, OPTIMIZER_ADAMW);
     Uploader up;
     uploader_create(&up, m.N, c.vocab_size);
     uint16_t* window = random_window(3, 50, 11);  // tokens < 11: heavy repetition
@@ -888,7 +888,7 @@ static int test_model_matches_reference(void) {
     for (auto& tc : cases) {
         const ModelConfig* c = &tc.c;
         GPT m;
-        gpt_create(&m, c, tc.B, c->seq_len, tc.recompute, 100, &ONE_GPU);  // loss_chunk 100: several chunks
+        gpt_create(&m, c, tc.B, c->seq_len, tc.recompute, 100, &ONE_GPU, OPTIMIZER_ADAMW);  // loss_chunk 100: several chunks
         Uploader up;
         uploader_create(&up, m.N, c->vocab_size);
         double* p = random_params(c, &m.table, 0.08);
@@ -935,7 +935,7 @@ static int test_model_deterministic(void) {
     double loss[3];
     for (int run = 0; run < 3; run++) {
         GPT m;
-        gpt_create(&m, &c, 4, c.seq_len, run == 2, 333, &ONE_GPU);
+        gpt_create(&m, &c, 4, c.seq_len, run == 2, 333, &ONE_GPU, OPTIMIZER_ADAMW);
         Uploader up;
         uploader_create(&up, m.N, c.vocab_size);
         ParamTable* pt = &m.table;
@@ -980,7 +980,7 @@ static int test_model_bucket_hook(void) {
     int failed = 0;
     ModelConfig c = {1024, 128, 3, 2, 1, 64, 256, 64, 1e4f, 1e-6f};
     GPT m;
-    gpt_create(&m, &c, 2, c.seq_len, true, 4096, &ONE_GPU);
+    gpt_create(&m, &c, 2, c.seq_len, true, 4096, &ONE_GPU, OPTIMIZER_ADAMW);
     gpt_init(&m, 3);
     Uploader up;
     uploader_create(&up, m.N, c.vocab_size);
@@ -1030,7 +1030,7 @@ static void zero_mode_run(int zero, int accum, const ModelConfig* c, const uint1
     if (comm_open(&comm, &env, 10.0, err, sizeof(err)) != 0) printf("    %s\n", err);
     Sharding dp = {0, 1, zero, &comm};
     GPT m;
-    gpt_create(&m, c, 2, c->seq_len, true, 4096, &dp);
+    gpt_create(&m, c, 2, c->seq_len, true, 4096, &dp, OPTIMIZER_ADAMW);
     gpt_init(&m, 11);
     Uploader up;
     uploader_create(&up, m.N, c->vocab_size);
@@ -1097,7 +1097,7 @@ static int test_model_trains(void) {
     int failed = 0;
     ModelConfig c = {1024, 128, 2, 2, 1, 64, 256, 64, 1e4f, 1e-6f};
     GPT m;
-    gpt_create(&m, &c, 4, c.seq_len, true, 4096, &ONE_GPU);
+    gpt_create(&m, &c, 4, c.seq_len, true, 4096, &ONE_GPU, OPTIMIZER_ADAMW);
     gpt_init(&m, 7);
     Uploader up;
     uploader_create(&up, m.N, c.vocab_size);

@@ -11,19 +11,23 @@
  *   logits = rmsnorm(x) @ embed^T                  tied output head, never materialized whole
  *   loss   = mean cross-entropy of the next token
  *
- * What lives where: kernels.cuh holds the CUDA kernels, the optimizer's kernels and the one matmul
- * wrapper; data.h the token shards and loader; ckpt.h the safetensors and checkpoint files;
- * doc/map.md is the map of the whole repository. This file, in reading order: the config; the
- * parameter table, which lays out every tensor in one flat buffer; the activations; the model on
- * the GPU; uploading batches; forward; backward; the optimizer step; HF export and checkpoints;
- * the command line; and the Trainer, whose train_step() is one optimizer step and whose loop
- * main() runs.
+ * What lives where: kernels.cuh holds the CUDA kernels, the optimizers' kernels and the one matmul
+ * wrapper; lib/fp8.cuh FP8's casts and scales; data.h the token shards and loader; comm.h data
+ * parallelism over NCCL (ranks, collectives, ZeRO's shard arithmetic); ckpt.h the safetensors and
+ * checkpoint files; doc/map.md is the map of the whole repository. This file, in reading order:
+ * the config; the parameter table, which lays out every tensor in one flat buffer; the
+ * activations; the model on the GPU (with FP8 mode); uploading batches; forward; backward (with
+ * the hook where a bucket's gradients leave for the other ranks); the optimizer step (AdamW,
+ * 8-bit AdamW or Muon, on this rank's pieces); HF export and checkpoints (every rank writes its
+ * optimizer shard); the command line; and the Trainer, whose train_step() is one optimizer step
+ * and whose loop main() runs.
  *
- * Precision: bf16 weights and activations for compute, fp32 accumulation everywhere, fp32 master
- * weights, gradients and AdamW moments. One convention to know: parameters live in ONE flat buffer
- * (the same layout for the fp32 master copy, the bf16 copy, the gradients and both moments), laid
- * out layer by layer, so that each layer's gradients are one contiguous range (a "bucket") that
- * is complete as soon as the backward has left that layer.
+ * Precision: bf16 weights and activations for compute (or FP8 for the layers' matmuls with --fp8
+ * 1), fp32 accumulation everywhere, fp32 master weights and gradients, the optimizer's state in
+ * fp32 (or 8 bits). One convention to know: parameters live in ONE flat buffer (the same layout for
+ * the fp32 master copy, the bf16 copy and the gradients; the optimizer's buffers hold this rank's
+ * pieces of it), laid out layer by layer, so that each layer's gradients are one contiguous range
+ * (a "bucket") that is complete as soon as the backward has left that layer.
  * test_gpt.cu #includes this file with TRAIN_GPT_NO_MAIN defined, so tests run this exact code.
  */
 #include <stdio.h>
@@ -193,9 +197,23 @@ static void param_add(ParamTable* pt, const ModelConfig* c, ParamKind kind, int 
 }
 
 // Pads a bucket that ends at *offset to a multiple of world * PARAM_ALIGN elements.
+// A bucket of `used` elements cut into n_shards pieces the way comm.h cuts every collective's
+// buffer: equal, PARAM_ALIGN-aligned pieces, the last padded. The parameter table pads each bucket
+// to comm_padded_len of this split, so ZeRO's pieces, the checkpoint's shards and the resharding
+// plan all come from this one piece of arithmetic.
+static CommShards bucket_split(size_t used, int n_shards) {
+    CommShards shards;
+    char err[256];
+    if (comm_shards_init(&shards, used, n_shards, PARAM_ALIGN, err, sizeof(err)) != 0) {
+        fprintf(stderr, "train_gpt: %s\n", err);
+        exit(1);
+    }
+    return shards;
+}
+
 static void bucket_pad(size_t* offset, size_t bucket_start, int world) {
-    size_t unit = (size_t)world * PARAM_ALIGN, len = *offset - bucket_start;
-    *offset = bucket_start + (len + unit - 1) / unit * unit;
+    CommShards shards = bucket_split(*offset - bucket_start, world);
+    *offset = bucket_start + comm_padded_len(&shards);
 }
 
 static void param_table_build(ParamTable* pt, const ModelConfig* c, int world) {
@@ -447,7 +465,8 @@ typedef struct GPT {
     GptFp8 fp8;
 } GPT;
 
-// The elements of bucket b this rank's optimizer owns: all of it (ZeRO 0), or its piece.
+// The elements of bucket b this rank's optimizer owns: all of it (ZeRO 0), or its piece. The bucket
+// is bucket_split's padded length, so len / world is that split's piece, padding included.
 static void owned_part(const GPT* m, int b, size_t* begin, size_t* end) {
     size_t start = m->table.bucket_offset[b], len = bucket_len(&m->table, b);
     if (m->dp.zero == 0) {
@@ -731,8 +750,8 @@ static void gpt_allocate(GPT* m) {
 
 // dp says which rank of how many this is and the ZeRO mode (ONE_GPU on one GPU); `optimizer`
 // which update rule, whose state is sized and allocated here (Muon needs dp->zero == 0).
-static void gpt_create_for(GPT* m, const ModelConfig* cfg, int B, int T, bool recompute, int loss_chunk,
-                           const Sharding* dp, OptimizerKind optimizer) {
+static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recompute, int loss_chunk,
+                       const Sharding* dp, OptimizerKind optimizer) {
     memset(m, 0, sizeof(*m));
     m->cfg = *cfg;
     m->optimizer = optimizer;
@@ -751,12 +770,6 @@ static void gpt_create_for(GPT* m, const ModelConfig* cfg, int B, int T, bool re
     gpt_plan_memory(m);
     gpt_check_fits(m);  // a plan that cannot fit is one line, before any allocation
     gpt_allocate(m);
-}
-
-// With AdamW (the tests' models).
-static __attribute__((unused)) void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recompute,
-                                               int loss_chunk, const Sharding* dp) {
-    gpt_create_for(m, cfg, B, T, recompute, loss_chunk, dp, OPTIMIZER_ADAMW);
 }
 
 static void gpt_free(GPT* m) {
@@ -1599,20 +1612,12 @@ static void checkpoint_config_json(const GPT* m, JsonWriter* w) {
     jw_object_end(w);
 }
 
-// Bucket b's used elements cut into n_shards (comm.h's arithmetic, PARAM_ALIGN-aligned pieces).
-static CommShards bucket_shards(const ParamTable* pt, int b, int n_shards) {
-    CommShards shards;
-    char err[256];
-    if (comm_shards_init(&shards, pt->bucket_used[b], n_shards, PARAM_ALIGN, err, sizeof(err)) != 0) {
-        fprintf(stderr, "train_gpt: %s\n", err);
-        exit(1);
-    }
-    return shards;
-}
-
 static void optimizer_file_name(char* out, size_t n, int shard, int n_shards) {
     snprintf(out, n, "optimizer.%d-of-%d.safetensors", shard, n_shards);
 }
+
+// The receipt (ckpt.h) by which the rank writing shard `shard` tells rank 0 its file is written.
+static void receipt_name(char* out, size_t n, int shard) { snprintf(out, n, "receipt.%d", shard); }
 
 // This rank's shard of the optimizer's state (a host copy of its opt_state) as one file: per state
 // tensor and bucket b, "<name>.<b>", 1-d (AdamW, Muon: exp_avg.<b> and exp_avg_sq.<b>, fp32; 8-bit
@@ -1625,7 +1630,7 @@ static int add_optimizer_shard(CkptWriter* w, const GPT* m, const void* opt_stat
     for (int k = 0; k < m->n_opt_tensors; k++) {
         const OptStateTensor* t = &m->opt_tensors[k];
         for (int b = 0; b < n_buckets; b++) {
-            CommShards shards = bucket_shards(pt, b, n_shards);
+            CommShards shards = bucket_split(pt->bucket_used[b], n_shards);
             CommRange mine = comm_shard_range(&shards, shard);
             if (mine.end == mine.begin) continue;
             snprintf(names[n], 32, "%s.%d", t->name, b);
@@ -1665,7 +1670,7 @@ static bool checkpoint_write_owner(const GPT* m, const float* master, const void
               (!fp8_state || ckpt_add_file(&w, "fp8_scales.bin", fp8_state, fp8_state_bytes(m), err, err_len) == 0);
     for (int r = 1; ok && r < optimizer_shards(m); r++) {
         char receipt[32];
-        snprintf(receipt, sizeof(receipt), "receipt.%d", r);
+        receipt_name(receipt, sizeof(receipt), r);
         ok = ckpt_take_receipt(&w, receipt, CKPT_PEER_WAIT_S, err, err_len) == 0;
     }
     ok = ok && ckpt_commit(&w, jw_text(&config), keep_last, err, err_len) == 0;
@@ -1682,7 +1687,7 @@ static bool checkpoint_write_shard(const GPT* m, const void* opt_state, int64_t 
                                    const char* out_dir, char* err, size_t err_len) {
     CkptWriter w;
     char receipt[32];
-    snprintf(receipt, sizeof(receipt), "receipt.%d", optimizer_shard(m));
+    receipt_name(receipt, sizeof(receipt), optimizer_shard(m));
     if (ckpt_join(&w, out_dir, step, CKPT_PEER_WAIT_S, err, err_len) != 0) return false;
     bool ok = add_optimizer_shard(&w, m, opt_state, err, err_len) == 0;
     char receipt_err[1024];
@@ -1704,7 +1709,8 @@ static bool read_optimizer_shards(const GPT* m, const CkptReader* r, int old_sha
     CommCopy* copies = (CommCopy*)xcalloc(old_shards, sizeof(CommCopy));
     bool ok = true;
     for (int b = 0; ok && b <= pt->n_layers; b++) {
-        CommShards from = bucket_shards(pt, b, old_shards), to = bucket_shards(pt, b, optimizer_shards(m));
+        CommShards from = bucket_split(pt->bucket_used[b], old_shards),
+                   to = bucket_split(pt->bucket_used[b], optimizer_shards(m));
         int n_copies = 0;
         ok = comm_reshard_plan(&from, &to, optimizer_shard(m), copies, old_shards, &n_copies, err, err_len) == 0;
         for (int i = 0; ok && i < n_copies; i++) {
@@ -2561,7 +2567,7 @@ static void trainer_open_model(Trainer* t) {
     GPT* m = &t->model;
     Sharding dp = ONE_GPU;
     if (t->parallel) dp = (Sharding){t->env.rank, t->env.world, o->zero, &t->comm};
-    gpt_create_for(m, &o->model, o->batch_size, o->model.seq_len, o->recompute != 0, o->loss_chunk, &dp,
+    gpt_create(m, &o->model, o->batch_size, o->model.seq_len, o->recompute != 0, o->loss_chunk, &dp,
                    (OptimizerKind)optimizer_kind(o->optimizer));
     m->deterministic = o->deterministic != 0;
     if (o->fp8) gpt_enable_fp8(m, strcmp(o->fp8_scaling, "current") == 0 ? FP8_CURRENT : FP8_DELAYED);

@@ -226,7 +226,7 @@ static int test_fp8_gpu_layer_products(void) {
     REQUIRE_GPU();
     int failed = 0;
     GPT m;
-    gpt_create(&m, &FP8_TEST_CONFIG, 2, FP8_TEST_CONFIG.seq_len, false, 128, &ONE_GPU);
+    gpt_create(&m, &FP8_TEST_CONFIG, 2, FP8_TEST_CONFIG.seq_len, false, 128, &ONE_GPU, OPTIMIZER_ADAMW);
     gpt_enable_fp8(&m, FP8_CURRENT);
     const ParamTensor* t = param(&m.table, P_GATE_UP, 0);
     int N = m.N, O = (int)t->rows, I = (int)t->cols;
@@ -302,7 +302,7 @@ static int test_fp8_gpu_model_gradients_vs_bf16(void) {
         double loss[3];  // BF16, FP8 current, FP8 delayed (one model at a time: matmul's state is global)
         for (int run = 0; run < 2; run++) {
             GPT m;
-            gpt_create(&m, c, B, c->seq_len, recompute, 128, &ONE_GPU);
+            gpt_create(&m, c, B, c->seq_len, recompute, 128, &ONE_GPU, OPTIMIZER_ADAMW);
             if (run == 1) gpt_enable_fp8(&m, FP8_CURRENT);
             Uploader up;
             uploader_create(&up, m.N, c->vocab_size);
