@@ -782,28 +782,6 @@ static CommRange comm_range_intersect(CommRange a, CommRange b) {
     return r;
 }
 
-// Gradient buckets (a layer's contiguous range [b0, b1) of the flat buffer) can be owned in two
-// ways; doc/data_parallel.md compares them. Sharded as a whole, the part of the bucket that rank
-// `rank` owns is the bucket's overlap with the rank's shard:
-static CommRange comm_bucket_owned(const CommShards* s, size_t b0, size_t b1, int rank) {
-    CommRange bucket = {b0, b1};
-    return comm_range_intersect(bucket, comm_shard_range(s, rank));
-}
-
-// Sharded bucket by bucket, each bucket is split evenly itself, as NCCL's reduce-scatter of the
-// bucket does: rank `rank` owns its shard of the bucket's own CommShards (n = b1 - b0), here in
-// flat-buffer coordinates. Its buffers then need world * shard elements from b0, padding included.
-static int comm_bucket_split(size_t b0, size_t b1, int world, size_t align, int rank, CommRange* owned,
-                             CommShards* bucket, char* err, size_t err_len) {
-    if (b1 < b0) return fail(err, err_len, "bucket [%zu, %zu) ends before it begins", b0, b1);
-    if (comm_shards_init(bucket, b1 - b0, world, align, err, err_len)) return -1;
-    if (b0 % align != 0) return fail(err, err_len, "bucket begins at %zu, not a multiple of %zu", b0, align);
-    if (rank < 0 || rank >= world) return fail(err, err_len, "rank %d is outside 0..%d", rank, world - 1);
-    CommRange r = comm_shard_range(bucket, rank);
-    owned->begin = b0 + r.begin, owned->end = b0 + r.end;
-    return 0;
-}
-
 // One piece of a resharding: `count` elements from offset old_offset of old rank old_rank's shard
 // go to offset new_offset of the new rank's shard.
 typedef struct {

@@ -207,6 +207,47 @@ static int test_param_table_layout(void) {
     return TEST_RESULT;
 }
 
+// The parameter table pads each bucket for W ranks, and ZeRO cuts it into W pieces (owned_part);
+// the checkpoint cuts its used elements into S shards (bucket_split). Over awkward configs and
+// world sizes: every bucket is a multiple of W x PARAM_ALIGN long with less than that of padding,
+// the W pieces are equal, aligned and consecutive and each holds exactly bucket_split's range of
+// real elements for that rank, and those ranges tile the used elements.
+static int test_param_table_buckets_split_evenly(void) {
+    int failed = 0;
+    const int worlds[] = {1, 2, 3, 7, 8};
+    for (size_t ci = 0; ci < sizeof(SANE_CONFIGS) / sizeof(SANE_CONFIGS[0]); ci++)
+        for (int wi = 0; wi < 5; wi++) {
+            int W = worlds[wi];
+            GPT m;
+            memset(&m, 0, sizeof(m));
+            m.cfg = SANE_CONFIGS[ci];
+            m.dp.world = W, m.dp.zero = W > 1 ? 1 : 0;
+            param_table_build(&m.table, &m.cfg, W);
+            for (int b = 0; b <= m.cfg.n_layer; b++) {
+                size_t start = m.table.bucket_offset[b], len = bucket_len(&m.table, b), used = m.table.bucket_used[b];
+                size_t unit = (size_t)W * PARAM_ALIGN, real = 0;
+                EXPECT(len % unit == 0 && len >= used && len - used < unit, "config %zu W %d bucket %d: %zu elements "
+                       "for %zu used", ci, W, b, len, used);
+                CommShards shards = bucket_split(used, W);
+                for (int r = 0; r < W; r++) {
+                    m.dp.rank = r;
+                    size_t begin, end;
+                    owned_part(&m, b, &begin, &end);
+                    CommRange mine = comm_shard_range(&shards, r);
+                    EXPECT(end - begin == len / W && begin == start + r * (len / W) && begin % PARAM_ALIGN == 0,
+                           "config %zu W %d bucket %d rank %d: piece [%zu, %zu)", ci, W, b, r, begin, end);
+                    EXPECT(mine.end <= used && start + mine.begin >= begin && start + mine.end <= end &&
+                           mine.begin == real, "config %zu W %d bucket %d rank %d: real [%zu, %zu) outside its piece",
+                           ci, W, b, r, mine.begin, mine.end);
+                    real = mine.end > real ? mine.end : real;
+                }
+                EXPECT(real == used, "config %zu W %d bucket %d: the pieces hold %zu of %zu", ci, W, b, real, used);
+            }
+            param_table_free(&m.table);
+        }
+    return TEST_RESULT;
+}
+
 // Every element of every parameter is exported exactly once under an HF name.
 static int test_hf_names_cover_every_parameter(void) {
     int failed = 0;
@@ -1487,6 +1528,7 @@ static const TestCase model_tests[] = {
     {"config_accepts_sane_configs", test_config_accepts_sane_configs},
     {"config_rejects_bad_configs", test_config_rejects_bad_configs},
     {"param_table_layout", test_param_table_layout},
+    {"param_table_buckets_split_evenly", test_param_table_buckets_split_evenly},
     {"hf_names_cover_every_parameter", test_hf_names_cover_every_parameter},
     {"learning_rate_schedules", test_learning_rate_schedules},
     {"flops_per_token", test_flops_per_token},

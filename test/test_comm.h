@@ -327,55 +327,6 @@ static int test_comm_reshard_plan(void) {
     return TEST_RESULT;
 }
 
-// A layer-major layout's buckets, of awkward lengths (multiples of 128), owned both ways.
-static int test_comm_bucket_parts(void) {
-    int failed = 0;
-    char err[CT_ERR];
-    const size_t lengths[] = {128 * 10, 128 * 3, 128 * 50, 128, 128 * 400, 128 * 7};
-    const int n_buckets = 6, worlds[] = {1, 2, 3, 7, 8};
-    size_t total = 0;
-    for (int b = 0; b < n_buckets; b++) total += lengths[b];
-    for (int wi = 0; wi < 5; wi++) {
-        int W = worlds[wi];
-        CommShards s;
-        comm_shards_init(&s, total, W, 128, err, sizeof(err));
-        size_t b0 = 0;
-        for (int b = 0; b < n_buckets; b++) {
-            size_t b1 = b0 + lengths[b], whole = 0, split = 0, shard = 0;
-            for (int r = 0; r < W; r++) {
-                // sharded as a whole: the bucket's overlap with the rank's shard
-                CommRange own = comm_bucket_owned(&s, b0, b1, r), mine = comm_shard_range(&s, r);
-                EXPECT(own.begin >= b0 && own.end <= b1 && (own.begin == own.end ||
-                       (own.begin >= mine.begin && own.end <= mine.end)), "W %d bucket %d rank %d", W, b, r);
-                whole += own.end - own.begin;
-                // split evenly: consecutive parts from b0, equal shards, aligned boundaries
-                CommRange part = {0, 0};
-                CommShards bucket = {0, 0, 0, 0};
-                EXPECT(comm_bucket_split(b0, b1, W, 128, r, &part, &bucket, err, sizeof(err)) == 0, "%s", err);
-                EXPECT(part.begin == b0 + split && part.end <= b1 && part.end - part.begin <= bucket.shard,
-                       "W %d bucket %d rank %d: [%zu, %zu)", W, b, r, part.begin, part.end);
-                EXPECT(part.begin % 128 == 0 || part.begin == b1, "W %d bucket %d rank %d begins at %zu", W, b, r,
-                       part.begin);
-                EXPECT(r == 0 || bucket.shard == shard, "W %d bucket %d: unequal shards", W, b);
-                shard = bucket.shard;
-                split += part.end - part.begin;
-            }
-            EXPECT(whole == lengths[b] && split == lengths[b] && shard * (size_t)W >= lengths[b],
-                   "W %d bucket %d: owned %zu and %zu of %zu", W, b, whole, split, lengths[b]);
-            b0 = b1;
-        }
-    }
-    CommRange part;
-    CommShards bucket;
-    EXPECT(comm_bucket_split(256, 128, 2, 128, 0, &part, &bucket, err, sizeof(err)) == -1 && ct_has(err, "ends before"),
-           "%s", err);
-    EXPECT(comm_bucket_split(100, 356, 2, 128, 0, &part, &bucket, err, sizeof(err)) == -1 && ct_has(err, "begins at 100"),
-           "%s", err);
-    EXPECT(comm_bucket_split(0, 256, 2, 128, 2, &part, &bucket, err, sizeof(err)) == -1 && ct_has(err, "rank 2"),
-           "%s", err);
-    return TEST_RESULT;
-}
-
 // ----------------------------------------------------------------------------------------------
 // The bootstrap, between processes
 
@@ -682,7 +633,6 @@ static const TestCase comm_tests[] = {
     {"comm_env_rejects_bad_values", test_comm_env_rejects_bad_values},
     {"comm_shard_ranges", test_comm_shard_ranges},
     {"comm_reshard_plan", test_comm_reshard_plan},
-    {"comm_bucket_parts", test_comm_bucket_parts},
     {"comm_bootstrap_exchanges_blob", test_comm_bootstrap_exchanges_blob},
     {"comm_bootstrap_ignores_strays", test_comm_bootstrap_ignores_strays},
     {"comm_bootstrap_missing_rank", test_comm_bootstrap_missing_rank},
