@@ -710,6 +710,14 @@ static int test_kernel_matmul_fp8(void) {
         want8[i] = fp8_round(y[i] * scales_host[8], false);
     }
     CHECK_CLOSE("fp8 x fp8 -> e4m3 (scaled)", gy8, want8, (size_t)N * O, 4e-2);
+    // fast accumulation: a plan of its own (the key holds it), and the same product, less exactly:
+    // the accumulators keep about 14 bits (2^-14 per addition, ~sqrt(K) of them: ~1e-3 here)
+    int plans = g_n_plans;
+    matmul(mm_bf16(d_y), W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0, true);
+    EXPECT(g_n_plans == plans + 1, "fast accumulation made %d new plans, want 1", g_n_plans - plans);
+    double* gy_fast = from_device_bf16(d_y, (size_t)N * O);
+    CHECK_CLOSE("fp8 x fp8 -> bf16, fast accumulation", gy_fast, y, (size_t)N * O, 1e-2);
+    free(gy_fast);
     double* got_amax = from_device_f32(d_scales + 12, 1);
     // Hopper's FP8 products accumulate in narrower registers than fp32 before cuBLASLt promotes
     // them (we saw 2.6e-5 relative on this shape), so the amax is held to 1e-3
