@@ -23,7 +23,7 @@
  * and whose loop main() runs.
  *
  * Precision: bf16 weights and activations for compute (or FP8 for the layers' matmuls with --fp8
- * 1), fp32 accumulation everywhere, fp32 master weights and gradients, the optimizer's state in
+ * 1, and the head's with --fp8-head 1), fp32 accumulation everywhere, fp32 master weights and gradients, the optimizer's state in
  * fp32 (or 8 bits). One convention to know: parameters live in ONE flat buffer (the same layout for
  * the fp32 master copy, the bf16 copy and the gradients; the optimizer's buffers hold this rank's
  * pieces of it), laid out layer by layer, so that each layer's gradients are one contiguous range

@@ -1,10 +1,13 @@
 /*
  * test/test_fp8.h - FP8 mode's tests: the rounding of both formats on every code, the cast
  * kernels and the scales against the CPU reference (test/reference.h), the FP8 products of one
- * layer, and the whole model's FP8 gradients against its BF16 ones.
+ * layer, the whole model's FP8 gradients (the head's in FP8 too, fast accumulation) against its
+ * BF16 ones, the scales' log (--fp8-log-scales) against a checkpoint's scales, and on two GPUs
+ * the ranks' agreement on their scales and a bit-exact resume.
  *
- * test_gpt.cu includes it after its whole-model helpers (gpu_forward_backward, random_params),
- * which the model tests here use, and runs fp8_tests. The kernel tests are exact: inputs are bf16,
+ * test_gpt.cu includes it after its whole-model helpers (gpu_forward_backward, random_params) and
+ * its run helpers (make_shard_dir, SMALL_RUN, compare_logged_steps, gpu_count), which the tests
+ * here use, and runs fp8_tests. The kernel tests are exact: inputs are bf16,
  * scales powers of two, so the GPU's codes must equal the reference's bit for bit. Only the
  * matmuls' accumulation (and their outputs' rounding) is held to a tolerance.
  */
