@@ -963,6 +963,13 @@ static void comm_all_reduce(Comm* c, float* x, size_t n) {
     comm_call(c, ncclAllReduce(x, x, n, ncclFloat, ncclSum, c->nccl, c->stream), "all-reduce");
 }
 
+// Maxima of fp32 across ranks, in place over n elements (FP8's amaxes: every rank then derives
+// the same scales). A max is exact and does not depend on the order, so every rank gets the same bits.
+static void comm_all_reduce_max(Comm* c, float* x, size_t n) {
+    if (c->world == 1) return;
+    comm_call(c, ncclAllReduce(x, x, n, ncclFloat, ncclMax, c->nccl, c->stream), "all-reduce (max)");
+}
+
 static void comm_copy(Comm* c, void* dst, const void* src, size_t bytes) {  // a collective of one rank
     if (dst != src) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream));
 }

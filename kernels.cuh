@@ -868,6 +868,10 @@ static void q8_quantize(uint8_t* codes, float* absmax, const float* x, size_t n,
 // amax pointer must be 16-byte aligned (else the call is "not supported"), and an amax is
 // computed only for an FP8 result. matmul() checks both rules and says so in one line.
 //
+// FP8 products may also run with fast accumulation (cuBLASLt's FAST_ACCUM): the tensor cores'
+// narrower accumulators are then never promoted to fp32 along k, which is faster and less
+// exact; train_gpt offers it for the forward products only (--fp8-fast-accum, doc/fp8.md).
+//
 // Descriptors, layouts and the heuristic's choice of algorithm are made once per shape and kept
 // in a plan; a call finds its plan, sets the scale pointers, and launches.
 
@@ -887,7 +891,7 @@ static MatmulOperand mm_f32(float* p) { return (MatmulOperand){p, CUDA_R_32F, NU
 
 typedef struct {  // what makes two calls the same plan; all ints, so no padding for memcmp to trip on
     int m, n, k;
-    int trans_a, trans_b, has_c, scale_a, scale_b, scale_d, amax_d;
+    int trans_a, trans_b, has_c, scale_a, scale_b, scale_d, amax_d, fast_accum;
     int a_type, b_type, d_type;  // cudaDataType_t
 } MatmulKey;
 
@@ -952,6 +956,9 @@ static MatmulPlan matmul_plan_make(const MatmulKey* key, const MatmulOperand* a,
     CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
     CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+    const int8_t fast_accum = 1;
+    if (key->fast_accum)
+        CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof(fast_accum)));
     matmul_set_scales(p.desc, a, b, d);
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.layout_a, (cudaDataType_t)key->a_type, key->trans_a ? k : m, key->trans_a ? m : k,
                                             key->trans_a ? k : m));
@@ -992,12 +999,16 @@ static MatmulPlan* matmul_plan(const MatmulKey* key, const MatmulOperand* a, con
 
 // Column-major D[m, n] = op(A)[m, k] op(B)[k, n] (+ beta C, of D's shape, when c is not NULL),
 // accumulated in fp32 (FP8 products: in the tensor cores' narrower accumulators, promoted to fp32
-// along k). Scales (FP8): D = scale_d * (scale_a scale_b op(A) op(B) + beta C).
+// along k unless fast_accum). Scales (FP8): D = scale_d * (scale_a scale_b op(A) op(B) + beta C).
 // All pointers are 256-byte aligned and every leading dimension is the stored matrix's row count.
 static void matmul(MatmulOperand d, MatmulOperand a, MatmulOperand b, const void* c, float beta, int m, int n, int k,
-                   bool trans_a, bool trans_b, cudaStream_t stream) {
+                   bool trans_a, bool trans_b, cudaStream_t stream, bool fast_accum = false) {
     if ((is_fp8(a.type) || is_fp8(b.type)) && (!trans_a || trans_b)) {
         fprintf(stderr, "matmul: FP8 operands need the TN form (trans_a and not trans_b)\n");
+        exit(1);
+    }
+    if (fast_accum && !(is_fp8(a.type) && is_fp8(b.type))) {
+        fprintf(stderr, "matmul: fast accumulation is for FP8 products only\n");
         exit(1);
     }
     const void* scale_pointers[] = {a.scale, b.scale, d.scale, d.amax};
@@ -1011,7 +1022,7 @@ static void matmul(MatmulOperand d, MatmulOperand a, MatmulOperand b, const void
         exit(1);
     }
     const MatmulKey key = {m, n, k, trans_a, trans_b, c != NULL, a.scale != NULL, b.scale != NULL, d.scale != NULL,
-                           d.amax != NULL, a.type, b.type, d.type};
+                           d.amax != NULL, fast_accum, a.type, b.type, d.type};
     MatmulPlan* plan = matmul_plan(&key, &a, &b, &d);
     matmul_set_scales(plan->desc, &a, &b, &d);
     const float alpha = 1.0f;

@@ -751,6 +751,14 @@ static int test_kernel_matmul_fp8(void) {
         want8[i] = fp8_round(y[i] * scales_host[8], false);
     }
     CHECK_CLOSE("fp8 x fp8 -> e4m3 (scaled)", gy8, want8, (size_t)N * O, 4e-2);
+    // fast accumulation: a plan of its own (the key holds it), and the same product, less exactly:
+    // the accumulators keep about 14 bits (2^-14 per addition, ~sqrt(K) of them: ~1e-3 here)
+    int plans = g_n_plans;
+    matmul(mm_bf16(d_y), W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0, true);
+    EXPECT(g_n_plans == plans + 1, "fast accumulation made %d new plans, want 1", g_n_plans - plans);
+    double* gy_fast = from_device_bf16(d_y, (size_t)N * O);
+    CHECK_CLOSE("fp8 x fp8 -> bf16, fast accumulation", gy_fast, y, (size_t)N * O, 1e-2);
+    free(gy_fast);
     double* got_amax = from_device_f32(d_scales + 12, 1);
     // Hopper's FP8 products accumulate in narrower registers than fp32 before cuBLASLt promotes
     // them (we saw 2.6e-5 relative on this shape), so the amax is held to 1e-3
@@ -1198,39 +1206,52 @@ static void logged_step(const char* log_path, int step, char* out, size_t len) {
     fclose(f);
 }
 
+// Steps first..last of two runs' log.jsonl must log the same loss and gradient norm, to the bit;
+// returns 1 (having said which step differs) if they do not.
+static int compare_logged_steps(const char* log_a, const char* log_b, int first, int last) {
+    int failed = 0;
+    char a[512], b[512];
+    for (int step = first; step <= last; step++) {
+        logged_step(log_a, step, a, sizeof(a));
+        logged_step(log_b, step, b, sizeof(b));
+        EXPECT(a[0] && !strcmp(a, b), "step %d: '%s' in %s vs '%s' in %s", step, a, log_a, b, log_b);
+    }
+    return failed;
+}
+
 #define SMALL_RUN                                                                                        \
     "./train_gpt --vocab 512 --d-model 128 --layers 2 --heads 4 --kv-heads 2 --head-dim 64 --ffn 256 " \
     "--seq 64 --batch 4 --total-batch 512 --warmup 2 --lr 3e-3 --val-data '' --sample-every 0 "
 
 // Train 10 steps straight; train 5 (checkpoint, stop), resume, train 5 more: steps 6..10 must log
 // bit-identical losses and gradient norms, with gradient accumulation on and mid-epoch. In BF16,
-// and in FP8 with delayed scaling, validating every 3 steps and at the stop: the scales' amax
-// histories travel in the checkpoint, and an evaluation leaves no trace in them.
+// and in FP8 with delayed scaling (the layers, then the head too), validating every 3 steps and
+// at the stop: the scales' amax histories travel in the checkpoint, and an evaluation leaves no
+// trace in them.
 static int test_resume_is_bit_exact(void) {
     REQUIRE_GPU();
     int failed = 0;
-    char dir[64], cmd[2048], a[512], b[512], path[256], extra[256];
+    char dir[64], cmd[2048], path[256], path_b[256], extra[256];
     EXPECT(make_shard_dir(dir, 60000, 512), "shard");
     const char* quiet = "> /dev/null";
-    const char* modes[] = {"bf16", "fp8"};
-    for (int k = 0; k < 2; k++) {
-        snprintf(extra, sizeof(extra), k ? "--fp8 1 --val-data '%s/train_*.bin' --val-every 3 --val-batches 2" : "", dir);
+    const char* modes[] = {"bf16", "fp8", "fp8_head"};
+    const char* mode_flags[] = {"", "--fp8 1", "--fp8 1 --fp8-head 1"};
+    const char* splits[] = {"split", "fp8_split", "fp8_head_split"};
+    for (int k = 0; k < 3; k++) {
+        snprintf(extra, sizeof(extra), k ? "%s --val-data '%s/train_*.bin' --val-every 3 --val-batches 2" : "",
+                 mode_flags[k], dir);
         snprintf(cmd, sizeof(cmd), SMALL_RUN "%s --train-data '%s/train_*.bin' --steps 10 --ckpt-every 0 --out %s/%s_straight %s",
                  extra, dir, dir, modes[k], quiet);
         EXPECT(system(cmd) == 0, "straight run failed: %s", cmd);
         snprintf(cmd, sizeof(cmd), SMALL_RUN "%s --train-data '%s/train_*.bin' --steps 10 --ckpt-every 3 --stop-at 5 --out %s/%s "
-                 "%s", extra, dir, dir, k ? "fp8_split" : "split", quiet);
+                 "%s", extra, dir, dir, splits[k], quiet);
         EXPECT(system(cmd) == 0, "first half failed: %s", cmd);
         snprintf(cmd, sizeof(cmd), SMALL_RUN "%s --train-data '%s/train_*.bin' --steps 10 --ckpt-every 3 --resume latest --out "
-                 "%s/%s %s", extra, dir, dir, k ? "fp8_split" : "split", quiet);
+                 "%s/%s %s", extra, dir, dir, splits[k], quiet);
         EXPECT(system(cmd) == 0, "resumed half failed: %s", cmd);
-        for (int step = 1; step <= 10; step++) {
-            snprintf(path, sizeof(path), "%s/%s_straight/log.jsonl", dir, modes[k]);
-            logged_step(path, step, a, sizeof(a));
-            snprintf(path, sizeof(path), "%s/%s/log.jsonl", dir, k ? "fp8_split" : "split");
-            logged_step(path, step, b, sizeof(b));
-            EXPECT(a[0] && !strcmp(a, b), "%s step %d: straight '%s' vs split '%s'", modes[k], step, a, b);
-        }
+        snprintf(path, sizeof(path), "%s/%s_straight/log.jsonl", dir, modes[k]);
+        snprintf(path_b, sizeof(path_b), "%s/%s/log.jsonl", dir, splits[k]);
+        failed |= compare_logged_steps(path, path_b, 1, 10);
     }
     snprintf(path, sizeof(path), "%s/fp8_split/ckpt_10/fp8_scales.bin", dir);
     EXPECT(access(path, F_OK) == 0, "the FP8 run's checkpoint has no fp8_scales.bin");

@@ -23,7 +23,7 @@
  * and whose loop main() runs.
  *
  * Precision: bf16 weights and activations for compute (or FP8 for the layers' matmuls with --fp8
- * 1), fp32 accumulation everywhere, fp32 master weights and gradients, the optimizer's state in
+ * 1, and the head's with --fp8-head 1), fp32 accumulation everywhere, fp32 master weights and gradients, the optimizer's state in
  * fp32 (or 8 bits). One convention to know: parameters live in ONE flat buffer (the same layout for
  * the fp32 master copy, the bf16 copy and the gradients; the optimizer's buffers hold this rank's
  * pieces of it), laid out layer by layer, so that each layer's gradients are one contiguous range
@@ -371,27 +371,33 @@ struct GPT;
 // this micro-batch (layers L-1 down to 0, then bucket L); comm.h sends it from here.
 typedef void (*GradsReadyHook)(void* ctx, const struct GPT* m, int bucket);
 
-// FP8 mode (--fp8 1, lib/fp8.cuh): the four matrices of every layer multiply in FP8. Each matrix
-// has three scaled tensors, its weight, its input activation and the gradient of its output, so
-// a layer has FP8_ROLES x 4 scales. The FP8 weights (and their transposes, for the input
-// gradient) sit at the parameter table's offsets; the casts of activations and gradients go
-// through scratch buffers that every layer reuses.
+// FP8 mode (--fp8 1, lib/fp8.cuh): the four matrices of every layer multiply in FP8, and with
+// --fp8-head 1 the output head too (its matrix is the tied embedding E [V, C]). Each matrix has
+// three scaled tensors, its weight, its input activation and the gradient of its output, so a
+// layer has FP8_ROLES x 4 scales and the head FP8_ROLES more (fp8_scale_index). The FP8 weights
+// (and their transposes, for the input gradient) sit at the parameter table's offsets; the casts
+// of activations and gradients go through scratch buffers that every layer (and the head's
+// chunks) reuse.
 typedef enum { FP8_ROLE_WEIGHT, FP8_ROLE_INPUT, FP8_ROLE_GRAD, FP8_ROLES } Fp8Role;
 #define FP8_MATRICES 4  // P_QKV, P_ATTN_OUT, P_GATE_UP, P_DOWN: the layer kinds that are matrices
+static const char* const FP8_ROLE_NAMES[FP8_ROLES] = {"W", "x", "dy"};
 
 typedef struct {
     bool on;
     Fp8Scaling scaling;
+    bool head;              // --fp8-head: the output head's products in FP8 too
+    bool fast_accum;        // --fp8-fast-accum: the forward products accumulate without promotion
     bool calibrated;        // delayed: a step has filled the history (before that, casts measure)
     bool weights_stale;     // the bf16 weights changed since they were last cast
-    Fp8Scale* scales;       // [L * FP8_ROLES * FP8_MATRICES]
+    Fp8Scale* scales;       // [fp8_n_scales]: the layers' (layer, role, kind), then the head's (role)
     Fp8Scale* scales_saved; // the same, and weights_stale, kept while an evaluation runs (fp8_eval)
     bool stale_saved;
-    uint8_t* weights;       // [n_elements] E4M3 W [O, I] of each layer matrix, at its table offset
+    uint8_t* weights;       // [n_elements] E4M3 W [O, I] of each matrix (E [V, C] too), at its table offset
     uint8_t* weights_t;     // [n_elements] E4M3 W^T [I, O]
     uint8_t* x;             // [N, widest input]   E4M3 input of the forward's product
     uint8_t* x_t;           // [widest input, N]   E4M3 input, transposed, for the weight gradient
-    uint8_t* dy;            // [N, widest output]  E5M2 output gradient, for the input gradient
+    uint8_t* dy;            // [N, widest output]  E5M2 output gradient, for the input gradient (the head:
+                            //                     [R, V], a chunk's dlogits, where that is larger)
     uint8_t* dy_t;          // [widest output, N]  and transposed, for the weight gradient
     void* memory;           // the one allocation all of the above are carved from
     size_t bytes;
@@ -787,10 +793,21 @@ static void gpt_free(GPT* m) {
     free(m->opt_offset);
 }
 
+// The scales: every layer's FP8_ROLES x FP8_MATRICES, then the output head's FP8_ROLES (there
+// whether or not --fp8-head uses them, so that fp8_scales.bin has one layout).
+static size_t fp8_n_scales(const ModelConfig* c) { return ((size_t)c->n_layer * FP8_MATRICES + 1) * FP8_ROLES; }
+
+// Where the scale of `role` of matrix `kind` (P_QKV .. P_DOWN of layer l, or P_EMBED: the head) is.
+static size_t fp8_scale_index(const ModelConfig* c, Fp8Role role, ParamKind kind, int l) {
+    if (kind == P_EMBED) return (size_t)c->n_layer * FP8_MATRICES * FP8_ROLES + role;
+    return ((size_t)l * FP8_ROLES + role) * FP8_MATRICES + kind;
+}
+
 // Turns FP8 mode on (after gpt_create, before any step): allocates the FP8 weights, the scratch
 // of the casts and the scales, and says so in one line if they do not fit. FP8 matmuls want every
-// side a multiple of 16 bytes, so N and the matrices' sides must be multiples of 16.
-static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling) {
+// side a multiple of 16 bytes, so N and the matrices' sides must be multiples of 16 (and, for the
+// head, the vocabulary and the loss chunk's rows: check_options says so before).
+static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling, bool head, bool fast_accum) {
     GptFp8* f = &m->fp8;
     int L = m->cfg.n_layer;
     size_t widest_in = 0, widest_out = 0;
@@ -804,10 +821,12 @@ static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling) {
         widest_in = (size_t)t->cols > widest_in ? (size_t)t->cols : widest_in;
         widest_out = (size_t)t->rows > widest_out ? (size_t)t->rows : widest_out;
     }
-    size_t n_scales = (size_t)L * FP8_ROLES * FP8_MATRICES, P = m->table.n_elements, N = m->N;
+    size_t n_scales = fp8_n_scales(&m->cfg), P = m->table.n_elements, N = m->N;
+    size_t dy_bytes = N * widest_out, head_dy_bytes = (size_t)m->loss_chunk * m->cfg.vocab_size;
+    if (head && head_dy_bytes > dy_bytes) dy_bytes = head_dy_bytes;  // the head's input, [R, C], fits in x
     Arena a = {NULL, 0, 0};
     size_t sizes[] = {n_scales * sizeof(Fp8Scale), n_scales * sizeof(Fp8Scale), P, P, N * widest_in, N * widest_in,
-                      N * widest_out, N * widest_out};
+                      dy_bytes, dy_bytes};
     for (size_t bytes : sizes) arena_take(&a, bytes);
     f->bytes = a.used;
     f->on = true;
@@ -819,10 +838,17 @@ static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling) {
                          &f->dy, &f->dy_t};
     for (int i = 0; i < 8; i++) *parts[i] = (uint8_t*)arena_take(&a, sizes[i]);
     Fp8Scale* host = (Fp8Scale*)xcalloc(n_scales, sizeof(Fp8Scale));
-    for (size_t i = 0; i < n_scales; i++) host[i] = fp8_scale_initial(i / FP8_MATRICES % FP8_ROLES == FP8_ROLE_GRAD);
+    for (int r = 0; r < FP8_ROLES; r++) {
+        for (int l = 0; l < L; l++)
+            for (int k = 0; k < FP8_MATRICES; k++)
+                host[fp8_scale_index(&m->cfg, (Fp8Role)r, (ParamKind)k, l)] = fp8_scale_initial(r == FP8_ROLE_GRAD);
+        host[fp8_scale_index(&m->cfg, (Fp8Role)r, P_EMBED, 0)] = fp8_scale_initial(r == FP8_ROLE_GRAD);
+    }
     CUDA_CHECK(cudaMemcpy(f->scales, host, n_scales * sizeof(Fp8Scale), cudaMemcpyHostToDevice));
     free(host);
     f->scaling = scaling;
+    f->head = head;
+    f->fast_accum = fast_accum;
     f->calibrated = false;
     f->weights_stale = true;
 }
@@ -904,8 +930,9 @@ static void print_memory_plan(const GPT* m) {
            m->recompute ? " (recompute on)" : "", gib(m->bytes_scratch), m->loss_chunk,
            gib(CUBLASLT_WORKSPACE_BYTES), gib(gpt_bytes_total(m)));
     if (m->fp8.on)
-        printf("fp8: the layers' matrices in FP8 (%s scaling); its weight copies and scratch: %.2f GiB of the total\n",
-               m->fp8.scaling == FP8_DELAYED ? "delayed" : "current", gib(m->fp8.bytes));
+        printf("fp8: the layers' matrices%s in FP8 (%s scaling%s); its weight copies and scratch: %.2f GiB of the "
+               "total\n", m->fp8.head ? " and the output head" : "", m->fp8.scaling == FP8_DELAYED ? "delayed" : "current",
+               m->fp8.fast_accum ? ", fast accumulation in the forward" : "", gib(m->fp8.bytes));
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1036,36 +1063,46 @@ static void mlp_swiglu(GPT* m, int l) {
     swiglu_forward(m->act.mlp_act[l], m->act.gate_up[l], m->N, m->cfg.ffn_dim, m->stream);
 }
 
-// A layer's matrix (kind P_QKV .. P_DOWN), in bf16 or, with FP8 mode on, in FP8. Its shape is
-// the table's: W [O, I]. In FP8 each product is the TN form cuBLASLt's FP8 kernels take (see
-// matmul in kernels.cuh): the forward multiplies W by x as they are; the input gradient needs W^T
-// (cast with W, once per optimizer step) and dy; the weight gradient needs x^T and dy^T, which
-// the casts of the backward write in the same pass.
+// A matrix product of the model over N rows: a layer's matrix (kind P_QKV .. P_DOWN, N = B x T)
+// or the output head's (kind P_EMBED: the tied embedding, over a chunk of rows), in bf16 or, with
+// FP8 mode on (and, for the head, --fp8-head), in FP8. Its shape is the table's: W [O, I]. In
+// FP8 each product is the TN form cuBLASLt's FP8 kernels take (see matmul in kernels.cuh): the
+// forward multiplies W by x as they are; the input gradient needs W^T (cast with W, once per
+// optimizer step) and dy; the weight gradient needs x^T and dy^T, which the casts of the
+// backward write in the same pass.
 static Fp8Scale* fp8_scale(const GPT* m, Fp8Role role, ParamKind kind, int l) {
-    return m->fp8.scales + ((size_t)l * FP8_ROLES + role) * FP8_MATRICES + kind;
+    return m->fp8.scales + fp8_scale_index(&m->cfg, role, kind, l);
 }
+
+static bool fp8_product(const GPT* m, ParamKind kind) { return m->fp8.on && (kind != P_EMBED || m->fp8.head); }
 
 // Current scaling measures every tensor; delayed too, until a step has filled the history.
 static Fp8CastScale fp8_how(const GPT* m) {
     return m->fp8.scaling == FP8_CURRENT || !m->fp8.calibrated ? FP8_CAST_MEASURE : FP8_CAST_DELAYED;
 }
 
-// Layer l's four FP8 weights and their transposes, from the bf16 weights, when those changed.
+// Matrix `kind` of layer l (P_EMBED, 0: the head's E) in FP8 and transposed, from its bf16 weights.
+static void fp8_cast_weight(GPT* m, ParamKind kind, int l) {
+    const ParamTensor* t = param(&m->table, kind, l);
+    fp8_cast(m->fp8.weights + t->offset, m->fp8.weights_t + t->offset, m->params + t->offset, (int)t->rows,
+             (int)t->cols, false, fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), fp8_how(m), m->stream);
+}
+
+// Layer l's four FP8 weights and their transposes, from the bf16 weights, when those changed; with
+// the last layer's, the head's (with --fp8-head: the embedding's bucket arrived before layer 0).
 static void fp8_cast_weights(GPT* m, int l) {
     if (!m->fp8.on || !m->fp8.weights_stale) return;
-    for (int k = 0; k < FP8_MATRICES; k++) {
-        const ParamTensor* t = param(&m->table, (ParamKind)k, l);
-        fp8_cast(m->fp8.weights + t->offset, m->fp8.weights_t + t->offset, m->params + t->offset, (int)t->rows,
-                 (int)t->cols, false, fp8_scale(m, FP8_ROLE_WEIGHT, (ParamKind)k, l), fp8_how(m), m->stream);
-    }
-    if (l == m->cfg.n_layer - 1) m->fp8.weights_stale = false;
+    for (int k = 0; k < FP8_MATRICES; k++) fp8_cast_weight(m, (ParamKind)k, l);
+    if (l < m->cfg.n_layer - 1) return;
+    if (m->fp8.head) fp8_cast_weight(m, P_EMBED, 0);
+    m->fp8.weights_stale = false;
 }
 
 // y[N, O] = x[N, I] W^T (+ residual)
-static void layer_forward(GPT* m, ParamKind kind, int l, bf16* y, const bf16* x, const bf16* residual) {
+static void layer_forward(GPT* m, ParamKind kind, int l, int N, bf16* y, const bf16* x, const bf16* residual) {
     const ParamTensor* t = param(&m->table, kind, l);
-    int N = m->N, O = (int)t->rows, I = (int)t->cols;
-    if (!m->fp8.on) {
+    int O = (int)t->rows, I = (int)t->cols;
+    if (!fp8_product(m, kind)) {
         linear_forward(y, x, m->params + t->offset, residual, N, I, O, m->stream);
         return;
     }
@@ -1073,15 +1110,15 @@ static void layer_forward(GPT* m, ParamKind kind, int l, bf16* y, const bf16* x,
     Fp8Scale *sw = fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), *sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
     fp8_cast(f->x, NULL, x, N, I, false, sx, fp8_how(m), m->stream);
     matmul(mm_bf16(y), fp8_operand(f->weights + t->offset, false, sw), fp8_operand(f->x, false, sx), residual, 1.0f,
-           O, N, I, true, false, m->stream);
+           O, N, I, true, false, m->stream, f->fast_accum);
 }
 
-// dW += dy^T x and dx = dy W, for dy [N, O] and the layer's input x [N, I] (as the forward saw it)
-static void layer_backward(GPT* m, ParamKind kind, int l, bf16* dx, const bf16* dy, const bf16* x) {
+// dW += dy^T x and dx = dy W, for dy [N, O] and the matrix's input x [N, I] (as the forward saw it)
+static void layer_backward(GPT* m, ParamKind kind, int l, int N, bf16* dx, const bf16* dy, const bf16* x) {
     const ParamTensor* t = param(&m->table, kind, l);
-    int N = m->N, O = (int)t->rows, I = (int)t->cols;
+    int O = (int)t->rows, I = (int)t->cols;
     float* dW = G(m, kind, l);
-    if (!m->fp8.on) {
+    if (!fp8_product(m, kind)) {
         linear_backward_weight(dW, dy, x, N, I, O, m->stream);
         linear_backward_input(dx, dy, m->params + t->offset, N, I, O, m->stream);
         return;
@@ -1108,10 +1145,28 @@ static void fp8_step_done(GPT* m) {
     GptFp8* f = &m->fp8;
     if (!f->on) return;
     if (f->scaling == FP8_DELAYED) {
-        fp8_update_scales(f->scales, m->cfg.n_layer * FP8_ROLES * FP8_MATRICES, m->stream);
+        fp8_update_scales(f->scales, (int)fp8_n_scales(&m->cfg), m->stream);
         f->calibrated = true;
     }
     f->weights_stale = true;
+}
+
+// Data parallelism with delayed scaling: each rank's casts recorded the amaxes of its own
+// micro-batches. Before they join the history, every rank takes their max over the ranks, so that
+// every rank derives the same scales from the same history and a checkpoint's scales (rank 0's)
+// are everyone's. One all-reduce of a few KB on the comm stream, queued behind the last bucket's
+// gradients, which optimizer_step waits for anyway; the host reads nothing. It runs over the whole
+// Fp8Scale array, all of whose fields are non-negative floats: the other fields agree on every
+// rank already (or, after the first step, whose casts measured, are recomputed from the history
+// by fp8_update_scales), and the max of equal values is that value. Current scaling measures each
+// tensor as it is cast, on its own rank: agreeing there would take an all-reduce per cast, inside
+// the step's critical path (doc/fp8.md).
+static void fp8_agree_amaxes(GPT* m) {
+    static_assert(sizeof(Fp8Scale) == (4 + FP8_HISTORY) * sizeof(float), "the max over ranks takes every field as a float");
+    Comm* c = m->dp.comm;
+    if (!m->fp8.on || m->fp8.scaling != FP8_DELAYED || !c || m->dp.world == 1) return;
+    comm_follow(c, m->stream);
+    comm_all_reduce_max(c, (float*)m->fp8.scales, fp8_n_scales(&m->cfg) * sizeof(Fp8Scale) / sizeof(float));
 }
 
 // Evaluation (validation, sampling) runs the FP8 forward too, and its casts would leave their
@@ -1121,7 +1176,7 @@ static void fp8_step_done(GPT* m) {
 static void fp8_eval(GPT* m, bool begin) {
     GptFp8* f = &m->fp8;
     if (!f->on) return;
-    size_t bytes = (size_t)m->cfg.n_layer * FP8_ROLES * FP8_MATRICES * sizeof(Fp8Scale);
+    size_t bytes = fp8_n_scales(&m->cfg) * sizeof(Fp8Scale);
     CUDA_CHECK(cudaMemcpyAsync(begin ? f->scales_saved : f->scales, begin ? f->scales : f->scales_saved, bytes,
                                cudaMemcpyDeviceToDevice, m->stream));
     if (begin) f->stale_saved = f->weights_stale;
@@ -1141,17 +1196,17 @@ static void forward_layers(GPT* m, const Batch* batch) {
         fp8_cast_weights(m, l);
         // attention block: residual_mid = residual + attention(qk_rope(rmsnorm(residual) W_qkv^T)) W_o^T
         attention_norm(m, l);
-        layer_forward(m, P_QKV, l, a->qkv[l], a->xnorm_attn[l], NULL);
+        layer_forward(m, P_QKV, l, N, a->qkv[l], a->xnorm_attn[l], NULL);
         qk_norm_rope(m, l);
         const bf16* q = a->qkv_rot[l];
         attention_forward(a->attn_out[l], a->lse[l], q, q + Hq * D, q + (Hq + Hkv) * D, Q, m->B, m->T, Hq, Hkv, D,
                           m->stream);
-        layer_forward(m, P_ATTN_OUT, l, a->residual_mid[l], a->attn_out[l], a->residual[l]);
+        layer_forward(m, P_ATTN_OUT, l, N, a->residual_mid[l], a->attn_out[l], a->residual[l]);
         // MLP block: residual' = residual_mid + swiglu(rmsnorm(residual_mid) W_gate_up^T) W_down^T
         mlp_norm(m, l);
-        layer_forward(m, P_GATE_UP, l, a->gate_up[l], a->xnorm_mlp[l], NULL);
+        layer_forward(m, P_GATE_UP, l, N, a->gate_up[l], a->xnorm_mlp[l], NULL);
         mlp_swiglu(m, l);
-        layer_forward(m, P_DOWN, l, a->residual[l + 1], a->mlp_act[l], a->residual_mid[l]);
+        layer_forward(m, P_DOWN, l, N, a->residual[l + 1], a->mlp_act[l], a->residual_mid[l]);
     }
     rmsnorm_forward(a->xnorm_final, a->rstd_final, a->residual[c->n_layer], P(m, P_FINAL_NORM, 0), N, C,
                     c->norm_eps, m->stream);
@@ -1160,8 +1215,9 @@ static void forward_layers(GPT* m, const Batch* batch) {
 // The output head and the loss, R rows at a time, so that only an R x V chunk of logits exists.
 // Per chunk: logits = xnorm_final E^T; the cross-entropy kernel turns them into per-token losses
 // and, in place, into dL/dlogits (scaled by d_loss); with `backward`, the chunk's gradient flows
-// on at once: d_xnorm = dlogits E and dE += dlogits^T xnorm_final. Adds the losses' sum to
-// *loss_sum (or sets it, when accumulate is false).
+// on at once: d_xnorm = dlogits E and dE += dlogits^T xnorm_final. Both are the products of a
+// matrix, E [V, C], over the chunk's rows (layer_forward, layer_backward; in FP8 with --fp8-head).
+// Adds the losses' sum to *loss_sum (or sets it, when accumulate is false).
 static void head_and_loss(GPT* m, const Batch* batch, float d_loss, bool backward, float* loss_sum, bool accumulate) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
@@ -1169,12 +1225,9 @@ static void head_and_loss(GPT* m, const Batch* batch, float d_loss, bool backwar
     for (int r0 = 0; r0 < N; r0 += m->loss_chunk) {
         int rows = N - r0 < m->loss_chunk ? N - r0 : m->loss_chunk;
         const bf16* x = a->xnorm_final + (size_t)r0 * C;
-        linear_forward(a->logits, x, P(m, P_EMBED, 0), NULL, rows, C, V, m->stream);
+        layer_forward(m, P_EMBED, 0, rows, a->logits, x, NULL);
         cross_entropy(a->logits, a->losses + r0, batch->targets + r0, rows, V, d_loss, m->stream);
-        if (backward) {
-            linear_backward_input(a->d_xnorm + (size_t)r0 * C, a->logits, P(m, P_EMBED, 0), rows, C, V, m->stream);
-            linear_backward_weight(G(m, P_EMBED, 0), a->logits, x, rows, C, V, m->stream);
-        }
+        if (backward) layer_backward(m, P_EMBED, 0, rows, a->d_xnorm + (size_t)r0 * C, a->logits, x);
     }
     reduce_sum(loss_sum, a->losses, N, false, accumulate, a->partials, m->stream);
 }
@@ -1230,9 +1283,9 @@ static void backward(GPT* m, const Batch* batch) {
             mlp_norm(m, l);
             mlp_swiglu(m, l);
         }
-        layer_backward(m, P_DOWN, l, a->d_mlp_act, a->d_residual, a->mlp_act[l]);
+        layer_backward(m, P_DOWN, l, N, a->d_mlp_act, a->d_residual, a->mlp_act[l]);
         swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], N, F, m->stream);
-        layer_backward(m, P_GATE_UP, l, a->d_xnorm, a->d_gate_up, a->xnorm_mlp[l]);
+        layer_backward(m, P_GATE_UP, l, N, a->d_xnorm, a->d_gate_up, a->xnorm_mlp[l]);
         rmsnorm_backward(a->d_residual, G(m, P_MLP_NORM, l), a->partials, a->d_xnorm, a->residual_mid[l],
                          P(m, P_MLP_NORM, l), a->rstd_mlp[l], N, C, m->stream);
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
@@ -1240,7 +1293,7 @@ static void backward(GPT* m, const Batch* batch) {
             attention_norm(m, l);
             qk_norm_rope(m, l);
         }
-        layer_backward(m, P_ATTN_OUT, l, a->d_attn_out, a->d_residual, a->attn_out[l]);
+        layer_backward(m, P_ATTN_OUT, l, N, a->d_attn_out, a->d_residual, a->attn_out[l]);
         const bf16* q = a->qkv_rot[l];
         attention_backward(a->d_qkv, a->d_qkv + Hq * D, a->d_qkv + (Hq + Hkv) * D, a->attn_scratch, a->d_attn_out,
                            a->attn_out[l], a->lse[l], q, q + Hq * D, q + (Hq + Hkv) * D, Q, Q, m->B, m->T, Hq, Hkv, D,
@@ -1248,7 +1301,7 @@ static void backward(GPT* m, const Batch* batch) {
         qk_norm_rope_backward(a->d_qkv, G(m, P_Q_NORM, l), G(m, P_K_NORM, l), a->partials, a->qkv[l], a->rstd_qk[l],
                               P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos, m->rope_sin, N, m->T, Hq, Hkv, D,
                               m->stream);
-        layer_backward(m, P_QKV, l, a->d_xnorm, a->d_qkv, a->xnorm_attn[l]);
+        layer_backward(m, P_QKV, l, N, a->d_xnorm, a->d_qkv, a->xnorm_attn[l]);
         rmsnorm_backward(a->d_residual, G(m, P_ATTN_NORM, l), a->partials, a->d_xnorm, a->residual[l],
                          P(m, P_ATTN_NORM, l), a->rstd_attn[l], N, C, m->stream);
         grads_ready(m, l);  // layer l's gradients are complete
@@ -1320,6 +1373,7 @@ static void muon_matrices(GPT* m, const OptimConfig* o) {
 }
 
 static void optimizer_step(GPT* m, const OptimConfig* o) {
+    fp8_agree_amaxes(m);  // queued behind the last bucket's collective: the join below waits for both
     if (m->dp.comm) comm_join(m->dp.comm, m->stream);  // every bucket's collective is done
     const float* grads = m->dp.zero == 0 ? m->grads : m->grad_shard;
     reduce_sum(&m->scalars->grad_norm_sq, grads, m->opt_len, true, false, m->act.partials, m->stream);
@@ -1559,35 +1613,43 @@ typedef struct {
     LoaderState loader;      // the training loader, positioned at the next step's first batch
 } TrainerState;
 
-// FP8's scaling state (rank 0's): the delayed scales' amax histories decide the next steps'
-// scales, so an FP8 run resumes bit for bit only with them. A header, then the Fp8Scale array.
+// FP8's scaling state: the delayed scales' amax histories decide the next steps' scales, so an
+// FP8 run resumes bit for bit only with them. Rank 0's, which with data parallelism are every
+// rank's (fp8_agree_amaxes). A header, then the Fp8Scale array (fp8_n_scales: the layers', then
+// the head's). Version 2 added the head's scales and the head flag; a file of another version, a
+// BF16 run, the other scaling or the other --fp8-head leaves the scales to start afresh.
 #define FP8_STATE_MAGIC 0x38504654u  // "TFP8"
+#define FP8_STATE_VERSION 2
 typedef struct {
     uint32_t magic, version;
     int32_t scaling;         // Fp8Scaling
     int32_t calibrated;      // delayed: a step has filled the history
+    int32_t head;            // --fp8-head: the head's scales are in use
+    int32_t zero;            // 0: n_scales stays 8-byte aligned with no padding of unknown bytes
     int64_t n_scales;
 } Fp8StateHeader;
 
-static size_t fp8_state_bytes(const GPT* m) {
-    return sizeof(Fp8StateHeader) + (size_t)m->cfg.n_layer * FP8_ROLES * FP8_MATRICES * sizeof(Fp8Scale);
-}
+static size_t fp8_state_bytes(const GPT* m) { return sizeof(Fp8StateHeader) + fp8_n_scales(&m->cfg) * sizeof(Fp8Scale); }
 
 // The header of the snapshot being taken (its scales are copied from the device behind it).
 static void fp8_state_header(const GPT* m, void* state) {
-    Fp8StateHeader h = {FP8_STATE_MAGIC, 1, (int32_t)m->fp8.scaling, m->fp8.calibrated,
-                        (int64_t)m->cfg.n_layer * FP8_ROLES * FP8_MATRICES};
+    Fp8StateHeader h = {FP8_STATE_MAGIC, FP8_STATE_VERSION, (int32_t)m->fp8.scaling, m->fp8.calibrated, m->fp8.head, 0,
+                        (int64_t)fp8_n_scales(&m->cfg)};
     memcpy(state, &h, sizeof(h));
 }
 
-// Restores a snapshot into the model, or says in one line why the run starts its scales afresh
-// (a checkpoint of a BF16 run, or of the other scaling).
+// Restores a snapshot into the model, or says in one line why the run starts its scales afresh.
 static void fp8_state_restore(GPT* m, const void* state, size_t len, const char* dir) {
     Fp8StateHeader h = {};
     if (state && len >= sizeof(h)) memcpy(&h, state, sizeof(h));
-    if (!state || len != fp8_state_bytes(m) || h.magic != FP8_STATE_MAGIC || h.scaling != (int32_t)m->fp8.scaling) {
-        printf("fp8: %s holds no %s scaling state of this model; the scales start afresh\n", dir,
-               m->fp8.scaling == FP8_DELAYED ? "delayed" : "current");
+    if (!state || h.magic != FP8_STATE_MAGIC || h.version != FP8_STATE_VERSION || len != fp8_state_bytes(m) ||
+        h.scaling != (int32_t)m->fp8.scaling || h.head != (int32_t)m->fp8.head) {
+        const char* why = !state || h.magic != FP8_STATE_MAGIC ? "no FP8 scales"
+                          : h.version != FP8_STATE_VERSION   ? "FP8 scales of another version"
+                          : len != fp8_state_bytes(m)        ? "FP8 scales of another model"
+                          : h.scaling != (int32_t)m->fp8.scaling ? "FP8 scales of the other scaling"
+                                                                 : "FP8 scales of the other --fp8-head";
+        printf("fp8: %s holds %s; the scales start afresh\n", dir, why);
         return;
     }
     CUDA_CHECK(cudaMemcpy(m->fp8.scales, (const uint8_t*)state + sizeof(h), len - sizeof(h), cudaMemcpyHostToDevice));
@@ -1893,6 +1955,9 @@ typedef struct {
     const char* model_flag;  // a flag of the model's that config.json sets too (for --init-from's check)
     int fp8;                 // 1: the layers' matrices in FP8
     const char* fp8_scaling; // "delayed" or "current"
+    int fp8_head;            // 1: the output head in FP8 too
+    int fp8_fast_accum;      // 1: the FP8 forward products with cuBLASLt's fast accumulation
+    int fp8_log_scales;      // 1: every logged step also logs the scales
     const char* optimizer;   // "adamw", "muon" or "adamw8bit" (OPTIMIZER_NAMES)
 } Options;
 
@@ -1972,6 +2037,11 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--fp8", OPT_BOOL, &o->fp8, "1: every layer's four matmuls in FP8 (E4M3 weights and activations, E5M2 gradients)"},
         {"--fp8-scaling", OPT_STR, &o->fp8_scaling,
          "FP8 per-tensor scales: 'delayed' (amax history of 16 steps) or 'current' (each tensor's amax, one more pass)"},
+        {"--fp8-head", OPT_BOOL, &o->fp8_head, "1: the output head's matmuls in FP8 too (needs --fp8 1)"},
+        {"--fp8-fast-accum", OPT_BOOL, &o->fp8_fast_accum,
+         "1: FP8 forward matmuls accumulate without promotion to fp32 (faster, less exact; needs --fp8 1)"},
+        {"--fp8-log-scales", OPT_BOOL, &o->fp8_log_scales,
+         "1: each step's log also gives the FP8 scales (exponent ranges, largest amax; needs --fp8 1)"},
     };
     int n = (int)(sizeof(all) / sizeof(all[0]));
     if (specs) memcpy(specs, all, sizeof(all));
@@ -2020,6 +2090,9 @@ static void options_default(Options* o) {
     o->timeout = 50.0f;
     o->fp8 = 0;
     o->fp8_scaling = "delayed";
+    o->fp8_head = 0;
+    o->fp8_fast_accum = 0;
+    o->fp8_log_scales = 0;
 }
 
 static void print_help(void) {
@@ -2146,6 +2219,10 @@ static void check_options(const Options* o) {
     else if (o->fp8 != 0 && o->fp8 != 1) problem = "--fp8 must be 0 or 1";
     else if (strcmp(o->fp8_scaling, "delayed") != 0 && strcmp(o->fp8_scaling, "current") != 0)
         problem = "--fp8-scaling must be 'delayed' or 'current'";
+    else if (!o->fp8 && (o->fp8_head || o->fp8_fast_accum || o->fp8_log_scales))
+        problem = "--fp8-head, --fp8-fast-accum and --fp8-log-scales need --fp8 1";
+    else if (o->fp8_head && (o->model.vocab_size % 16 != 0 || o->loss_chunk % 16 != 0))
+        problem = "--fp8-head 1 needs the vocabulary size and --loss-chunk to be multiples of 16 (FP8 matmuls' sides)";
     else if (optimizer_kind(o->optimizer) < 0) problem = "--optimizer must be 'adamw', 'muon' or 'adamw8bit'";
     else if (!(p->muon_lr >= 0.0f) || !(p->muon_momentum >= 0.0f && p->muon_momentum < 1.0f))
         problem = "--muon-lr must be >= 0 and --muon-momentum in [0, 1)";
@@ -2477,6 +2554,8 @@ typedef struct {
     TokenList prompt;
     FILE* log;
     OptimScalars* readback;     // pinned [STEPS_IN_FLIGHT]: the device's scalars after each step
+    Fp8Scale* scales_readback;  // --fp8-log-scales: pinned [STEPS_IN_FLIGHT][ranks][fp8_n_scales]
+    Fp8Scale* scales_gathered;  // and on several GPUs, every rank's scales on the device [ranks][...]
     cudaEvent_t step_start[STEPS_IN_FLIGHT], step_end[STEPS_IN_FLIGHT];  // a step's time is between them
     cudaDeviceProp prop;
     double t_start, t_first_step, t_loop;  // wall clock: launch, first step done, loop entered
@@ -2570,7 +2649,9 @@ static void trainer_open_model(Trainer* t) {
     gpt_create(m, &o->model, o->batch_size, o->model.seq_len, o->recompute != 0, o->loss_chunk, &dp,
                    (OptimizerKind)optimizer_kind(o->optimizer));
     m->deterministic = o->deterministic != 0;
-    if (o->fp8) gpt_enable_fp8(m, strcmp(o->fp8_scaling, "current") == 0 ? FP8_CURRENT : FP8_DELAYED);
+    if (o->fp8)
+        gpt_enable_fp8(m, strcmp(o->fp8_scaling, "current") == 0 ? FP8_CURRENT : FP8_DELAYED, o->fp8_head != 0,
+                       o->fp8_fast_accum != 0);
     gpt_init(m, o->seed);
     if (o->init_from) load_init_from(m, o->init_from);
     t->bench_rng = o->seed * 0x9E3779B97F4A7C15ull + 1;
@@ -2615,6 +2696,11 @@ static void trainer_open(Trainer* t, const Options* o, const CommEnv* env) {
     t->step = t->logged = t->start_step;
     uploader_create(&t->up, N, o->model.vocab_size);
     CUDA_CHECK(cudaMallocHost(&t->readback, STEPS_IN_FLIGHT * sizeof(OptimScalars)));
+    if (o->fp8_log_scales) {
+        size_t bytes = env->world * fp8_n_scales(&o->model) * sizeof(Fp8Scale);
+        CUDA_CHECK(cudaMallocHost(&t->scales_readback, STEPS_IN_FLIGHT * bytes));
+        if (env->world > 1) CUDA_CHECK(cudaMalloc(&t->scales_gathered, bytes));
+    }
     for (int i = 0; i < STEPS_IN_FLIGHT; i++) {
         CUDA_CHECK(cudaEventCreate(&t->step_start[i]));
         CUDA_CHECK(cudaEventCreate(&t->step_end[i]));
@@ -2639,6 +2725,28 @@ static const uint16_t* next_window(Trainer* t) {
     return loader_next(&t->train);
 }
 
+// --fp8-log-scales: the scales as step `slot`'s optimizer step left them, copied into a pinned
+// slot behind the step's scalars (read once the step is done, like them; nothing waits, and the
+// run's numbers do not change). With several ranks every rank's array comes along (an all-gather
+// of a few KB a step, after which the next forward also waits for ZeRO's weight all-gathers), so
+// that rank 0 can say whether they agree: with delayed scaling they must, bit for bit
+// (fp8_agree_amaxes); with current scaling each rank measured its own tensors.
+static void fp8_scales_readback(Trainer* t, int slot) {
+    GPT* m = &t->model;
+    if (!t->o.fp8_log_scales) return;
+    size_t n = fp8_n_scales(&m->cfg), world = m->dp.world;
+    const Fp8Scale* from = m->fp8.scales;
+    if (world > 1) {
+        comm_follow(m->dp.comm, m->stream);
+        comm_all_gather(m->dp.comm, m->fp8.scales, t->scales_gathered, n * sizeof(Fp8Scale) / sizeof(float),
+                        sizeof(float));
+        comm_join(m->dp.comm, m->stream);
+        from = t->scales_gathered;
+    }
+    CUDA_CHECK(cudaMemcpyAsync(t->scales_readback + slot * world * n, from, world * n * sizeof(Fp8Scale),
+                               cudaMemcpyDeviceToHost, m->stream));
+}
+
 // One optimizer step: every micro-batch's forward and backward (gradients accumulate), then the
 // optimizer, then the read-back of the step's scalars. Only enqueues work: nothing here waits
 // for the GPU.
@@ -2656,6 +2764,7 @@ static void train_step(Trainer* t) {
     optimizer_step(m, &t->o.optim);
     CUDA_CHECK(cudaMemcpyAsync(&t->readback[slot], m->scalars, sizeof(OptimScalars), cudaMemcpyDeviceToHost,
                                m->stream));
+    fp8_scales_readback(t, slot);
     CUDA_CHECK(cudaEventRecord(t->step_end[slot], m->stream));
     t->step++;
 }
@@ -2664,6 +2773,71 @@ static void format_duration(char* out, size_t len, double seconds) {
     int s = (int)(seconds + 0.5);
     if (s >= 3600) snprintf(out, len, "%dh%02dm", s / 3600, s / 60 % 60);
     else snprintf(out, len, "%dm%02ds", s / 60, s % 60);
+}
+
+// The scales of one role of one kind of matrix (P_EMBED: the head's), over the layers: the range of
+// their exponents (each scale is 2^k) and the largest amax the step measured (delayed: the
+// history's newest entry; current: the step's last cast's).
+typedef struct {
+    int k_min, k_max;
+    float amax;
+} Fp8ScaleRange;
+
+static Fp8ScaleRange fp8_scale_range(const GPT* m, const Fp8Scale* scales, Fp8Role role, ParamKind kind) {
+    Fp8ScaleRange r = {0, 0, 0.0f};
+    int layers = kind == P_EMBED ? 1 : m->cfg.n_layer;
+    for (int l = 0; l < layers; l++) {
+        const Fp8Scale* s = scales + fp8_scale_index(&m->cfg, role, kind, l);
+        int k = ilogbf(s->scale);
+        float amax = m->fp8.scaling == FP8_DELAYED ? s->history[0] : s->amax;
+        r.k_min = l == 0 || k < r.k_min ? k : r.k_min;
+        r.k_max = l == 0 || k > r.k_max ? k : r.k_max;
+        r.amax = fmaxf(r.amax, amax);
+    }
+    return r;
+}
+
+// Step `index`'s scales (its read-back slot), as one line on stdout and one in the JSON log:
+// per matrix kind (and the head, when in FP8) and role, the exponents' range and the largest amax;
+// on several GPUs, whether every rank holds the same bits.
+static void log_fp8_scales(Trainer* t, int index) {
+    const GPT* m = &t->model;
+    if (!t->o.fp8_log_scales) return;
+    size_t n = fp8_n_scales(&m->cfg), world = m->dp.world;
+    const Fp8Scale* scales = t->scales_readback + (size_t)(index % STEPS_IN_FLIGHT) * world * n;
+    bool same = true;
+    for (size_t r = 1; r < world; r++) same = same && !memcmp(scales, scales + r * n, n * sizeof(Fp8Scale));
+    char text[1024], json[2048];
+    size_t tl = 0, jl = 0;
+    tl += snprintf(text + tl, sizeof(text) - tl, "step %5d | fp8 scales 2^k, k over the layers (largest amax):",
+                   index + 1);
+    jl += snprintf(json + jl, sizeof(json) - jl, "{\"step\": %d, \"fp8_scales\": {", index + 1);
+    ParamKind kinds[] = {P_QKV, P_ATTN_OUT, P_GATE_UP, P_DOWN, P_EMBED};
+    int n_kinds = m->fp8.head ? 5 : 4;
+    for (int i = 0; i < n_kinds; i++) {
+        const char* name = kinds[i] == P_EMBED ? "head" : PARAM_KINDS[kinds[i]].name;
+        tl += snprintf(text + tl, sizeof(text) - tl, "%s %s", i ? " |" : "", name);
+        jl += snprintf(json + jl, sizeof(json) - jl, "%s\"%s\": {", i ? ", " : "", name);
+        for (int role = 0; role < FP8_ROLES; role++) {
+            Fp8ScaleRange r = fp8_scale_range(m, scales, (Fp8Role)role, kinds[i]);
+            tl += snprintf(text + tl, sizeof(text) - tl, " %s %d..%d (%.2g)", FP8_ROLE_NAMES[role], r.k_min, r.k_max,
+                           r.amax);
+            jl += snprintf(json + jl, sizeof(json) - jl, "%s\"%s\": {\"k\": [%d, %d], \"amax\": %.9g}",
+                           role ? ", " : "", FP8_ROLE_NAMES[role], r.k_min, r.k_max, r.amax);
+        }
+        jl += snprintf(json + jl, sizeof(json) - jl, "}");
+    }
+    jl += snprintf(json + jl, sizeof(json) - jl, "}");
+    if (world > 1) {
+        tl += snprintf(text + tl, sizeof(text) - tl, " | %s on the %d ranks", same ? "identical" : "different",
+                       (int)world);
+        jl += snprintf(json + jl, sizeof(json) - jl, ", \"fp8_ranks\": \"%s\"", same ? "identical" : "different");
+    }
+    printf("%s\n", text);
+    if (t->log) {
+        fprintf(t->log, "%s}\n", json);
+        fflush(t->log);
+    }
 }
 
 // Waits for step `index` (0-based) to finish on the GPU, then prints and appends its figures.
@@ -2693,6 +2867,7 @@ static void log_one_step(Trainer* t, int index) {
                         "\"eta_s\": %.1f}\n", done, loss, norm, s->lr, ms, tok_s, mfu, mem, now - t->t_start, eta);
         fflush(t->log);
     }
+    log_fp8_scales(t, index);
     if (o->bench && index >= t->start_step + 5) {
         t->bench_ms += ms;
         t->bench_timed++;
@@ -2768,11 +2943,13 @@ static void print_bench_result(const Trainer* t) {
     double flops = flops_per_token(c);
     printf("{\"bench\": \"train_gpt\", \"device\": \"%s\", \"gpus\": %d, \"zero\": %d, \"B\": %d, \"T\": %d, "
            "\"d_model\": %d, \"layers\": %d, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"ffn\": %d, "
-           "\"recompute\": %d, \"fp8\": \"%s\", \"optimizer\": \"%s\", \"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, \"tokens_per_s_per_gpu\": %.1f, "
+           "\"recompute\": %d, \"fp8\": \"%s\", \"fp8_head\": %d, \"fp8_fast_accum\": %d, \"optimizer\": \"%s\", "
+           "\"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, \"tokens_per_s_per_gpu\": %.1f, "
            "\"mfu\": %.4f, \"flops_per_token\": %.6g, \"peak_mem_gib\": %.3f, \"first_step_s\": %.2f, "
            "\"final_loss\": %.4f}\n",
            t->prop.name, world, t->model.dp.zero, t->model.B, t->model.T, c->d_model, c->n_layer, c->n_head,
-           c->n_kv_head, c->head_dim, c->ffn_dim, t->o.recompute, t->o.fp8 ? t->o.fp8_scaling : "off", t->o.optimizer, ms, tok_s, tok_s / world,
+           c->n_kv_head, c->head_dim, c->ffn_dim, t->o.recompute, t->o.fp8 ? t->o.fp8_scaling : "off", t->o.fp8_head,
+           t->o.fp8_fast_accum, t->o.optimizer, ms, tok_s, tok_s / world,
            tok_s / world * flops / (t->o.peak_tflops * 1e12), flops, gib(gpt_bytes_total(&t->model)),
            t->t_first_step, t->last_loss);
 }
@@ -2815,6 +2992,8 @@ static void trainer_close(Trainer* t) {
         CUDA_CHECK(cudaEventDestroy(t->step_end[i]));
     }
     CUDA_CHECK(cudaFreeHost(t->readback));
+    CUDA_CHECK(cudaFreeHost(t->scales_readback));
+    CUDA_CHECK(cudaFree(t->scales_gathered));
     free(t->synthetic);
     uploader_free(&t->up);
     gpt_free(&t->model);

@@ -1,10 +1,13 @@
 /*
  * test/test_fp8.h - FP8 mode's tests: the rounding of both formats on every code, the cast
  * kernels and the scales against the CPU reference (test/reference.h), the FP8 products of one
- * layer, and the whole model's FP8 gradients against its BF16 ones.
+ * layer, the whole model's FP8 gradients (the head's in FP8 too, fast accumulation) against its
+ * BF16 ones, the scales' log (--fp8-log-scales) against a checkpoint's scales, and on two GPUs
+ * the ranks' agreement on their scales and a bit-exact resume.
  *
- * test_gpt.cu includes it after its whole-model helpers (gpu_forward_backward, random_params),
- * which the model tests here use, and runs fp8_tests. The kernel tests are exact: inputs are bf16,
+ * test_gpt.cu includes it after its whole-model helpers (gpu_forward_backward, random_params) and
+ * its run helpers (make_shard_dir, SMALL_RUN, compare_logged_steps, gpu_count), which the tests
+ * here use, and runs fp8_tests. The kernel tests are exact: inputs are bf16,
  * scales powers of two, so the GPU's codes must equal the reference's bit for bit. Only the
  * matmuls' accumulation (and their outputs' rounding) is held to a tolerance.
  */
@@ -227,7 +230,7 @@ static int test_fp8_gpu_layer_products(void) {
     int failed = 0;
     GPT m;
     gpt_create(&m, &FP8_TEST_CONFIG, 2, FP8_TEST_CONFIG.seq_len, false, 128, &ONE_GPU, OPTIMIZER_ADAMW);
-    gpt_enable_fp8(&m, FP8_CURRENT);
+    gpt_enable_fp8(&m, FP8_CURRENT, false, false);
     const ParamTensor* t = param(&m.table, P_GATE_UP, 0);
     int N = m.N, O = (int)t->rows, I = (int)t->cols;
     double *W = random_array((size_t)O * I, 0.05), *x = random_array((size_t)N * I, 1.0);
@@ -243,8 +246,8 @@ static int test_fp8_gpu_layer_products(void) {
     m.fp8.weights_stale = true;
     fp8_cast_weights(&m, 0);
     fp8_cast_weights(&m, 1);
-    layer_forward(&m, P_GATE_UP, 0, d_y, d_x, NULL);
-    layer_backward(&m, P_GATE_UP, 0, d_dx, d_dy, d_x);
+    layer_forward(&m, P_GATE_UP, 0, N, d_y, d_x, NULL);
+    layer_backward(&m, P_GATE_UP, 0, N, d_dx, d_dy, d_x);
     Fp8Scale sw = fp8_scale_download(fp8_scale(&m, FP8_ROLE_WEIGHT, P_GATE_UP, 0));
     Fp8Scale sx = fp8_scale_download(fp8_scale(&m, FP8_ROLE_INPUT, P_GATE_UP, 0));
     Fp8Scale sg = fp8_scale_download(fp8_scale(&m, FP8_ROLE_GRAD, P_GATE_UP, 0));
@@ -287,12 +290,24 @@ static int test_fp8_gpu_layer_products(void) {
 // transpose or a wrong format shows errors of 1 or more. The test also runs delayed scaling,
 // calibrated on the same batch: its scales are then the current ones, so its gradients must
 // equal current scaling's bit for bit.
+// With the head in FP8 (--fp8-head, in two chunks of 128 rows: the chunks' offsets count), the
+// logits' operands are E4M3 and dlogits E5M2: one more E5M2 gradient above every layer, whose ~5%
+// error per token reaches all of them (d_xnorm = dlogits E is dominated by the target's row), so
+// the head's run is allowed 0.45 and 0.75; a wrong scale or chunk offset still shows errors of 1.
+// Its delayed run is not compared: current scaling scales each chunk by its own amax, delayed
+// both by one. With fast accumulation in the forward (K <= 256 here) the tolerances stay.
 static int test_fp8_gpu_model_gradients_vs_bf16(void) {
     REQUIRE_GPU();
     int failed = 0;
     const ModelConfig* c = &FP8_TEST_CONFIG;
     int B = 4;
-    for (int recompute = 0; recompute < 2; recompute++) {
+    struct {
+        int recompute;
+        bool head, fast_accum;
+        double matrix_tol, norm_tol;
+    } variants[] = {{0, false, false, 0.35, 0.6}, {1, false, false, 0.35, 0.6}, {1, true, false, 0.45, 0.75},
+                    {1, false, true, 0.35, 0.6}};
+    for (auto& v : variants) {
         ParamTable table;
         param_table_build(&table, c, 1);
         size_t n = table.n_elements;
@@ -302,15 +317,15 @@ static int test_fp8_gpu_model_gradients_vs_bf16(void) {
         double loss[3];  // BF16, FP8 current, FP8 delayed (one model at a time: matmul's state is global)
         for (int run = 0; run < 2; run++) {
             GPT m;
-            gpt_create(&m, c, B, c->seq_len, recompute, 128, &ONE_GPU, OPTIMIZER_ADAMW);
-            if (run == 1) gpt_enable_fp8(&m, FP8_CURRENT);
+            gpt_create(&m, c, B, c->seq_len, v.recompute, 128, &ONE_GPU, OPTIMIZER_ADAMW);
+            if (run == 1) gpt_enable_fp8(&m, FP8_CURRENT, v.head, v.fast_accum);
             Uploader up;
             uploader_create(&up, m.N, c->vocab_size);
             m.fp8.weights_stale = true;
             loss[run] = gpu_forward_backward(&m, &up, p, window, run ? g_f8 : g_bf, 1);
             if (run == 1) {  // delayed: the amaxes of this batch become the history, then the same batch again
                 m.fp8.scaling = FP8_DELAYED;
-                fp8_update_scales(m.fp8.scales, c->n_layer * FP8_ROLES * FP8_MATRICES, m.stream);
+                fp8_update_scales(m.fp8.scales, (int)fp8_n_scales(c), m.stream);
                 m.fp8.calibrated = true;
                 m.fp8.weights_stale = true;
                 loss[2] = gpu_forward_backward(&m, &up, p, window, g_delayed, 1);
@@ -318,22 +333,150 @@ static int test_fp8_gpu_model_gradients_vs_bf16(void) {
             uploader_free(&up);
             gpt_free(&m);
         }
-        EXPECT(fabs(loss[1] - loss[0]) < 2e-3 * loss[0], "loss %.5f in FP8 vs %.5f in BF16", loss[1], loss[0]);
+        char what[64];
+        snprintf(what, sizeof(what), "recompute %d%s%s", v.recompute, v.head ? ", head in FP8" : "",
+                 v.fast_accum ? ", fast accumulation" : "");
+        EXPECT(fabs(loss[1] - loss[0]) < 2e-3 * loss[0], "%s: loss %.5f in FP8 vs %.5f in BF16", what, loss[1], loss[0]);
         double worst[2] = {0, 0};
         for (int i = 0; i < table.n_tensors; i++) {
             const ParamTensor* t = &table.tensors[i];
             double err = rel_l2(g_f8 + t->offset, g_bf + t->offset, (size_t)(t->rows * t->cols));
             worst[!t->decay] = fmax(worst[!t->decay], err);
-            EXPECT(err < (t->decay ? 0.35 : 0.6), "recompute %d: gradient of %s: FP8 vs BF16 relative L2 %.3g",
-                   recompute, t->name, err);
+            EXPECT(err < (t->decay ? v.matrix_tol : v.norm_tol), "%s: gradient of %s: FP8 vs BF16 relative L2 %.3g",
+                   what, t->name, err);
         }
-        EXPECT(loss[2] == loss[1] && !memcmp(g_delayed, g_f8, n * 8),
-               "recompute %d: delayed scaling calibrated on the batch differs from current scaling", recompute);
-        printf("    recompute %d: loss %.5f FP8 vs %.5f BF16; worst relative L2 of FP8 gradients: matrices %.3g, "
-               "norm weights %.3g\n", recompute, loss[1], loss[0], worst[0], worst[1]);
+        if (!v.head)
+            EXPECT(loss[2] == loss[1] && !memcmp(g_delayed, g_f8, n * 8),
+                   "%s: delayed scaling calibrated on the batch differs from current scaling", what);
+        printf("    %s: loss %.5f FP8 vs %.5f BF16; worst relative L2 of FP8 gradients: matrices %.3g, "
+               "norm weights %.3g\n", what, loss[1], loss[0], worst[0], worst[1]);
         free(p); free(window); free(g_bf); free(g_f8); free(g_delayed);
         param_table_free(&table);
     }
+    return TEST_RESULT;
+}
+
+// --fp8-log-scales (with the head in FP8): the run's numbers are those of the same run without it;
+// each of its steps logs one line of scales on stdout and one in log.jsonl; and the last step's
+// says what that step's checkpoint holds. The expected line is computed here from fp8_scales.bin:
+// per kind and role, the range over the layers of log2 of the scales and the largest of the
+// history's newest amaxes (delayed scaling), printed as the log prints them (%.9g round-trips a
+// float). Then a resume of that checkpoint with the head in BF16 says its scales start afresh.
+static int test_fp8_gpu_log_scales(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    char dir[64], cmd[2048], path[256], path_b[256], err[256];
+    EXPECT(make_shard_dir(dir, 60000, 512), "shard");
+    const char* runs[] = {"plain", "logged"};
+    for (int r = 0; r < 2; r++) {
+        snprintf(cmd, sizeof(cmd), SMALL_RUN "--fp8 1 --fp8-head 1 %s --train-data '%s/train_*.bin' --steps 6 "
+                 "--ckpt-every 6 --out %s/%s > %s/%s.txt", r ? "--fp8-log-scales 1" : "", dir, dir, runs[r], dir, runs[r]);
+        EXPECT(system(cmd) == 0, "run failed: %s", cmd);
+    }
+    snprintf(path, sizeof(path), "%s/plain/log.jsonl", dir);
+    snprintf(path_b, sizeof(path_b), "%s/logged/log.jsonl", dir);
+    failed |= compare_logged_steps(path, path_b, 1, 6);
+    snprintf(cmd, sizeof(cmd), "grep -c '\"fp8_scales\"' %s/logged/log.jsonl | grep -qx 6 && grep -c '^step .*fp8 scales' "
+             "%s/logged.txt | grep -qx 6 && ! grep -q fp8_scales %s/plain/log.jsonl", dir, dir, dir);
+    EXPECT(system(cmd) == 0, "not one scales line per step, on stdout and in log.jsonl, and only when asked (%s)", dir);
+    char *log = NULL, *state = NULL;
+    size_t log_len = 0, state_len = 0;
+    snprintf(path, sizeof(path), "%s/logged/log.jsonl", dir);
+    EXPECT(read_whole_file(path, SIZE_MAX, &log, &log_len, err, sizeof(err)) == 0, "%s", err);
+    snprintf(path, sizeof(path), "%s/logged/ckpt_6/fp8_scales.bin", dir);
+    EXPECT(read_whole_file(path, SIZE_MAX, &state, &state_len, err, sizeof(err)) == 0, "%s", err);
+    const ModelConfig& c = FP8_TEST_CONFIG;  // SMALL_RUN's model (its shapes and layers)
+    const char* line = log ? strstr(log, "{\"step\": 6, \"fp8_scales\"") : NULL;
+    EXPECT(line, "no scales line for step 6");
+    if (line && state && state_len == sizeof(Fp8StateHeader) + fp8_n_scales(&c) * sizeof(Fp8Scale)) {
+        const Fp8Scale* scales = (const Fp8Scale*)(state + sizeof(Fp8StateHeader));
+        ParamKind kinds[] = {P_QKV, P_ATTN_OUT, P_GATE_UP, P_DOWN, P_EMBED};
+        for (ParamKind kind : kinds) {
+            char want[512];
+            size_t len = snprintf(want, sizeof(want), "\"%s\": {", kind == P_EMBED ? "head" : PARAM_KINDS[kind].name);
+            for (int role = 0; role < FP8_ROLES; role++) {
+                int lo = 1000, hi = -1000;
+                float amax = 0.0f;
+                for (int l = 0; l < (kind == P_EMBED ? 1 : c.n_layer); l++) {
+                    const Fp8Scale* sc = &scales[fp8_scale_index(&c, (Fp8Role)role, kind, l)];
+                    int k = (int)lround(log2(sc->scale));
+                    lo = k < lo ? k : lo;
+                    hi = k > hi ? k : hi;
+                    amax = sc->history[0] > amax ? sc->history[0] : amax;
+                }
+                len += snprintf(want + len, sizeof(want) - len, "%s\"%s\": {\"k\": [%d, %d], \"amax\": %.9g}",
+                                role ? ", " : "", FP8_ROLE_NAMES[role], lo, hi, amax);
+            }
+            const char* end = strchr(line, '\n');
+            EXPECT(strstr(line, want) && strstr(line, want) < end, "step 6's line lacks %s (the checkpoint's)", want);
+        }
+    } else {
+        EXPECT(false, "fp8_scales.bin of step 6: %zu bytes", state_len);
+    }
+    free(log);
+    free(state);
+    snprintf(cmd, sizeof(cmd), SMALL_RUN "--fp8 1 --train-data '%s/train_*.bin' --steps 7 --ckpt-every 0 --resume "
+             "%s/logged/ckpt_6 --out %s/other | grep -q 'FP8 scales of the other --fp8-head; the scales start afresh'",
+             dir, dir, dir);
+    EXPECT(system(cmd) == 0, "a resume with the head in BF16 did not say its scales start afresh");
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    EXPECT(system(cmd) == 0, "cleanup");
+    return TEST_RESULT;
+}
+
+// Data parallelism with FP8 (two GPUs; skipped with fewer). Delayed scaling: every rank takes the
+// max of the step's amaxes over the ranks before they join the history (fp8_agree_amaxes), so the
+// ranks' scale arrays must be bit-identical after every step. --fp8-log-scales gathers every
+// rank's array and says whether they are (memcmp on rank 0); the test reads that at each of 10
+// steps, with the head in FP8 too. Its negative control: current scaling, where each rank
+// measures its own tensors, must be said to differ at some step (else the check could not see
+// rank 1 at all).
+static int test_fp8_two_gpus_scales_agree(void) {
+    if (!g_have_gpu || gpu_count() < 2) return TEST_SKIP;
+    int failed = 0;
+    char dir[64], cmd[2048];
+    EXPECT(make_shard_dir(dir, 60000, 512), "shard");
+    const char* scalings[] = {"delayed", "current"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(cmd, sizeof(cmd), SMALL_RUN "--gpus 2 --zero 1 --fp8 1 --fp8-head 1 --fp8-scaling %s --fp8-log-scales 1 "
+                 "--steps 10 --ckpt-every 0 --train-data '%s/train_*.bin' --out %s/%s > %s/%s.txt 2>&1", scalings[i], dir,
+                 dir, scalings[i], dir, scalings[i]);
+        EXPECT(system(cmd) == 0, "run failed: %s", cmd);
+    }
+    snprintf(cmd, sizeof(cmd), "grep -c '\"fp8_ranks\": \"identical\"' %s/delayed/log.jsonl | grep -qx 10 && "
+             "! grep -q '\"fp8_ranks\": \"different\"' %s/delayed/log.jsonl", dir, dir);
+    EXPECT(system(cmd) == 0, "delayed scaling: the 2 ranks' scales are not identical at each of the 10 steps (%s/delayed)",
+           dir);
+    snprintf(cmd, sizeof(cmd), "grep -q '\"fp8_ranks\": \"different\"' %s/current/log.jsonl", dir);
+    EXPECT(system(cmd) == 0, "current scaling: the ranks' own amaxes were never seen to differ (%s/current)", dir);
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    EXPECT(system(cmd) == 0, "cleanup");
+    return TEST_RESULT;
+}
+
+// FP8 with delayed scaling, ZeRO 1 on two GPUs, validating every 3 steps: 10 steps straight, and
+// 5 (checkpoint, stop) then resumed to 10; steps 6..10 must log bit-identical losses and gradient
+// norms. The checkpoint holds rank 0's scales, which are every rank's only because the ranks
+// agree on their amaxes each step: before that, rank 1 resumed on rank 0's scales and drifted.
+static int test_fp8_two_gpus_resume_is_bit_exact(void) {
+    if (!g_have_gpu || gpu_count() < 2) return TEST_SKIP;
+    int failed = 0;
+    char dir[64], cmd[2048], path[256], path_b[256];
+    EXPECT(make_shard_dir(dir, 60000, 512), "shard");
+    const char* flags[] = {"--ckpt-every 0 --out %s/straight", "--ckpt-every 5 --stop-at 5 --out %s/split",
+                           "--ckpt-every 0 --resume latest --out %s/split"};
+    for (int r = 0; r < 3; r++) {
+        char extra[256];
+        snprintf(extra, sizeof(extra), flags[r], dir);
+        snprintf(cmd, sizeof(cmd), SMALL_RUN "--gpus 2 --zero 1 --fp8 1 --val-data '%s/train_*.bin' --val-every 3 "
+                 "--val-batches 2 --steps 10 --train-data '%s/train_*.bin' %s > %s/run%d.txt 2>&1", dir, dir, extra, dir, r);
+        EXPECT(system(cmd) == 0, "run %d failed: %s", r, cmd);
+    }
+    snprintf(path, sizeof(path), "%s/straight/log.jsonl", dir);
+    snprintf(path_b, sizeof(path_b), "%s/split/log.jsonl", dir);
+    failed |= compare_logged_steps(path, path_b, 1, 10);
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    EXPECT(system(cmd) == 0, "cleanup");
     return TEST_RESULT;
 }
 
@@ -345,6 +488,9 @@ static const TestCase fp8_tests[] = {
     {"gpu_fp8_scale_update", test_fp8_gpu_scale_update},
     {"gpu_fp8_layer_products", test_fp8_gpu_layer_products},
     {"gpu_fp8_model_gradients_vs_bf16", test_fp8_gpu_model_gradients_vs_bf16},
+    {"gpu_fp8_log_scales", test_fp8_gpu_log_scales},
+    {"gpu2_fp8_scales_agree", test_fp8_two_gpus_scales_agree},
+    {"gpu2_fp8_resume_is_bit_exact", test_fp8_two_gpus_resume_is_bit_exact},
 };
 static const int n_fp8_tests = sizeof(fp8_tests) / sizeof(fp8_tests[0]);
 
