@@ -384,6 +384,8 @@ typedef struct {
     Fp8Scaling scaling;
     bool calibrated;        // delayed: a step has filled the history (before that, casts measure)
     bool weights_stale;     // the bf16 weights changed since they were last cast
+    bool fuse;              // cast where the data is produced when the scales allow it (fp8_fused);
+                            // on by default, off in the tests that compare the two paths
     Fp8Scale* scales;       // [L * FP8_ROLES * FP8_MATRICES]
     Fp8Scale* scales_saved; // the same, and weights_stale, kept while an evaluation runs (fp8_eval)
     bool stale_saved;
@@ -825,6 +827,7 @@ static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling) {
     f->scaling = scaling;
     f->calibrated = false;
     f->weights_stale = true;
+    f->fuse = true;
 }
 
 // With ZeRO 1 and 2, each rank computes the new bf16 weights of its pieces only, writing them
@@ -1009,13 +1012,31 @@ static Batch upload_batch(Uploader* u, GPT* m, const uint16_t* window) {
 // ----------------------------------------------------------------------------------------------
 // Forward
 
+// FP8 mode's scales and how they are found. A layer's matrix (kind P_QKV .. P_DOWN) has three
+// scaled tensors (Fp8Role): its weight, its input activation and its output's gradient.
+static Fp8Scale* fp8_scale(const GPT* m, Fp8Role role, ParamKind kind, int l) {
+    return m->fp8.scales + ((size_t)l * FP8_ROLES + role) * FP8_MATRICES + kind;
+}
+
+// Current scaling measures every tensor; delayed too, until a step has filled the history.
+static Fp8CastScale fp8_how(const GPT* m) {
+    return m->fp8.scaling == FP8_CURRENT || !m->fp8.calibrated ? FP8_CAST_MEASURE : FP8_CAST_DELAYED;
+}
+
+// The fused path (doc/fp8.md): with every scale known before the data exists (delayed scaling
+// after the first step), the FP8 copies of RMSNorm's and SwiGLU's outputs and of SwiGLU's input
+// gradient are cast where they are computed (fp8_input_codes, fp8_grad_codes), from what the
+// forward keeps anyway; those bf16 tensors are then neither written nor read, and the backward
+// recomputes neither norm nor SwiGLU. Otherwise the producing kernels write bf16 and a cast reads it.
+static bool fp8_fused(const GPT* m) { return m->fp8.on && m->fp8.fuse && fp8_how(m) == FP8_CAST_DELAYED; }
+
 // The parts of layer l's forward that recompute mode runs again in the backward: the two RMSNorms,
-// the QK norm with RoPE, and SwiGLU.
+// the QK norm with RoPE, and SwiGLU. On the fused FP8 path the norms write only rstd.
 static void attention_norm(GPT* m, int l) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
-    rmsnorm_forward(a->xnorm_attn[l], a->rstd_attn[l], a->residual[l], P(m, P_ATTN_NORM, l), m->N, c->d_model,
-                    c->norm_eps, m->stream);
+    rmsnorm_forward(fp8_fused(m) ? NULL : a->xnorm_attn[l], a->rstd_attn[l], a->residual[l], P(m, P_ATTN_NORM, l),
+                    m->N, c->d_model, c->norm_eps, m->stream);
 }
 
 static void qk_norm_rope(GPT* m, int l) {
@@ -1028,8 +1049,8 @@ static void qk_norm_rope(GPT* m, int l) {
 static void mlp_norm(GPT* m, int l) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
-    rmsnorm_forward(a->xnorm_mlp[l], a->rstd_mlp[l], a->residual_mid[l], P(m, P_MLP_NORM, l), m->N, c->d_model,
-                    c->norm_eps, m->stream);
+    rmsnorm_forward(fp8_fused(m) ? NULL : a->xnorm_mlp[l], a->rstd_mlp[l], a->residual_mid[l], P(m, P_MLP_NORM, l),
+                    m->N, c->d_model, c->norm_eps, m->stream);
 }
 
 static void mlp_swiglu(GPT* m, int l) {
@@ -1041,13 +1062,38 @@ static void mlp_swiglu(GPT* m, int l) {
 // matmul in kernels.cuh): the forward multiplies W by x as they are; the input gradient needs W^T
 // (cast with W, once per optimizer step) and dy; the weight gradient needs x^T and dy^T, which
 // the casts of the backward write in the same pass.
-static Fp8Scale* fp8_scale(const GPT* m, Fp8Role role, ParamKind kind, int l) {
-    return m->fp8.scales + ((size_t)l * FP8_ROLES + role) * FP8_MATRICES + kind;
+
+// The fused path's E4M3 copies of matrix `kind`'s input x [N, I] in layer l (row-major into out,
+// transposed into out_t; either may be NULL), made from what the forward keeps: QKV's from the
+// residual stream with the attention norm's rstd and weight, GATE_UP's likewise from residual_mid,
+// DOWN's through SwiGLU from gate_up; ATTN_OUT's input is attention's output, kept as it is.
+static void fp8_input_codes(GPT* m, ParamKind kind, int l, uint8_t* out, uint8_t* out_t) {
+    Activations* a = &m->act;
+    int N = m->N, I = (int)param(&m->table, kind, l)->cols;
+    Fp8Scale* sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
+    if (kind == P_QKV)
+        fp8_produce(out, out_t, Fp8FromRmsnorm{a->residual[l], a->rstd_attn[l], P(m, P_ATTN_NORM, l), I}, N, I, false,
+                    sx, FP8_CAST_DELAYED, m->stream);
+    else if (kind == P_GATE_UP)
+        fp8_produce(out, out_t, Fp8FromRmsnorm{a->residual_mid[l], a->rstd_mlp[l], P(m, P_MLP_NORM, l), I}, N, I,
+                    false, sx, FP8_CAST_DELAYED, m->stream);
+    else if (kind == P_DOWN)
+        fp8_produce(out, out_t, Fp8FromSwiglu{a->gate_up[l], I}, N, I, false, sx, FP8_CAST_DELAYED, m->stream);
+    else
+        fp8_cast(out, out_t, a->attn_out[l], N, I, false, sx, FP8_CAST_DELAYED, m->stream);
 }
 
-// Current scaling measures every tensor; delayed too, until a step has filled the history.
-static Fp8CastScale fp8_how(const GPT* m) {
-    return m->fp8.scaling == FP8_CURRENT || !m->fp8.calibrated ? FP8_CAST_MEASURE : FP8_CAST_DELAYED;
+// The fused path's E5M2 copies of matrix `kind`'s output gradient [N, O] in layer l, into fp8.dy
+// and fp8.dy_t: GATE_UP's through SwiGLU's backward from d_mlp_act and gate_up (d_gate_up is never
+// written); the others' from dy as it is.
+static void fp8_grad_codes(GPT* m, ParamKind kind, int l, const bf16* dy) {
+    int N = m->N, O = (int)param(&m->table, kind, l)->rows;
+    Fp8Scale* sg = fp8_scale(m, FP8_ROLE_GRAD, kind, l);
+    if (kind == P_GATE_UP)
+        fp8_produce(m->fp8.dy, m->fp8.dy_t, Fp8FromSwigluBackward{m->act.d_mlp_act, m->act.gate_up[l], O / 2}, N, O,
+                    true, sg, FP8_CAST_DELAYED, m->stream);
+    else
+        fp8_cast(m->fp8.dy, m->fp8.dy_t, dy, N, O, true, sg, FP8_CAST_DELAYED, m->stream);
 }
 
 // Layer l's four FP8 weights and their transposes, from the bf16 weights, when those changed.
@@ -1061,7 +1107,7 @@ static void fp8_cast_weights(GPT* m, int l) {
     if (l == m->cfg.n_layer - 1) m->fp8.weights_stale = false;
 }
 
-// y[N, O] = x[N, I] W^T (+ residual)
+// y[N, O] = x[N, I] W^T (+ residual). The fused FP8 path makes x's codes itself (x is not read).
 static void layer_forward(GPT* m, ParamKind kind, int l, bf16* y, const bf16* x, const bf16* residual) {
     const ParamTensor* t = param(&m->table, kind, l);
     int N = m->N, O = (int)t->rows, I = (int)t->cols;
@@ -1071,12 +1117,14 @@ static void layer_forward(GPT* m, ParamKind kind, int l, bf16* y, const bf16* x,
     }
     GptFp8* f = &m->fp8;
     Fp8Scale *sw = fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), *sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
-    fp8_cast(f->x, NULL, x, N, I, false, sx, fp8_how(m), m->stream);
+    if (fp8_fused(m)) fp8_input_codes(m, kind, l, f->x, NULL);
+    else fp8_cast(f->x, NULL, x, N, I, false, sx, fp8_how(m), m->stream);
     matmul(mm_bf16(y), fp8_operand(f->weights + t->offset, false, sw), fp8_operand(f->x, false, sx), residual, 1.0f,
            O, N, I, true, false, m->stream);
 }
 
-// dW += dy^T x and dx = dy W, for dy [N, O] and the layer's input x [N, I] (as the forward saw it)
+// dW += dy^T x and dx = dy W, for dy [N, O] and the layer's input x [N, I] (as the forward saw it).
+// The fused FP8 path makes x's codes, and GATE_UP's dy's, from what the forward kept (x is not read).
 static void layer_backward(GPT* m, ParamKind kind, int l, bf16* dx, const bf16* dy, const bf16* x) {
     const ParamTensor* t = param(&m->table, kind, l);
     int N = m->N, O = (int)t->rows, I = (int)t->cols;
@@ -1089,10 +1137,15 @@ static void layer_backward(GPT* m, ParamKind kind, int l, bf16* dx, const bf16* 
     GptFp8* f = &m->fp8;
     Fp8Scale *sw = fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), *sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
     Fp8Scale* sg = fp8_scale(m, FP8_ROLE_GRAD, kind, l);
-    fp8_cast(f->dy, f->dy_t, dy, N, O, true, sg, fp8_how(m), m->stream);
-    // x's scale is the one its forward cast used: delayed, the step's; current, the forward's amax
-    fp8_cast(NULL, f->x_t, x, N, I, false, sx, fp8_how(m) == FP8_CAST_DELAYED ? FP8_CAST_DELAYED : FP8_CAST_MEASURED,
-             m->stream);
+    if (fp8_fused(m)) {
+        fp8_grad_codes(m, kind, l, dy);
+        fp8_input_codes(m, kind, l, NULL, f->x_t);
+    } else {
+        fp8_cast(f->dy, f->dy_t, dy, N, O, true, sg, fp8_how(m), m->stream);
+        // x's scale is the one its forward cast used: delayed, the step's; current, the forward's amax
+        fp8_cast(NULL, f->x_t, x, N, I, false, sx,
+                 fp8_how(m) == FP8_CAST_DELAYED ? FP8_CAST_DELAYED : FP8_CAST_MEASURED, m->stream);
+    }
     // dW [O, I] is column-major D[m = I, n = O] = op_T(A) B over k = N, with A = x^T (row-major
     // [I, N]) and B = dy^T (row-major [O, N]); beta 1 accumulates into dW
     matmul(mm_f32(dW), fp8_operand(f->x_t, false, sx), fp8_operand(f->dy_t, true, sg), dW, 1.0f, I, O, N, true, false,
@@ -1150,7 +1203,7 @@ static void forward_layers(GPT* m, const Batch* batch) {
         // MLP block: residual' = residual_mid + swiglu(rmsnorm(residual_mid) W_gate_up^T) W_down^T
         mlp_norm(m, l);
         layer_forward(m, P_GATE_UP, l, a->gate_up[l], a->xnorm_mlp[l], NULL);
-        mlp_swiglu(m, l);
+        if (!fp8_fused(m)) mlp_swiglu(m, l);  // fused: DOWN's cast runs SwiGLU itself
         layer_forward(m, P_DOWN, l, a->residual[l + 1], a->mlp_act[l], a->residual_mid[l]);
     }
     rmsnorm_forward(a->xnorm_final, a->rstd_final, a->residual[c->n_layer], P(m, P_FINAL_NORM, 0), N, C,
@@ -1219,6 +1272,7 @@ static void backward(GPT* m, const Batch* batch) {
     Activations* a = &m->act;
     int N = m->N, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c);
     int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim, L = c->n_layer;
+    bool fused = fp8_fused(m);  // the FP8 casts make the norms' and SwiGLU's outputs: nothing to recompute
     CUDA_CHECK(cudaMemsetAsync(a->d_residual, 0, (size_t)N * C * sizeof(bf16), m->stream));
     rmsnorm_backward(a->d_residual, G(m, P_FINAL_NORM, 0), a->partials, a->d_xnorm, a->residual[L],
                      P(m, P_FINAL_NORM, 0), a->rstd_final, N, C, m->stream);
@@ -1226,18 +1280,19 @@ static void backward(GPT* m, const Batch* batch) {
         grads_open(m, l);
         // MLP block. d_residual = dL/d(residual[l+1]) flows both through the skip connection
         // (unchanged) and through the block, whose contribution rmsnorm_backward adds to it.
-        if (m->recompute) {
+        if (m->recompute && !fused) {
             mlp_norm(m, l);
             mlp_swiglu(m, l);
         }
         layer_backward(m, P_DOWN, l, a->d_mlp_act, a->d_residual, a->mlp_act[l]);
-        swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], N, F, m->stream);
+        if (!fused)  // fused: SwiGLU's backward runs inside GATE_UP's cast of its output gradient
+            swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], N, F, m->stream);
         layer_backward(m, P_GATE_UP, l, a->d_xnorm, a->d_gate_up, a->xnorm_mlp[l]);
         rmsnorm_backward(a->d_residual, G(m, P_MLP_NORM, l), a->partials, a->d_xnorm, a->residual_mid[l],
                          P(m, P_MLP_NORM, l), a->rstd_mlp[l], N, C, m->stream);
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
         if (m->recompute) {
-            attention_norm(m, l);
+            if (!fused) attention_norm(m, l);
             qk_norm_rope(m, l);
         }
         layer_backward(m, P_ATTN_OUT, l, a->d_attn_out, a->d_residual, a->attn_out[l]);
