@@ -220,8 +220,21 @@ static void embedding_backward(float* d_embed, const bf16* dx, const int* bucket
 // RMSNorm: y = w * x / rms(x), rms(x) = sqrt(mean(x^2) + eps), over the C channels of each row.
 // One warp per row; the forward saves rstd = 1/rms(x) per row for the backward.
 
-// y for 8 channels of a row, rounded to bf16 as the forward stores it. FP8's fused casts
-// (lib/fp8.cuh) compute it again from x, the saved rstd and w, and must store the very same values.
+// The forward's two halves, shared with FP8's fused RMSNorm (lib/fp8.cuh), which must produce the
+// very same rstd and values: rstd of one row x [C], by one warp (every lane gets it); y for 8
+// channels of a row, rounded to bf16 as the forward stores it.
+__device__ __forceinline__ float rmsnorm_rstd(const bf16* x, int C, float eps, int lane) {
+    float sum_sq = 0.0f;
+    for (int c = lane * 8; c < C; c += 32 * 8) {
+        bf16x8 v = load8(x + c);
+        for (int k = 0; k < 8; k++) {
+            float f = __bfloat162float(v.v[k]);
+            sum_sq += f * f;
+        }
+    }
+    return rsqrtf(warp_sum(sum_sq) / C + eps);
+}
+
 __device__ __forceinline__ bf16x8 rmsnorm_apply8(const bf16x8& x, float r, const bf16x8& w) {
     bf16x8 y;
     for (int k = 0; k < 8; k++) y.v[k] = __float2bfloat16(__bfloat162float(x.v[k]) * r * __bfloat162float(w.v[k]));
@@ -233,22 +246,12 @@ __global__ void rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* in, c
     int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= N) return;
     const bf16* x = in + (size_t)row * C;
-    float sum_sq = 0.0f;
-    for (int c = lane * 8; c < C; c += 32 * 8) {
-        bf16x8 v = load8(x + c);
-        for (int k = 0; k < 8; k++) {
-            float f = __bfloat162float(v.v[k]);
-            sum_sq += f * f;
-        }
-    }
-    float r = rsqrtf(warp_sum(sum_sq) / C + eps);
-    if (out)
-        for (int c = lane * 8; c < C; c += 32 * 8)
-            store8(out + (size_t)row * C + c, rmsnorm_apply8(load8(x + c), r, load8(weight + c)));
+    float r = rmsnorm_rstd(x, C, eps, lane);
+    for (int c = lane * 8; c < C; c += 32 * 8)
+        store8(out + (size_t)row * C + c, rmsnorm_apply8(load8(x + c), r, load8(weight + c)));
     if (lane == 0) rstd[row] = r;
 }
 
-// out may be NULL: then only rstd is written (FP8's fused path, which makes y where it casts it).
 static void rmsnorm_forward(bf16* out, float* rstd, const bf16* in, const bf16* weight, int N, int C, float eps,
                             cudaStream_t s) {
     rmsnorm_forward_kernel<<<ceil_div(N, 8), 256, 0, s>>>(out, rstd, in, weight, N, C, eps);

@@ -1025,18 +1025,18 @@ static Fp8CastScale fp8_how(const GPT* m) {
 
 // The fused path (doc/fp8.md): with every scale known before the data exists (delayed scaling
 // after the first step), the FP8 copies of RMSNorm's and SwiGLU's outputs and of SwiGLU's input
-// gradient are cast where they are computed (fp8_input_codes, fp8_grad_codes), from what the
+// gradient are cast where they are computed (fp8_input, fp8_grad), the backward's from what the
 // forward keeps anyway; those bf16 tensors are then neither written nor read, and the backward
 // recomputes neither norm nor SwiGLU. Otherwise the producing kernels write bf16 and a cast reads it.
 static bool fp8_fused(const GPT* m) { return m->fp8.on && m->fp8.fuse && fp8_how(m) == FP8_CAST_DELAYED; }
 
 // The parts of layer l's forward that recompute mode runs again in the backward: the two RMSNorms,
-// the QK norm with RoPE, and SwiGLU. On the fused FP8 path the norms write only rstd.
+// the QK norm with RoPE, and SwiGLU.
 static void attention_norm(GPT* m, int l) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
-    rmsnorm_forward(fp8_fused(m) ? NULL : a->xnorm_attn[l], a->rstd_attn[l], a->residual[l], P(m, P_ATTN_NORM, l),
-                    m->N, c->d_model, c->norm_eps, m->stream);
+    rmsnorm_forward(a->xnorm_attn[l], a->rstd_attn[l], a->residual[l], P(m, P_ATTN_NORM, l), m->N, c->d_model,
+                    c->norm_eps, m->stream);
 }
 
 static void qk_norm_rope(GPT* m, int l) {
@@ -1049,8 +1049,8 @@ static void qk_norm_rope(GPT* m, int l) {
 static void mlp_norm(GPT* m, int l) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
-    rmsnorm_forward(fp8_fused(m) ? NULL : a->xnorm_mlp[l], a->rstd_mlp[l], a->residual_mid[l], P(m, P_MLP_NORM, l),
-                    m->N, c->d_model, c->norm_eps, m->stream);
+    rmsnorm_forward(a->xnorm_mlp[l], a->rstd_mlp[l], a->residual_mid[l], P(m, P_MLP_NORM, l), m->N, c->d_model,
+                    c->norm_eps, m->stream);
 }
 
 static void mlp_swiglu(GPT* m, int l) {
@@ -1063,30 +1063,36 @@ static void mlp_swiglu(GPT* m, int l) {
 // (cast with W, once per optimizer step) and dy; the weight gradient needs x^T and dy^T, which
 // the casts of the backward write in the same pass.
 
-// The fused path's E4M3 copies of matrix `kind`'s input x [N, I] in layer l (row-major into out,
-// transposed into out_t; either may be NULL), made from what the forward keeps: QKV's from the
-// residual stream with the attention norm's rstd and weight, GATE_UP's likewise from residual_mid,
-// DOWN's through SwiGLU from gate_up; ATTN_OUT's input is attention's output, kept as it is.
-static void fp8_input_codes(GPT* m, ParamKind kind, int l, uint8_t* out, uint8_t* out_t) {
+// The fused path's E4M3 copy of matrix `kind`'s input x [N, I] in layer l: row-major into fp8.x
+// for the forward, or transposed into fp8.x_t for the weight gradient. The kernel that makes x
+// runs inside the cast: QKV's and GATE_UP's RMSNorm (the forward's computes rstd and saves it as
+// the bf16 norm does; the backward's applies the saved one to the kept input), DOWN's SwiGLU on
+// gate_up; ATTN_OUT's input, attention's output, is cast as it is.
+static void fp8_input(GPT* m, ParamKind kind, int l, bool transposed) {
     Activations* a = &m->act;
     int N = m->N, I = (int)param(&m->table, kind, l)->cols;
+    uint8_t *out = transposed ? NULL : m->fp8.x, *out_t = transposed ? m->fp8.x_t : NULL;
     Fp8Scale* sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
-    if (kind == P_QKV)
-        fp8_produce(out, out_t, Fp8FromRmsnorm{a->residual[l], a->rstd_attn[l], P(m, P_ATTN_NORM, l), I}, N, I, false,
-                    sx, FP8_CAST_DELAYED, m->stream);
-    else if (kind == P_GATE_UP)
-        fp8_produce(out, out_t, Fp8FromRmsnorm{a->residual_mid[l], a->rstd_mlp[l], P(m, P_MLP_NORM, l), I}, N, I,
-                    false, sx, FP8_CAST_DELAYED, m->stream);
-    else if (kind == P_DOWN)
+    if (kind == P_QKV || kind == P_GATE_UP) {
+        bool attn = kind == P_QKV;
+        const bf16* x = attn ? a->residual[l] : a->residual_mid[l];
+        float* rstd = attn ? a->rstd_attn[l] : a->rstd_mlp[l];
+        const bf16* w = P(m, attn ? P_ATTN_NORM : P_MLP_NORM, l);
+        if (transposed)
+            fp8_produce(NULL, out_t, Fp8FromRmsnorm{x, rstd, w, I}, N, I, false, sx, FP8_CAST_DELAYED, m->stream);
+        else
+            fp8_rmsnorm_forward(out, rstd, x, w, N, I, m->cfg.norm_eps, sx, m->stream);
+    } else if (kind == P_DOWN) {
         fp8_produce(out, out_t, Fp8FromSwiglu{a->gate_up[l], I}, N, I, false, sx, FP8_CAST_DELAYED, m->stream);
-    else
+    } else {
         fp8_cast(out, out_t, a->attn_out[l], N, I, false, sx, FP8_CAST_DELAYED, m->stream);
+    }
 }
 
 // The fused path's E5M2 copies of matrix `kind`'s output gradient [N, O] in layer l, into fp8.dy
 // and fp8.dy_t: GATE_UP's through SwiGLU's backward from d_mlp_act and gate_up (d_gate_up is never
 // written); the others' from dy as it is.
-static void fp8_grad_codes(GPT* m, ParamKind kind, int l, const bf16* dy) {
+static void fp8_grad(GPT* m, ParamKind kind, int l, const bf16* dy) {
     int N = m->N, O = (int)param(&m->table, kind, l)->rows;
     Fp8Scale* sg = fp8_scale(m, FP8_ROLE_GRAD, kind, l);
     if (kind == P_GATE_UP)
@@ -1117,7 +1123,7 @@ static void layer_forward(GPT* m, ParamKind kind, int l, bf16* y, const bf16* x,
     }
     GptFp8* f = &m->fp8;
     Fp8Scale *sw = fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), *sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
-    if (fp8_fused(m)) fp8_input_codes(m, kind, l, f->x, NULL);
+    if (fp8_fused(m)) fp8_input(m, kind, l, false);
     else fp8_cast(f->x, NULL, x, N, I, false, sx, fp8_how(m), m->stream);
     matmul(mm_bf16(y), fp8_operand(f->weights + t->offset, false, sw), fp8_operand(f->x, false, sx), residual, 1.0f,
            O, N, I, true, false, m->stream);
@@ -1138,8 +1144,8 @@ static void layer_backward(GPT* m, ParamKind kind, int l, bf16* dx, const bf16* 
     Fp8Scale *sw = fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), *sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
     Fp8Scale* sg = fp8_scale(m, FP8_ROLE_GRAD, kind, l);
     if (fp8_fused(m)) {
-        fp8_grad_codes(m, kind, l, dy);
-        fp8_input_codes(m, kind, l, NULL, f->x_t);
+        fp8_grad(m, kind, l, dy);
+        fp8_input(m, kind, l, true);
     } else {
         fp8_cast(f->dy, f->dy_t, dy, N, O, true, sg, fp8_how(m), m->stream);
         // x's scale is the one its forward cast used: delayed, the step's; current, the forward's amax
@@ -1187,13 +1193,14 @@ static void forward_layers(GPT* m, const Batch* batch) {
     Activations* a = &m->act;
     int N = m->N, C = c->d_model, Q = qkv_dim(c);
     int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim;
+    bool fused = fp8_fused(m);  // the matrices' casts run the norms and SwiGLU themselves (fp8_input)
     await_params(m, c->n_layer);  // the embedding's bucket (and the final norm's)
     embedding_forward(a->residual[0], batch->inputs, P(m, P_EMBED, 0), N, C, m->stream);
     for (int l = 0; l < c->n_layer; l++) {
         await_params(m, l);
         fp8_cast_weights(m, l);
         // attention block: residual_mid = residual + attention(qk_rope(rmsnorm(residual) W_qkv^T)) W_o^T
-        attention_norm(m, l);
+        if (!fused) attention_norm(m, l);
         layer_forward(m, P_QKV, l, a->qkv[l], a->xnorm_attn[l], NULL);
         qk_norm_rope(m, l);
         const bf16* q = a->qkv_rot[l];
@@ -1201,9 +1208,9 @@ static void forward_layers(GPT* m, const Batch* batch) {
                           m->stream);
         layer_forward(m, P_ATTN_OUT, l, a->residual_mid[l], a->attn_out[l], a->residual[l]);
         // MLP block: residual' = residual_mid + swiglu(rmsnorm(residual_mid) W_gate_up^T) W_down^T
-        mlp_norm(m, l);
+        if (!fused) mlp_norm(m, l);
         layer_forward(m, P_GATE_UP, l, a->gate_up[l], a->xnorm_mlp[l], NULL);
-        if (!fp8_fused(m)) mlp_swiglu(m, l);  // fused: DOWN's cast runs SwiGLU itself
+        if (!fused) mlp_swiglu(m, l);
         layer_forward(m, P_DOWN, l, a->residual[l + 1], a->mlp_act[l], a->residual_mid[l]);
     }
     rmsnorm_forward(a->xnorm_final, a->rstd_final, a->residual[c->n_layer], P(m, P_FINAL_NORM, 0), N, C,

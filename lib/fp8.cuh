@@ -26,8 +26,9 @@
  * take only the TN form, so the backward's products need transposed operands; doc/fp8.md). What
  * it casts comes from a producer: a bf16 tensor in memory, or (fused) the output of RMSNorm,
  * SwiGLU or SwiGLU's backward computed on the spot from that kernel's inputs, so that the bf16
- * tensor is never written nor read again. A fused cast needs its scale before the data exists:
- * delayed scaling once the history holds a step.
+ * tensor is never written nor read again; the forward's RMSNorm, which needs whole rows for its
+ * rstd, has its own kernel that writes E4M3. A fused cast needs its scale before the data
+ * exists: delayed scaling once the history holds a step.
  */
 #ifndef FP8_CUH
 #define FP8_CUH
@@ -198,6 +199,25 @@ __global__ static void __launch_bounds__(256) fp8_cast_kernel(uint8_t* out, uint
     if (!current) fp8_record_amax(s, amax);
 }
 
+// RMSNorm straight to E4M3 at the delayed scale s->scale (the fused forward's QKV and GATE_UP
+// inputs): rmsnorm_forward_kernel's rows, warps and rstd (saved for the backward as it saves it),
+// each row's values cast as they are computed; the amax recorded. The bf16 output never exists.
+__global__ static void __launch_bounds__(256) fp8_rmsnorm_kernel(uint8_t* out, float* rstd, const bf16* in,
+                                                                 const bf16* weight, int N, int C, float eps,
+                                                                 Fp8Scale* s) {
+    int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    float scale = s->scale, amax = 0.0f;
+    if (row < N) {  // no early return: every thread joins the block's amax
+        const bf16* x = in + (size_t)row * C;
+        float r = rmsnorm_rstd(x, C, eps, lane);
+        for (int c = lane * 8; c < C; c += 32 * 8)
+            *(uint2*)(out + (size_t)row * C + c) =
+                fp8_encode8<__NV_E4M3>(rmsnorm_apply8(load8(x + c), r, load8(weight + c)), scale, &amax);
+        if (lane == 0) rstd[row] = r;
+    }
+    fp8_record_amax(s, amax);
+}
+
 // After an optimizer step (delayed scaling): each tensor's amax joins its history, the scale is
 // set from the history's largest, and amax starts again from 0.
 __global__ static void fp8_update_kernel(Fp8Scale* scales, int n) {
@@ -251,6 +271,14 @@ static void fp8_cast(uint8_t* out, uint8_t* out_t, const bf16* x, int rows, int 
         LAUNCH_CHECK();
     }
     fp8_produce(out, out_t, Fp8FromBf16{x, cols}, rows, cols, e5m2, s, how, stream);
+}
+
+// y = rmsnorm(in) [N, C] into E4M3 codes `out`, and rstd [N]; delayed scaling only.
+static void fp8_rmsnorm_forward(uint8_t* out, float* rstd, const bf16* in, const bf16* weight, int N, int C, float eps,
+                                Fp8Scale* s, cudaStream_t stream) {
+    fp8_check_shape(N, C);
+    fp8_rmsnorm_kernel<<<ceil_div(N, 8), 256, 0, stream>>>(out, rstd, in, weight, N, C, eps, s);
+    LAUNCH_CHECK();
 }
 
 static void fp8_update_scales(Fp8Scale* scales, int n, cudaStream_t stream) {

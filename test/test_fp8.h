@@ -1,7 +1,7 @@
 /*
  * test/test_fp8.h - FP8 mode's tests: the rounding of both formats on every code, the cast
  * kernels and the scales against the CPU reference (test/reference.h), the FP8 products of one
- * layer, the fused casts (producers) against the unfused path and the reference, and the whole
+ * layer, the fused casts against the unfused path and the reference, and the whole
  * model: its FP8 gradients against its BF16 ones, a fused step against an unfused one.
  *
  * test_gpt.cu includes it after its whole-model helpers (gpu_forward_backward, random_params),
@@ -220,8 +220,9 @@ static bool fp8_same_or_next(uint8_t got, uint8_t want, bool e5m2) {
     return abs(a - b) == 1;
 }
 
-// One producer, on a tensor [rows, cols] whose sides are no multiple of the 64 x 64 tile, cast with
-// a delayed scale into poisoned buffers (0xFF is a NaN in both formats), both layouts:
+// One fused cast, on a tensor [rows, cols] whose sides are no multiple of the 64 x 64 tile, with
+// a delayed scale into poisoned buffers (0xFF is a NaN in both formats); fused(out, out_t, s)
+// runs it, writing both layouts, or (transposed false) only the row-major one:
 //  - against the unfused path (the producing kernel wrote `unfused` in bf16, a plain cast reads
 //    it): the same codes and the same amax, bit for bit;
 //  - against the CPU reference's values `ref` rounded to bf16 and encoded at the same scale: each
@@ -229,9 +230,9 @@ static bool fp8_same_or_next(uint8_t got, uint8_t want, bool e5m2) {
 //    a value within an fp32 rounding of a midpoint may round the other way; a wrong scale moves
 //    codes by 4 or 8, a wrong value or place by anything);
 //  - nothing written past the tensor's end.
-template <typename Producer>
-static int fp8_check_producer(const char* name, Producer x, const bf16* unfused, const double* ref, int rows, int cols,
-                              bool e5m2) {
+template <typename Fused>
+static int fp8_check_fused(const char* name, Fused fused, bool transposed, const bf16* unfused, const double* ref,
+                           int rows, int cols, bool e5m2) {
     int failed = 0;
     size_t n = (size_t)rows * cols;
     double amax_ref = 0.0;
@@ -246,7 +247,7 @@ static int fp8_check_producer(const char* name, Producer x, const bf16* unfused,
     CUDA_CHECK(cudaMemcpy(d_s, &s, sizeof(s), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(d_s + 1, &s, sizeof(s), cudaMemcpyHostToDevice));
     fp8_cast(d_codes[0], d_codes[1], unfused, rows, cols, e5m2, d_s, FP8_CAST_DELAYED, 0);
-    fp8_produce(d_codes[2], d_codes[3], x, rows, cols, e5m2, d_s + 1, FP8_CAST_DELAYED, 0);
+    fused(d_codes[2], transposed ? d_codes[3] : NULL, d_s + 1);
     uint8_t* codes[4];
     for (int i = 0; i < 4; i++) {
         codes[i] = (uint8_t*)malloc(n + 256);
@@ -254,7 +255,7 @@ static int fp8_check_producer(const char* name, Producer x, const bf16* unfused,
     }
     Fp8Scale after[2];
     CUDA_CHECK(cudaMemcpy(after, d_s, sizeof(after), cudaMemcpyDeviceToHost));
-    EXPECT(!memcmp(codes[2], codes[0], n) && !memcmp(codes[3], codes[1], n),
+    EXPECT(!memcmp(codes[2], codes[0], n) && (!transposed || !memcmp(codes[3], codes[1], n)),
            "%s: the fused codes differ from the unfused path's", name);
     EXPECT(!memcmp(&after[1].amax, &after[0].amax, sizeof(float)), "%s: amax %.9g fused, %.9g unfused", name,
            after[1].amax, after[0].amax);
@@ -265,14 +266,14 @@ static int fp8_check_producer(const char* name, Producer x, const bf16* unfused,
         for (int c = 0; c < cols; c++) {
             uint8_t want = ref_fp8_encode(round_bf16(ref[(size_t)r * cols + c]) * s.scale, e5m2);
             uint8_t got = codes[2][(size_t)r * cols + c], got_t = codes[3][(size_t)c * rows + r];
-            far += !fp8_same_or_next(got, want, e5m2) || !fp8_same_or_next(got_t, want, e5m2);
+            far += !fp8_same_or_next(got, want, e5m2) || (transposed && !fp8_same_or_next(got_t, want, e5m2));
             next += got != want;
         }
     for (int i = 2; i < 4; i++)
-        for (size_t j = n; j < n + 256; j++) overrun += codes[i][j] != 0xFF;
+        for (size_t j = i == 3 && !transposed ? 0 : n; j < n + 256; j++) overrun += codes[i][j] != 0xFF;
     EXPECT(far == 0 && next <= (int)(n / 1000), "%s: %d codes away from the reference's, %d a neighbour of it (of %zu)",
            name, far, next, n);
-    EXPECT(overrun == 0, "%s: %d bytes written past the end", name, overrun);
+    EXPECT(overrun == 0, "%s: %d bytes written past the end (or into the unasked transposed copy)", name, overrun);
     for (int i = 0; i < 4; i++) {
         free(codes[i]);
         CUDA_CHECK(cudaFree(d_codes[i]));
@@ -281,24 +282,31 @@ static int fp8_check_producer(const char* name, Producer x, const bf16* unfused,
     return failed;
 }
 
-// The producers of the fused path: RMSNorm's output from its input and saved rstd, SwiGLU's from
-// gate_up, SwiGLU's backward from d_out and gate_up (whose two halves meet inside a tile here:
-// F = 104). The forward's norm on the fused path writes rstd alone, and the same rstd.
-static int test_fp8_gpu_producers(void) {
+// The fused path's casts: the forward's RMSNorm straight to E4M3 (and its rstd, which must be the
+// bf16 norm's), RMSNorm's output again from its input and saved rstd (the backward's producer),
+// SwiGLU's from gate_up, SwiGLU's backward from d_out and gate_up (whose halves meet inside a
+// tile here: F = 104).
+static int test_fp8_gpu_fused_casts(void) {
     REQUIRE_GPU();
     int failed = 0;
     int rows = 136, C = 200, F = 104;
     double *x = random_array((size_t)rows * C, 2.0), *w = random_array(C, 1.0);
     bf16 *d_x = to_device_bf16(x, (size_t)rows * C), *d_w = to_device_bf16(w, C);
     bf16* d_y = (bf16*)device_alloc_poisoned((size_t)rows * C * 2);
-    float *d_rstd = (float*)device_alloc_poisoned(rows * 4), *d_rstd_alone = (float*)device_alloc_poisoned(rows * 4);
+    float *d_rstd = (float*)device_alloc_poisoned(rows * 4), *d_rstd_fused = (float*)device_alloc_poisoned(rows * 4);
     rmsnorm_forward(d_y, d_rstd, d_x, d_w, rows, C, 1e-6f, 0);
-    rmsnorm_forward(NULL, d_rstd_alone, d_x, d_w, rows, C, 1e-6f, 0);
-    double *rstd = from_device_f32(d_rstd, rows), *rstd_alone = from_device_f32(d_rstd_alone, rows);
-    EXPECT(!memcmp(rstd, rstd_alone, rows * sizeof(double)), "rmsnorm without its output: another rstd");
     double *y = (double*)malloc((size_t)rows * C * 8), *rstd_ref = (double*)malloc(rows * 8);
     ref_rmsnorm_forward(y, rstd_ref, x, w, rows, C, 1e-6);
-    failed |= fp8_check_producer("rmsnorm", Fp8FromRmsnorm{d_x, d_rstd_alone, d_w, C}, d_y, y, rows, C, false);
+    auto norm = [&](uint8_t* out, uint8_t*, Fp8Scale* s) {
+        fp8_rmsnorm_forward(out, d_rstd_fused, d_x, d_w, rows, C, 1e-6f, s, 0);
+    };
+    failed |= fp8_check_fused("rmsnorm forward", norm, false, d_y, y, rows, C, false);
+    double *rstd = from_device_f32(d_rstd, rows), *rstd_fused = from_device_f32(d_rstd_fused, rows);
+    EXPECT(!memcmp(rstd, rstd_fused, rows * sizeof(double)), "the fused rmsnorm saved another rstd");
+    auto norm_again = [&](uint8_t* out, uint8_t* out_t, Fp8Scale* s) {
+        fp8_produce(out, out_t, Fp8FromRmsnorm{d_x, d_rstd, d_w, C}, rows, C, false, s, FP8_CAST_DELAYED, 0);
+    };
+    failed |= fp8_check_fused("rmsnorm from rstd", norm_again, true, d_y, y, rows, C, false);
 
     size_t n = (size_t)rows * F;
     double *gu = random_array(2 * n, 2.0), *d_out = random_array(n, 1e-3);  // gradient-sized
@@ -309,12 +317,17 @@ static int test_fp8_gpu_producers(void) {
     double *act = (double*)malloc(n * 8), *dgu = (double*)malloc(2 * n * 8);
     ref_swiglu_forward(act, gu, rows, F);
     ref_swiglu_backward(dgu, d_out, gu, rows, F);
-    failed |= fp8_check_producer("swiglu", Fp8FromSwiglu{d_gu, F}, d_act, act, rows, F, false);
-    failed |= fp8_check_producer("swiglu backward", Fp8FromSwigluBackward{d_dout, d_gu, F}, d_dgu, dgu, rows, 2 * F,
-                                 true);
-    double* all[] = {x, w, rstd, rstd_alone, y, rstd_ref, gu, d_out, act, dgu};
+    auto swiglu = [&](uint8_t* out, uint8_t* out_t, Fp8Scale* s) {
+        fp8_produce(out, out_t, Fp8FromSwiglu{d_gu, F}, rows, F, false, s, FP8_CAST_DELAYED, 0);
+    };
+    auto swiglu_grad = [&](uint8_t* out, uint8_t* out_t, Fp8Scale* s) {
+        fp8_produce(out, out_t, Fp8FromSwigluBackward{d_dout, d_gu, F}, rows, 2 * F, true, s, FP8_CAST_DELAYED, 0);
+    };
+    failed |= fp8_check_fused("swiglu", swiglu, true, d_act, act, rows, F, false);
+    failed |= fp8_check_fused("swiglu backward", swiglu_grad, true, d_dgu, dgu, rows, 2 * F, true);
+    double* all[] = {x, w, rstd, rstd_fused, y, rstd_ref, gu, d_out, act, dgu};
     for (double* a : all) free(a);
-    void* dev[] = {d_x, d_w, d_y, d_rstd, d_rstd_alone, d_gu, d_dout, d_act, d_dgu};
+    void* dev[] = {d_x, d_w, d_y, d_rstd, d_rstd_fused, d_gu, d_dout, d_act, d_dgu};
     for (void* d : dev) CUDA_CHECK(cudaFree(d));
     return TEST_RESULT;
 }
@@ -524,7 +537,7 @@ static const TestCase fp8_tests[] = {
     {"gpu_fp8_scale_update", test_fp8_gpu_scale_update},
     {"gpu_fp8_layer_products", test_fp8_gpu_layer_products},
     {"gpu_fp8_model_gradients_vs_bf16", test_fp8_gpu_model_gradients_vs_bf16},
-    {"gpu_fp8_producers", test_fp8_gpu_producers},
+    {"gpu_fp8_fused_casts", test_fp8_gpu_fused_casts},
     {"gpu_fp8_fused_step_is_bit_exact", test_fp8_gpu_fused_step_is_bit_exact},
 };
 static const int n_fp8_tests = sizeof(fp8_tests) / sizeof(fp8_tests[0]);
