@@ -404,10 +404,11 @@ static int test_fp8_gpu_layer_products(void) {
 // layer's backward is off by ~5.5% RMS element by element. A weight's gradient sums such
 // products over the tokens, and at initialization those terms mostly cancel (the sum is a few
 // times smaller than the sum of the terms' sizes), which multiplies the relative error by that
-// factor; dy's error also flows into every earlier layer. Measured on this config on an H100:
-// 0.16 to 0.22 relative L2 for the matrices, 0.30 for the worst norm weight (sums over tokens
-// and heads that cancel more), loss within 1.4e-4. We allow 0.35 and 0.6 (1.6-2x the measured),
-// and 2e-3 on the loss. A wrong scale (by a factor of two at least, being a power of two), a wrong
+// factor; dy's error also flows into every earlier layer. Measured on this config on an H100
+// over TEST_SEED 1 to 24 (48 cases): 0.20 to 0.24 relative L2 for the matrices, up to 0.35 for
+// the worst norm weight (sums over tokens and heads that cancel more), the loss 9e-4 relative at
+// the median and 3.5e-3 at worst (7 of the 48 beyond the 2e-3 once allowed). We allow 0.35 and
+// 0.6 on gradients, 7e-3 on the loss (twice the worst measured). A wrong scale (by a factor of two at least, being a power of two), a wrong
 // transpose or a wrong format shows errors of 1 or more. The test also runs delayed scaling,
 // calibrated on the same batch: its scales are then the current ones, so its gradients (made on
 // the fused path, fp8_fused) must equal current scaling's (unfused) bit for bit.
@@ -442,7 +443,7 @@ static int test_fp8_gpu_model_gradients_vs_bf16(void) {
             uploader_free(&up);
             gpt_free(&m);
         }
-        EXPECT(fabs(loss[1] - loss[0]) < 2e-3 * loss[0], "loss %.5f in FP8 vs %.5f in BF16", loss[1], loss[0]);
+        EXPECT(fabs(loss[1] - loss[0]) < 7e-3 * loss[0], "loss %.5f in FP8 vs %.5f in BF16", loss[1], loss[0]);
         double worst[2] = {0, 0};
         for (int i = 0; i < table.n_tensors; i++) {
             const ParamTensor* t = &table.tensors[i];
