@@ -1113,7 +1113,7 @@ static void fp8_cast_weights(GPT* m, int l) {
     if (l == m->cfg.n_layer - 1) m->fp8.weights_stale = false;
 }
 
-// y[N, O] = x[N, I] W^T (+ residual). The fused FP8 path makes x's codes itself (x is not read).
+// y[N, O] = x[N, I] W^T (+ residual). On the fused FP8 path fp8_input makes x's codes (x unused).
 static void layer_forward(GPT* m, ParamKind kind, int l, bf16* y, const bf16* x, const bf16* residual) {
     const ParamTensor* t = param(&m->table, kind, l);
     int N = m->N, O = (int)t->rows, I = (int)t->cols;
@@ -1130,7 +1130,8 @@ static void layer_forward(GPT* m, ParamKind kind, int l, bf16* y, const bf16* x,
 }
 
 // dW += dy^T x and dx = dy W, for dy [N, O] and the layer's input x [N, I] (as the forward saw it).
-// The fused FP8 path makes x's codes, and GATE_UP's dy's, from what the forward kept (x is not read).
+// On the fused FP8 path fp8_input and fp8_grad make the codes from what the forward kept (x unused,
+// and GATE_UP's dy too).
 static void layer_backward(GPT* m, ParamKind kind, int l, bf16* dx, const bf16* dy, const bf16* x) {
     const ParamTensor* t = param(&m->table, kind, l);
     int N = m->N, O = (int)t->rows, I = (int)t->cols;
