@@ -220,11 +220,10 @@ static void embedding_backward(float* d_embed, const bf16* dx, const int* bucket
 // RMSNorm: y = w * x / rms(x), rms(x) = sqrt(mean(x^2) + eps), over the C channels of each row.
 // One warp per row; the forward saves rstd = 1/rms(x) per row for the backward.
 
-__global__ void rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* in, const bf16* weight,
-                                       int N, int C, float eps) {
-    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= N) return;
-    const bf16* x = in + (size_t)row * C;
+// The forward's two halves, shared with FP8's fused RMSNorm (lib/fp8.cuh), which must produce the
+// very same rstd and values: rstd of one row x [C], by one warp (every lane gets it); y for 8
+// channels of a row, rounded to bf16 as the forward stores it.
+__device__ __forceinline__ float rmsnorm_rstd(const bf16* x, int C, float eps, int lane) {
     float sum_sq = 0.0f;
     for (int c = lane * 8; c < C; c += 32 * 8) {
         bf16x8 v = load8(x + c);
@@ -233,13 +232,23 @@ __global__ void rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* in, c
             sum_sq += f * f;
         }
     }
-    float r = rsqrtf(warp_sum(sum_sq) / C + eps);
-    for (int c = lane * 8; c < C; c += 32 * 8) {
-        bf16x8 v = load8(x + c), w = load8(weight + c), y;
-        for (int k = 0; k < 8; k++)
-            y.v[k] = __float2bfloat16(__bfloat162float(v.v[k]) * r * __bfloat162float(w.v[k]));
-        store8(out + (size_t)row * C + c, y);
-    }
+    return rsqrtf(warp_sum(sum_sq) / C + eps);
+}
+
+__device__ __forceinline__ bf16x8 rmsnorm_apply8(const bf16x8& x, float r, const bf16x8& w) {
+    bf16x8 y;
+    for (int k = 0; k < 8; k++) y.v[k] = __float2bfloat16(__bfloat162float(x.v[k]) * r * __bfloat162float(w.v[k]));
+    return y;
+}
+
+__global__ void rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* in, const bf16* weight,
+                                       int N, int C, float eps) {
+    int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= N) return;
+    const bf16* x = in + (size_t)row * C;
+    float r = rmsnorm_rstd(x, C, eps, lane);
+    for (int c = lane * 8; c < C; c += 32 * 8)
+        store8(out + (size_t)row * C + c, rmsnorm_apply8(load8(x + c), r, load8(weight + c)));
     if (lane == 0) rstd[row] = r;
 }
 
@@ -462,30 +471,40 @@ static void qk_norm_rope_backward(bf16* d_qkv, float* dq_weight, float* dk_weigh
 // SwiGLU: a row of gate_up holds [gate (F) | up (F)]; out = silu(gate) * up, silu(g) = g sigmoid(g).
 // Backward: d_gate = d_out * up * sigmoid(g) * (1 + g (1 - sigmoid(g))),  d_up = d_out * silu(g).
 
-__global__ void swiglu_forward_kernel(bf16* out, const bf16* gate_up, int N, int F) {
-    size_t i = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) * 8;
-    if (i >= (size_t)N * F) return;
-    size_t n = i / F, f = i % F;
-    bf16x8 g = load8(gate_up + n * 2 * F + f), u = load8(gate_up + n * 2 * F + F + f), y;
+// Both directions for 8 channels, rounded to bf16 as the kernels store them. FP8's fused casts
+// (lib/fp8.cuh) run the same functions and must store the very same values.
+__device__ __forceinline__ bf16x8 swiglu8(const bf16x8& g, const bf16x8& u) {
+    bf16x8 y;
     for (int k = 0; k < 8; k++) {
         float gk = __bfloat162float(g.v[k]);
         y.v[k] = __float2bfloat16(gk / (1.0f + __expf(-gk)) * __bfloat162float(u.v[k]));
     }
-    store8(out + i, y);
+    return y;
+}
+
+__device__ __forceinline__ void swiglu_backward8(bf16x8* dg, bf16x8* du, const bf16x8& g, const bf16x8& u,
+                                                 const bf16x8& dy) {
+    for (int k = 0; k < 8; k++) {
+        float gk = __bfloat162float(g.v[k]), uk = __bfloat162float(u.v[k]), dyk = __bfloat162float(dy.v[k]);
+        float sig = 1.0f / (1.0f + __expf(-gk));
+        dg->v[k] = __float2bfloat16(dyk * uk * sig * (1.0f + gk * (1.0f - sig)));
+        du->v[k] = __float2bfloat16(dyk * gk * sig);
+    }
+}
+
+__global__ void swiglu_forward_kernel(bf16* out, const bf16* gate_up, int N, int F) {
+    size_t i = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) * 8;
+    if (i >= (size_t)N * F) return;
+    size_t n = i / F, f = i % F;
+    store8(out + i, swiglu8(load8(gate_up + n * 2 * F + f), load8(gate_up + n * 2 * F + F + f)));
 }
 
 __global__ void swiglu_backward_kernel(bf16* d_gate_up, const bf16* d_out, const bf16* gate_up, int N, int F) {
     size_t i = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) * 8;
     if (i >= (size_t)N * F) return;
     size_t n = i / F, f = i % F;
-    bf16x8 g = load8(gate_up + n * 2 * F + f), u = load8(gate_up + n * 2 * F + F + f), dy = load8(d_out + i);
     bf16x8 dg, du;
-    for (int k = 0; k < 8; k++) {
-        float gk = __bfloat162float(g.v[k]), uk = __bfloat162float(u.v[k]), dyk = __bfloat162float(dy.v[k]);
-        float sig = 1.0f / (1.0f + __expf(-gk));
-        dg.v[k] = __float2bfloat16(dyk * uk * sig * (1.0f + gk * (1.0f - sig)));
-        du.v[k] = __float2bfloat16(dyk * gk * sig);
-    }
+    swiglu_backward8(&dg, &du, load8(gate_up + n * 2 * F + f), load8(gate_up + n * 2 * F + F + f), load8(d_out + i));
     store8(d_gate_up + n * 2 * F + f, dg);
     store8(d_gate_up + n * 2 * F + F + f, du);
 }

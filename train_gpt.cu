@@ -389,6 +389,8 @@ typedef struct {
     bool fast_accum;        // --fp8-fast-accum: the forward products accumulate without promotion
     bool calibrated;        // delayed: a step has filled the history (before that, casts measure)
     bool weights_stale;     // the bf16 weights changed since they were last cast
+    bool fuse;              // cast where the data is produced when the scales allow it (fp8_fused);
+                            // on by default, off in the tests that compare the two paths
     Fp8Scale* scales;       // [fp8_n_scales]: the layers' (layer, role, kind), then the head's (role)
     Fp8Scale* scales_saved; // the same, and weights_stale, kept while an evaluation runs (fp8_eval)
     bool stale_saved;
@@ -851,6 +853,7 @@ static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling, bool head, bool fast_accu
     f->fast_accum = fast_accum;
     f->calibrated = false;
     f->weights_stale = true;
+    f->fuse = true;
 }
 
 // With ZeRO 1 and 2, each rank computes the new bf16 weights of its pieces only, writing them
@@ -1036,6 +1039,24 @@ static Batch upload_batch(Uploader* u, GPT* m, const uint16_t* window) {
 // ----------------------------------------------------------------------------------------------
 // Forward
 
+// FP8 mode's scales and how they are found. A matrix (a layer's P_QKV .. P_DOWN, or the head's
+// P_EMBED) has three scaled tensors (Fp8Role): its weight, its input and its output's gradient.
+static Fp8Scale* fp8_scale(const GPT* m, Fp8Role role, ParamKind kind, int l) {
+    return m->fp8.scales + fp8_scale_index(&m->cfg, role, kind, l);
+}
+
+// Current scaling measures every tensor; delayed too, until a step has filled the history.
+static Fp8CastScale fp8_how(const GPT* m) {
+    return m->fp8.scaling == FP8_CURRENT || !m->fp8.calibrated ? FP8_CAST_MEASURE : FP8_CAST_DELAYED;
+}
+
+// The fused path (doc/fp8.md): with every scale known before the data exists (delayed scaling
+// after the first step), the FP8 copies of RMSNorm's and SwiGLU's outputs and of SwiGLU's input
+// gradient are cast where they are computed (fp8_input, fp8_grad), the backward's from what the
+// forward keeps anyway; those bf16 tensors are then neither written nor read, and the backward
+// recomputes neither norm nor SwiGLU. Otherwise the producing kernels write bf16 and a cast reads it.
+static bool fp8_fused(const GPT* m) { return m->fp8.on && m->fp8.fuse && fp8_how(m) == FP8_CAST_DELAYED; }
+
 // The parts of layer l's forward that recompute mode runs again in the backward: the two RMSNorms,
 // the QK norm with RoPE, and SwiGLU.
 static void attention_norm(GPT* m, int l) {
@@ -1070,15 +1091,45 @@ static void mlp_swiglu(GPT* m, int l) {
 // forward multiplies W by x as they are; the input gradient needs W^T (cast with W, once per
 // optimizer step) and dy; the weight gradient needs x^T and dy^T, which the casts of the
 // backward write in the same pass.
-static Fp8Scale* fp8_scale(const GPT* m, Fp8Role role, ParamKind kind, int l) {
-    return m->fp8.scales + fp8_scale_index(&m->cfg, role, kind, l);
-}
-
 static bool fp8_product(const GPT* m, ParamKind kind) { return m->fp8.on && (kind != P_EMBED || m->fp8.head); }
 
-// Current scaling measures every tensor; delayed too, until a step has filled the history.
-static Fp8CastScale fp8_how(const GPT* m) {
-    return m->fp8.scaling == FP8_CURRENT || !m->fp8.calibrated ? FP8_CAST_MEASURE : FP8_CAST_DELAYED;
+// The fused path's E4M3 copy of matrix `kind`'s input x [N, I] in layer l: row-major into fp8.x
+// for the forward, or transposed into fp8.x_t for the weight gradient. The kernel that makes x
+// runs inside the cast: QKV's and GATE_UP's RMSNorm (the forward's computes rstd and saves it as
+// the bf16 norm does; the backward's applies the saved one to the kept input), DOWN's SwiGLU on
+// gate_up; ATTN_OUT's input, attention's output, is cast as it is.
+static void fp8_input(GPT* m, ParamKind kind, int l, bool transposed) {
+    Activations* a = &m->act;
+    int N = m->N, I = (int)param(&m->table, kind, l)->cols;
+    uint8_t *out = transposed ? NULL : m->fp8.x, *out_t = transposed ? m->fp8.x_t : NULL;
+    Fp8Scale* sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
+    if (kind == P_QKV || kind == P_GATE_UP) {
+        bool attn = kind == P_QKV;
+        const bf16* x = attn ? a->residual[l] : a->residual_mid[l];
+        float* rstd = attn ? a->rstd_attn[l] : a->rstd_mlp[l];
+        const bf16* w = P(m, attn ? P_ATTN_NORM : P_MLP_NORM, l);
+        if (transposed)
+            fp8_produce(NULL, out_t, Fp8FromRmsnorm{x, rstd, w, I}, N, I, false, sx, FP8_CAST_DELAYED, m->stream);
+        else
+            fp8_rmsnorm_forward(out, rstd, x, w, N, I, m->cfg.norm_eps, sx, m->stream);
+    } else if (kind == P_DOWN) {
+        fp8_produce(out, out_t, Fp8FromSwiglu{a->gate_up[l], I}, N, I, false, sx, FP8_CAST_DELAYED, m->stream);
+    } else {
+        fp8_cast(out, out_t, a->attn_out[l], N, I, false, sx, FP8_CAST_DELAYED, m->stream);
+    }
+}
+
+// The fused path's E5M2 copies of matrix `kind`'s output gradient [N, O] in layer l, into fp8.dy
+// and fp8.dy_t: GATE_UP's through SwiGLU's backward from d_mlp_act and gate_up (d_gate_up is never
+// written); the others' from dy as it is.
+static void fp8_grad(GPT* m, ParamKind kind, int l, const bf16* dy) {
+    int N = m->N, O = (int)param(&m->table, kind, l)->rows;
+    Fp8Scale* sg = fp8_scale(m, FP8_ROLE_GRAD, kind, l);
+    if (kind == P_GATE_UP)
+        fp8_produce(m->fp8.dy, m->fp8.dy_t, Fp8FromSwigluBackward{m->act.d_mlp_act, m->act.gate_up[l], O / 2}, N, O,
+                    true, sg, FP8_CAST_DELAYED, m->stream);
+    else
+        fp8_cast(m->fp8.dy, m->fp8.dy_t, dy, N, O, true, sg, FP8_CAST_DELAYED, m->stream);
 }
 
 // Matrix `kind` of layer l (P_EMBED, 0: the head's E) in FP8 and transposed, from its bf16 weights.
@@ -1098,7 +1149,8 @@ static void fp8_cast_weights(GPT* m, int l) {
     m->fp8.weights_stale = false;
 }
 
-// y[N, O] = x[N, I] W^T (+ residual)
+// y[N, O] = x[N, I] W^T (+ residual). On the fused FP8 path a layer's x codes come from fp8_input
+// (x unused); the head's input is always cast as it is.
 static void layer_forward(GPT* m, ParamKind kind, int l, int N, bf16* y, const bf16* x, const bf16* residual) {
     const ParamTensor* t = param(&m->table, kind, l);
     int O = (int)t->rows, I = (int)t->cols;
@@ -1108,12 +1160,15 @@ static void layer_forward(GPT* m, ParamKind kind, int l, int N, bf16* y, const b
     }
     GptFp8* f = &m->fp8;
     Fp8Scale *sw = fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), *sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
-    fp8_cast(f->x, NULL, x, N, I, false, sx, fp8_how(m), m->stream);
+    if (fp8_fused(m) && kind != P_EMBED) fp8_input(m, kind, l, false);
+    else fp8_cast(f->x, NULL, x, N, I, false, sx, fp8_how(m), m->stream);
     matmul(mm_bf16(y), fp8_operand(f->weights + t->offset, false, sw), fp8_operand(f->x, false, sx), residual, 1.0f,
            O, N, I, true, false, m->stream, f->fast_accum);
 }
 
-// dW += dy^T x and dx = dy W, for dy [N, O] and the matrix's input x [N, I] (as the forward saw it)
+// dW += dy^T x and dx = dy W, for dy [N, O] and the matrix's input x [N, I] (as the forward saw it).
+// On the fused FP8 path a layer's codes come from fp8_input and fp8_grad, made from what the
+// forward kept (x unused, and GATE_UP's dy too); the head's are cast as they are.
 static void layer_backward(GPT* m, ParamKind kind, int l, int N, bf16* dx, const bf16* dy, const bf16* x) {
     const ParamTensor* t = param(&m->table, kind, l);
     int O = (int)t->rows, I = (int)t->cols;
@@ -1126,10 +1181,15 @@ static void layer_backward(GPT* m, ParamKind kind, int l, int N, bf16* dx, const
     GptFp8* f = &m->fp8;
     Fp8Scale *sw = fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), *sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
     Fp8Scale* sg = fp8_scale(m, FP8_ROLE_GRAD, kind, l);
-    fp8_cast(f->dy, f->dy_t, dy, N, O, true, sg, fp8_how(m), m->stream);
-    // x's scale is the one its forward cast used: delayed, the step's; current, the forward's amax
-    fp8_cast(NULL, f->x_t, x, N, I, false, sx, fp8_how(m) == FP8_CAST_DELAYED ? FP8_CAST_DELAYED : FP8_CAST_MEASURED,
-             m->stream);
+    if (fp8_fused(m) && kind != P_EMBED) {
+        fp8_grad(m, kind, l, dy);
+        fp8_input(m, kind, l, true);
+    } else {
+        fp8_cast(f->dy, f->dy_t, dy, N, O, true, sg, fp8_how(m), m->stream);
+        // x's scale is the one its forward cast used: delayed, the step's; current, the forward's amax
+        fp8_cast(NULL, f->x_t, x, N, I, false, sx,
+                 fp8_how(m) == FP8_CAST_DELAYED ? FP8_CAST_DELAYED : FP8_CAST_MEASURED, m->stream);
+    }
     // dW [O, I] is column-major D[m = I, n = O] = op_T(A) B over k = N, with A = x^T (row-major
     // [I, N]) and B = dy^T (row-major [O, N]); beta 1 accumulates into dW
     matmul(mm_f32(dW), fp8_operand(f->x_t, false, sx), fp8_operand(f->dy_t, true, sg), dW, 1.0f, I, O, N, true, false,
@@ -1189,13 +1249,14 @@ static void forward_layers(GPT* m, const Batch* batch) {
     Activations* a = &m->act;
     int N = m->N, C = c->d_model, Q = qkv_dim(c);
     int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim;
+    bool fused = fp8_fused(m);  // the matrices' casts run the norms and SwiGLU themselves (fp8_input)
     await_params(m, c->n_layer);  // the embedding's bucket (and the final norm's)
     embedding_forward(a->residual[0], batch->inputs, P(m, P_EMBED, 0), N, C, m->stream);
     for (int l = 0; l < c->n_layer; l++) {
         await_params(m, l);
         fp8_cast_weights(m, l);
         // attention block: residual_mid = residual + attention(qk_rope(rmsnorm(residual) W_qkv^T)) W_o^T
-        attention_norm(m, l);
+        if (!fused) attention_norm(m, l);
         layer_forward(m, P_QKV, l, N, a->qkv[l], a->xnorm_attn[l], NULL);
         qk_norm_rope(m, l);
         const bf16* q = a->qkv_rot[l];
@@ -1203,9 +1264,9 @@ static void forward_layers(GPT* m, const Batch* batch) {
                           m->stream);
         layer_forward(m, P_ATTN_OUT, l, N, a->residual_mid[l], a->attn_out[l], a->residual[l]);
         // MLP block: residual' = residual_mid + swiglu(rmsnorm(residual_mid) W_gate_up^T) W_down^T
-        mlp_norm(m, l);
+        if (!fused) mlp_norm(m, l);
         layer_forward(m, P_GATE_UP, l, N, a->gate_up[l], a->xnorm_mlp[l], NULL);
-        mlp_swiglu(m, l);
+        if (!fused) mlp_swiglu(m, l);
         layer_forward(m, P_DOWN, l, N, a->residual[l + 1], a->mlp_act[l], a->residual_mid[l]);
     }
     rmsnorm_forward(a->xnorm_final, a->rstd_final, a->residual[c->n_layer], P(m, P_FINAL_NORM, 0), N, C,
@@ -1272,6 +1333,7 @@ static void backward(GPT* m, const Batch* batch) {
     Activations* a = &m->act;
     int N = m->N, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c);
     int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim, L = c->n_layer;
+    bool fused = fp8_fused(m);  // the FP8 casts make the norms' and SwiGLU's outputs: nothing to recompute
     CUDA_CHECK(cudaMemsetAsync(a->d_residual, 0, (size_t)N * C * sizeof(bf16), m->stream));
     rmsnorm_backward(a->d_residual, G(m, P_FINAL_NORM, 0), a->partials, a->d_xnorm, a->residual[L],
                      P(m, P_FINAL_NORM, 0), a->rstd_final, N, C, m->stream);
@@ -1279,18 +1341,19 @@ static void backward(GPT* m, const Batch* batch) {
         grads_open(m, l);
         // MLP block. d_residual = dL/d(residual[l+1]) flows both through the skip connection
         // (unchanged) and through the block, whose contribution rmsnorm_backward adds to it.
-        if (m->recompute) {
+        if (m->recompute && !fused) {
             mlp_norm(m, l);
             mlp_swiglu(m, l);
         }
         layer_backward(m, P_DOWN, l, N, a->d_mlp_act, a->d_residual, a->mlp_act[l]);
-        swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], N, F, m->stream);
+        if (!fused)  // fused: SwiGLU's backward runs inside GATE_UP's cast of its output gradient
+            swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], N, F, m->stream);
         layer_backward(m, P_GATE_UP, l, N, a->d_xnorm, a->d_gate_up, a->xnorm_mlp[l]);
         rmsnorm_backward(a->d_residual, G(m, P_MLP_NORM, l), a->partials, a->d_xnorm, a->residual_mid[l],
                          P(m, P_MLP_NORM, l), a->rstd_mlp[l], N, C, m->stream);
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
         if (m->recompute) {
-            attention_norm(m, l);
+            if (!fused) attention_norm(m, l);
             qk_norm_rope(m, l);
         }
         layer_backward(m, P_ATTN_OUT, l, N, a->d_attn_out, a->d_residual, a->attn_out[l]);

@@ -23,7 +23,12 @@
  * wants) multiplies back out.
  *
  * The cast kernel writes the row-major copy, the transposed copy, or both (Hopper's FP8 matmuls
- * take only the TN form, so the backward's products need transposed operands; doc/fp8.md).
+ * take only the TN form, so the backward's products need transposed operands; doc/fp8.md). What
+ * it casts comes from a producer: a bf16 tensor in memory, or (fused) the output of RMSNorm,
+ * SwiGLU or SwiGLU's backward computed on the spot from that kernel's inputs, so that the bf16
+ * tensor is never written nor read again; the forward's RMSNorm, which needs whole rows for its
+ * rstd, has its own kernel that writes E4M3. A fused cast needs its scale before the data
+ * exists: delayed scaling once the history holds a step.
  */
 #ifndef FP8_CUH
 #define FP8_CUH
@@ -100,15 +105,72 @@ __global__ static void fp8_amax_kernel(const bf16* x, size_t n, Fp8Scale* s) {
     fp8_record_amax(s, amax);
 }
 
-// Cast x [rows, cols] (bf16, row-major) to FP8: out [rows, cols] and/or out_t [cols, rows].
-// Tile: 64 x 64 elements per block of 256 threads; thread t handles 8 consecutive columns
-// (one 16-byte load) of rows t/8 and t/8 + 32, writes them to `out` at once and to a shared tile,
-// from which, after a barrier, it writes 8 consecutive rows of one column to `out_t`. rows and
-// cols are multiples of 8. Scale: `current` takes it from the amax in s (measured before, by
-// fp8_amax_kernel) and block (0, 0) publishes it; delayed takes s->scale and records the amax.
-#define FP8_TILE 64
+// Producers: where a cast's values come from. A producer yields the 8 values at (row, col .. col + 7)
+// of the tensor being cast, as bf16 rounded exactly as the kernel that makes that tensor rounds
+// them (it runs the same function of kernels.cuh). The plain cast reads a bf16 tensor; the others
+// compute a tensor that then never exists in bf16, from what that kernel would have read: a fused
+// cast stores the very codes, and records the very amax, of that kernel followed by a plain cast,
+// and saves the bf16 tensor's write and read. Rows and cols are the tensor's; col a multiple of 8.
+struct Fp8FromBf16 {  // x [rows, cols] as it is in memory
+    const bf16* x;
+    int cols;
+    __device__ bf16x8 operator()(int row, int col) const { return load8(x + (size_t)row * cols + col); }
+};
+
+struct Fp8FromRmsnorm {  // RMSNorm's output [rows, cols], from its input x, the rstd it saved and its weight
+    const bf16* x;
+    const float* rstd;
+    const bf16* weight;
+    int cols;
+    __device__ bf16x8 operator()(int row, int col) const {
+        return rmsnorm_apply8(load8(x + (size_t)row * cols + col), rstd[row], load8(weight + col));
+    }
+};
+
+struct Fp8FromSwiglu {  // SwiGLU's output [rows, F], from gate_up [rows, 2F]
+    const bf16* gate_up;
+    int F;
+    __device__ bf16x8 operator()(int row, int col) const {
+        const bf16* gu = gate_up + (size_t)row * 2 * F;
+        return swiglu8(load8(gu + col), load8(gu + F + col));
+    }
+};
+
+struct Fp8FromSwigluBackward {  // d_gate_up [rows, 2F] = [d_gate | d_up], from d_out [rows, F] and gate_up
+    const bf16* d_out;
+    const bf16* gate_up;
+    int F;
+    __device__ bf16x8 operator()(int row, int col) const {
+        int f = col < F ? col : col - F;  // F is a multiple of 8: the 8 columns lie in one half
+        const bf16* gu = gate_up + (size_t)row * 2 * F;
+        bf16x8 dg, du;
+        swiglu_backward8(&dg, &du, load8(gu + f), load8(gu + F + f), load8(d_out + (size_t)row * F + f));
+        return col < F ? dg : du;
+    }
+};
+
+// 8 values to 8 FP8 codes at `scale` (one 8-byte store), raising *amax to their largest magnitude.
 template <__nv_fp8_interpretation_t FORMAT>
-__global__ static void __launch_bounds__(256) fp8_cast_kernel(uint8_t* out, uint8_t* out_t, const bf16* x, int rows,
+__device__ static inline uint2 fp8_encode8(const bf16x8& v, float scale, float* amax) {
+    uint2 packed;
+    uint16_t* q = (uint16_t*)&packed;
+    for (int j = 0; j < 4; j++) {
+        float a = __bfloat162float(v.v[2 * j]), b = __bfloat162float(v.v[2 * j + 1]);
+        *amax = fmaxf(*amax, fmaxf(fabsf(a), fabsf(b)));
+        q[j] = __nv_cvt_float2_to_fp8x2(make_float2(a * scale, b * scale), __NV_SATFINITE, FORMAT);
+    }
+    return packed;
+}
+
+// Cast the tensor x yields [rows, cols] to FP8: out [rows, cols] and/or out_t [cols, rows].
+// Tile: 64 x 64 elements per block of 256 threads; thread t takes 8 consecutive columns of rows
+// t/8 and t/8 + 32, writes them to `out` at once and to a shared tile, from which, after a
+// barrier, it writes 8 consecutive rows of one column to `out_t`. rows and cols are multiples of
+// 8. Scale: `current` takes it from the amax in s (measured before, by fp8_amax_kernel) and block
+// (0, 0) publishes it; delayed takes s->scale and records the amax.
+#define FP8_TILE 64
+template <__nv_fp8_interpretation_t FORMAT, typename Producer>
+__global__ static void __launch_bounds__(256) fp8_cast_kernel(uint8_t* out, uint8_t* out_t, Producer x, int rows,
                                                               int cols, Fp8Scale* s, bool current) {
     __shared__ __align__(16) uint8_t tile[FP8_TILE][FP8_TILE + 8];
     float scale = current ? ldexpf(1.0f, fp8_scale_exponent(s->amax, s->max)) : s->scale;
@@ -119,15 +181,7 @@ __global__ static void __launch_bounds__(256) fp8_cast_kernel(uint8_t* out, uint
     for (int pass = 0; pass < 2; pass++) {
         int r = tr + pass * 32;
         if (r0 + r >= rows || c0 + tc >= cols) continue;
-        uint4 v = *(const uint4*)(x + (size_t)(r0 + r) * cols + c0 + tc);
-        const __nv_bfloat162* p = (const __nv_bfloat162*)&v;
-        uint2 packed;
-        uint16_t* q = (uint16_t*)&packed;
-        for (int j = 0; j < 4; j++) {
-            float2 f = __bfloat1622float2(p[j]);
-            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-            q[j] = __nv_cvt_float2_to_fp8x2(make_float2(f.x * scale, f.y * scale), __NV_SATFINITE, FORMAT);
-        }
+        uint2 packed = fp8_encode8<FORMAT>(x(r0 + r, c0 + tc), scale, &amax);
         if (out) *(uint2*)(out + (size_t)(r0 + r) * cols + c0 + tc) = packed;
         if (out_t) *(uint2*)&tile[r][tc] = packed;
     }
@@ -143,6 +197,25 @@ __global__ static void __launch_bounds__(256) fp8_cast_kernel(uint8_t* out, uint
         }
     }
     if (!current) fp8_record_amax(s, amax);
+}
+
+// RMSNorm straight to E4M3 at the delayed scale s->scale (the fused forward's QKV and GATE_UP
+// inputs): rmsnorm_forward_kernel's rows, warps and rstd (saved for the backward as it saves it),
+// each row's values cast as they are computed; the amax recorded. The bf16 output never exists.
+__global__ static void __launch_bounds__(256) fp8_rmsnorm_kernel(uint8_t* out, float* rstd, const bf16* in,
+                                                                 const bf16* weight, int N, int C, float eps,
+                                                                 Fp8Scale* s) {
+    int row = blockIdx.x * 8 + threadIdx.x / 32, lane = threadIdx.x % 32;
+    float scale = s->scale, amax = 0.0f;
+    if (row < N) {  // no early return: every thread joins the block's amax
+        const bf16* x = in + (size_t)row * C;
+        float r = rmsnorm_rstd(x, C, eps, lane);
+        for (int c = lane * 8; c < C; c += 32 * 8)
+            *(uint2*)(out + (size_t)row * C + c) =
+                fp8_encode8<__NV_E4M3>(rmsnorm_apply8(load8(x + c), r, load8(weight + c)), scale, &amax);
+        if (lane == 0) rstd[row] = r;
+    }
+    fp8_record_amax(s, amax);
 }
 
 // After an optimizer step (delayed scaling): each tensor's amax joins its history, the scale is
@@ -166,12 +239,30 @@ __global__ static void fp8_update_kernel(Fp8Scale* scales, int n) {
 // backward's transposed copy of an activation the forward already measured).
 typedef enum { FP8_CAST_DELAYED, FP8_CAST_MEASURE, FP8_CAST_MEASURED } Fp8CastScale;
 
-static void fp8_cast(uint8_t* out, uint8_t* out_t, const bf16* x, int rows, int cols, bool e5m2, Fp8Scale* s,
-                     Fp8CastScale how, cudaStream_t stream) {
+static void fp8_check_shape(int rows, int cols) {
     if (rows % 8 != 0 || cols % 8 != 0) {
         fprintf(stderr, "fp8_cast: a %d x %d tensor; FP8 needs both sides multiples of 8\n", rows, cols);
         exit(1);
     }
+}
+
+// Casts what the producer x yields, with the scale found as `how` says. A producer other than a
+// bf16 tensor has no values in memory to measure first: its `how` is DELAYED or MEASURED.
+template <typename Producer>
+static void fp8_produce(uint8_t* out, uint8_t* out_t, Producer x, int rows, int cols, bool e5m2, Fp8Scale* s,
+                        Fp8CastScale how, cudaStream_t stream) {
+    fp8_check_shape(rows, cols);
+    dim3 grid(ceil_div(cols, FP8_TILE), ceil_div(rows, FP8_TILE));
+    bool current = how != FP8_CAST_DELAYED;
+    if (e5m2) fp8_cast_kernel<__NV_E5M2><<<grid, 256, 0, stream>>>(out, out_t, x, rows, cols, s, current);
+    else fp8_cast_kernel<__NV_E4M3><<<grid, 256, 0, stream>>>(out, out_t, x, rows, cols, s, current);
+    LAUNCH_CHECK();
+}
+
+// The plain cast of a bf16 tensor x [rows, cols]; FP8_CAST_MEASURE measures its amax first.
+static void fp8_cast(uint8_t* out, uint8_t* out_t, const bf16* x, int rows, int cols, bool e5m2, Fp8Scale* s,
+                     Fp8CastScale how, cudaStream_t stream) {
+    fp8_check_shape(rows, cols);
     if (how == FP8_CAST_MEASURE) {
         size_t n = (size_t)rows * cols;
         CUDA_CHECK(cudaMemsetAsync(&s->amax, 0, sizeof(float), stream));
@@ -179,10 +270,14 @@ static void fp8_cast(uint8_t* out, uint8_t* out_t, const bf16* x, int rows, int 
         fp8_amax_kernel<<<blocks, 256, 0, stream>>>(x, n, s);
         LAUNCH_CHECK();
     }
-    dim3 grid(ceil_div(cols, FP8_TILE), ceil_div(rows, FP8_TILE));
-    bool current = how != FP8_CAST_DELAYED;
-    if (e5m2) fp8_cast_kernel<__NV_E5M2><<<grid, 256, 0, stream>>>(out, out_t, x, rows, cols, s, current);
-    else fp8_cast_kernel<__NV_E4M3><<<grid, 256, 0, stream>>>(out, out_t, x, rows, cols, s, current);
+    fp8_produce(out, out_t, Fp8FromBf16{x, cols}, rows, cols, e5m2, s, how, stream);
+}
+
+// y = rmsnorm(in) [N, C] into E4M3 codes `out`, and rstd [N]; delayed scaling only.
+static void fp8_rmsnorm_forward(uint8_t* out, float* rstd, const bf16* in, const bf16* weight, int N, int C, float eps,
+                                Fp8Scale* s, cudaStream_t stream) {
+    fp8_check_shape(N, C);
+    fp8_rmsnorm_kernel<<<ceil_div(N, 8), 256, 0, stream>>>(out, rstd, in, weight, N, C, eps, s);
     LAUNCH_CHECK();
 }
 

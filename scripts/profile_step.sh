@@ -10,7 +10,7 @@ make -j16 train_gpt > /dev/null 2>&1 || { echo build failed; exit 1; }
 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
     --launch-skip 1800 --launch-count ${COUNT:-700} ./train_gpt --bench --bench-steps 2 ${ARGS:-} > $OUT/ncu.csv 2> $OUT/ncu.err
 python3 - <<'PY'
-import csv, collections, os
+import csv, collections, os, re
 rows = list(csv.DictReader(l for l in open(os.environ['OUT'] + '/ncu.csv') if l.startswith('"')))
 by_id = collections.OrderedDict()
 for r in rows:
@@ -28,7 +28,8 @@ tot = collections.Counter(); cnt = collections.Counter()
 for i in step:
     name = by_id[i][0]
     short = name.split('(')[0].split('<')[0][:60]
-    if 'fp8_cast_kernel' in name: short = 'fp8_cast_kernel ' + ('E5M2' if '<1>' in name else 'E4M3')
+    cast = re.search(r'fp8_cast_kernel<(?:\(\w+\))?(\d+)(?:,\s*(\w+))?>', name)  # format, producer
+    if cast: short = 'fp8_cast_kernel %s %s' % ('E5M2' if cast.group(1) == '1' else 'E4M3', cast.group(2) or '')
     if 'gemm' in name.lower() or 'sm90' in name.lower() or 'cutlass' in name.lower(): short = 'cuBLASLt ' + short[:45]
     tot[short] += by_id[i][1]; cnt[short] += 1
 total = sum(tot.values())

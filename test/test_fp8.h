@@ -1,15 +1,18 @@
 /*
  * test/test_fp8.h - FP8 mode's tests: the rounding of both formats on every code, the cast
  * kernels and the scales against the CPU reference (test/reference.h), the FP8 products of one
- * layer, the whole model's FP8 gradients (the head's in FP8 too, fast accumulation) against its
- * BF16 ones, the scales' log (--fp8-log-scales) against a checkpoint's scales, and on two GPUs
+ * layer, the fused casts against the unfused path and the reference, the whole model's FP8
+ * gradients (the head's in FP8 too, fast accumulation) against its BF16 ones, a fused step against
+ * an unfused one, the scales' log (--fp8-log-scales) against a checkpoint's scales, and on two GPUs
  * the ranks' agreement on their scales and a bit-exact resume.
  *
  * test_gpt.cu includes it after its whole-model helpers (gpu_forward_backward, random_params) and
  * its run helpers (make_shard_dir, SMALL_RUN, compare_logged_steps, gpu_count), which the tests
  * here use, and runs fp8_tests. The kernel tests are exact: inputs are bf16,
  * scales powers of two, so the GPU's codes must equal the reference's bit for bit. Only the
- * matmuls' accumulation (and their outputs' rounding) is held to a tolerance.
+ * matmuls' accumulation (and their outputs' rounding) is held to a tolerance, and the fused casts'
+ * values against the fp64 reference (to a neighbouring code, rarely); the fused casts against the
+ * unfused path, and a whole fused step against an unfused one, are exact.
  */
 #ifndef TEST_FP8_H
 #define TEST_FP8_H
@@ -211,6 +214,127 @@ static int test_fp8_gpu_scale_update(void) {
     return TEST_RESULT;
 }
 
+// Whether code `got` is `want` or one of its two neighbours on the format's grid (and a number).
+static bool fp8_same_or_next(uint8_t got, uint8_t want, bool e5m2) {
+    if (got == want) return true;
+    if (!isfinite(ref_fp8_decode(got, e5m2))) return false;
+    int a = got & 0x7F, b = want & 0x7F;
+    if ((got ^ want) & 0x80) return a + b <= 1;  // across zero: a zero and the smallest of the other sign
+    return abs(a - b) == 1;
+}
+
+// One fused cast, on a tensor [rows, cols] whose sides are no multiple of the 64 x 64 tile, with
+// a delayed scale into poisoned buffers (0xFF is a NaN in both formats); fused(out, out_t, s)
+// runs it, writing both layouts, or (transposed false) only the row-major one:
+//  - against the unfused path (the producing kernel wrote `unfused` in bf16, a plain cast reads
+//    it): the same codes and the same amax, bit for bit;
+//  - against the CPU reference's values `ref` rounded to bf16 and encoded at the same scale: each
+//    code equal or, rarely, a neighbour (the kernel computes in fp32, with fast exponentials, so
+//    a value within an fp32 rounding of a midpoint may round the other way; a wrong scale moves
+//    codes by 4 or 8, a wrong value or place by anything);
+//  - nothing written past the tensor's end.
+template <typename Fused>
+static int fp8_check_fused(const char* name, Fused fused, bool transposed, const bf16* unfused, const double* ref,
+                           int rows, int cols, bool e5m2) {
+    int failed = 0;
+    size_t n = (size_t)rows * cols;
+    double amax_ref = 0.0;
+    for (size_t i = 0; i < n; i++) amax_ref = fmax(amax_ref, fabs(ref[i]));
+    Fp8Scale s = fp8_scale_initial(e5m2);
+    int k = fp8_scale_exponent((float)amax_ref, s.max);
+    s.scale = ldexpf(1.0f, k), s.scale_inv = ldexpf(1.0f, -k);
+    uint8_t* d_codes[4];  // unfused row-major, unfused transposed, fused row-major, fused transposed
+    for (auto& d : d_codes) d = (uint8_t*)device_alloc_poisoned(n);
+    Fp8Scale* d_s;
+    CUDA_CHECK(cudaMalloc(&d_s, 2 * sizeof(Fp8Scale)));
+    CUDA_CHECK(cudaMemcpy(d_s, &s, sizeof(s), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(d_s + 1, &s, sizeof(s), cudaMemcpyHostToDevice));
+    fp8_cast(d_codes[0], d_codes[1], unfused, rows, cols, e5m2, d_s, FP8_CAST_DELAYED, 0);
+    fused(d_codes[2], transposed ? d_codes[3] : NULL, d_s + 1);
+    uint8_t* codes[4];
+    for (int i = 0; i < 4; i++) {
+        codes[i] = (uint8_t*)malloc(n + 256);
+        CUDA_CHECK(cudaMemcpy(codes[i], d_codes[i], n + 256, cudaMemcpyDeviceToHost));
+    }
+    Fp8Scale after[2];
+    CUDA_CHECK(cudaMemcpy(after, d_s, sizeof(after), cudaMemcpyDeviceToHost));
+    EXPECT(!memcmp(codes[2], codes[0], n) && (!transposed || !memcmp(codes[3], codes[1], n)),
+           "%s: the fused codes differ from the unfused path's", name);
+    EXPECT(!memcmp(&after[1].amax, &after[0].amax, sizeof(float)), "%s: amax %.9g fused, %.9g unfused", name,
+           after[1].amax, after[0].amax);
+    EXPECT(fabs(after[1].amax - amax_ref) <= ldexp(amax_ref, -8), "%s: amax %.9g, the reference's %.9g", name,
+           after[1].amax, amax_ref);
+    int far = 0, next = 0, overrun = 0;
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++) {
+            uint8_t want = ref_fp8_encode(round_bf16(ref[(size_t)r * cols + c]) * s.scale, e5m2);
+            uint8_t got = codes[2][(size_t)r * cols + c], got_t = codes[3][(size_t)c * rows + r];
+            far += !fp8_same_or_next(got, want, e5m2) || (transposed && !fp8_same_or_next(got_t, want, e5m2));
+            next += got != want;
+        }
+    for (int i = 2; i < 4; i++)
+        for (size_t j = i == 3 && !transposed ? 0 : n; j < n + 256; j++) overrun += codes[i][j] != 0xFF;
+    EXPECT(far == 0 && next <= (int)(n / 1000), "%s: %d codes away from the reference's, %d a neighbour of it (of %zu)",
+           name, far, next, n);
+    EXPECT(overrun == 0, "%s: %d bytes written past the end (or into the unasked transposed copy)", name, overrun);
+    for (int i = 0; i < 4; i++) {
+        free(codes[i]);
+        CUDA_CHECK(cudaFree(d_codes[i]));
+    }
+    CUDA_CHECK(cudaFree(d_s));
+    return failed;
+}
+
+// The fused path's casts: the forward's RMSNorm straight to E4M3 (and its rstd, which must be the
+// bf16 norm's), RMSNorm's output again from its input and saved rstd (the backward's producer),
+// SwiGLU's from gate_up, SwiGLU's backward from d_out and gate_up (whose halves meet inside a
+// tile here: F = 104).
+static int test_fp8_gpu_fused_casts(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    int rows = 136, C = 200, F = 104;
+    double *x = random_array((size_t)rows * C, 2.0), *w = random_array(C, 1.0);
+    bf16 *d_x = to_device_bf16(x, (size_t)rows * C), *d_w = to_device_bf16(w, C);
+    bf16* d_y = (bf16*)device_alloc_poisoned((size_t)rows * C * 2);
+    float *d_rstd = (float*)device_alloc_poisoned(rows * 4), *d_rstd_fused = (float*)device_alloc_poisoned(rows * 4);
+    rmsnorm_forward(d_y, d_rstd, d_x, d_w, rows, C, 1e-6f, 0);
+    double *y = (double*)malloc((size_t)rows * C * 8), *rstd_ref = (double*)malloc(rows * 8);
+    ref_rmsnorm_forward(y, rstd_ref, x, w, rows, C, 1e-6);
+    auto norm = [&](uint8_t* out, uint8_t*, Fp8Scale* s) {
+        fp8_rmsnorm_forward(out, d_rstd_fused, d_x, d_w, rows, C, 1e-6f, s, 0);
+    };
+    failed |= fp8_check_fused("rmsnorm forward", norm, false, d_y, y, rows, C, false);
+    double *rstd = from_device_f32(d_rstd, rows), *rstd_fused = from_device_f32(d_rstd_fused, rows);
+    EXPECT(!memcmp(rstd, rstd_fused, rows * sizeof(double)), "the fused rmsnorm saved another rstd");
+    auto norm_again = [&](uint8_t* out, uint8_t* out_t, Fp8Scale* s) {
+        fp8_produce(out, out_t, Fp8FromRmsnorm{d_x, d_rstd, d_w, C}, rows, C, false, s, FP8_CAST_DELAYED, 0);
+    };
+    failed |= fp8_check_fused("rmsnorm from rstd", norm_again, true, d_y, y, rows, C, false);
+
+    size_t n = (size_t)rows * F;
+    double *gu = random_array(2 * n, 2.0), *d_out = random_array(n, 1e-3);  // gradient-sized
+    bf16 *d_gu = to_device_bf16(gu, 2 * n), *d_dout = to_device_bf16(d_out, n);
+    bf16 *d_act = (bf16*)device_alloc_poisoned(n * 2), *d_dgu = (bf16*)device_alloc_poisoned(2 * n * 2);
+    swiglu_forward(d_act, d_gu, rows, F, 0);
+    swiglu_backward(d_dgu, d_dout, d_gu, rows, F, 0);
+    double *act = (double*)malloc(n * 8), *dgu = (double*)malloc(2 * n * 8);
+    ref_swiglu_forward(act, gu, rows, F);
+    ref_swiglu_backward(dgu, d_out, gu, rows, F);
+    auto swiglu = [&](uint8_t* out, uint8_t* out_t, Fp8Scale* s) {
+        fp8_produce(out, out_t, Fp8FromSwiglu{d_gu, F}, rows, F, false, s, FP8_CAST_DELAYED, 0);
+    };
+    auto swiglu_grad = [&](uint8_t* out, uint8_t* out_t, Fp8Scale* s) {
+        fp8_produce(out, out_t, Fp8FromSwigluBackward{d_dout, d_gu, F}, rows, 2 * F, true, s, FP8_CAST_DELAYED, 0);
+    };
+    failed |= fp8_check_fused("swiglu", swiglu, true, d_act, act, rows, F, false);
+    failed |= fp8_check_fused("swiglu backward", swiglu_grad, true, d_dgu, dgu, rows, 2 * F, true);
+    double* all[] = {x, w, rstd, rstd_fused, y, rstd_ref, gu, d_out, act, dgu};
+    for (double* a : all) free(a);
+    void* dev[] = {d_x, d_w, d_y, d_rstd, d_rstd_fused, d_gu, d_dout, d_act, d_dgu};
+    for (void* d : dev) CUDA_CHECK(cudaFree(d));
+    return TEST_RESULT;
+}
+
 // The values a cast stores, read back: q * scale_inv for every element of x [n] at `scale`.
 static double* fp8_dequantized(const double* x, size_t n, double scale, bool e5m2) {
     double* q = (double*)malloc(n * sizeof(double));
@@ -283,13 +407,14 @@ static int test_fp8_gpu_layer_products(void) {
 // layer's backward is off by ~5.5% RMS element by element. A weight's gradient sums such
 // products over the tokens, and at initialization those terms mostly cancel (the sum is a few
 // times smaller than the sum of the terms' sizes), which multiplies the relative error by that
-// factor; dy's error also flows into every earlier layer. Measured on this config on an H100:
-// 0.16 to 0.22 relative L2 for the matrices, 0.30 for the worst norm weight (sums over tokens
-// and heads that cancel more), loss within 1.4e-4. We allow 0.35 and 0.6 (1.6-2x the measured),
-// and 2e-3 on the loss. A wrong scale (by a factor of two at least, being a power of two), a wrong
+// factor; dy's error also flows into every earlier layer. Measured on this config on an H100
+// over TEST_SEED 1 to 24 (48 cases): 0.20 to 0.24 relative L2 for the matrices, up to 0.35 for
+// the worst norm weight (sums over tokens and heads that cancel more), the loss 9e-4 relative at
+// the median and 3.5e-3 at worst (7 of the 48 beyond the 2e-3 once allowed). We allow 0.35 and
+// 0.6 on gradients, 7e-3 on the loss (twice the worst measured). A wrong scale (by a factor of two at least, being a power of two), a wrong
 // transpose or a wrong format shows errors of 1 or more. The test also runs delayed scaling,
-// calibrated on the same batch: its scales are then the current ones, so its gradients must
-// equal current scaling's bit for bit.
+// calibrated on the same batch: its scales are then the current ones, so its gradients (made on
+// the fused path, fp8_fused) must equal current scaling's (unfused) bit for bit.
 // With the head in FP8 (--fp8-head, in two chunks of 128 rows: the chunks' offsets count), the
 // logits' operands are E4M3 and dlogits E5M2: one more E5M2 gradient above every layer, whose ~5%
 // error per token reaches all of them (d_xnorm = dlogits E is dominated by the target's row), so
@@ -336,7 +461,7 @@ static int test_fp8_gpu_model_gradients_vs_bf16(void) {
         char what[64];
         snprintf(what, sizeof(what), "recompute %d%s%s", v.recompute, v.head ? ", head in FP8" : "",
                  v.fast_accum ? ", fast accumulation" : "");
-        EXPECT(fabs(loss[1] - loss[0]) < 2e-3 * loss[0], "%s: loss %.5f in FP8 vs %.5f in BF16", what, loss[1], loss[0]);
+        EXPECT(fabs(loss[1] - loss[0]) < 7e-3 * loss[0], "%s: loss %.5f in FP8 vs %.5f in BF16", what, loss[1], loss[0]);
         double worst[2] = {0, 0};
         for (int i = 0; i < table.n_tensors; i++) {
             const ParamTensor* t = &table.tensors[i];
@@ -480,6 +605,76 @@ static int test_fp8_two_gpus_resume_is_bit_exact(void) {
     return TEST_RESULT;
 }
 
+// The whole model, one delayed-scaling step after calibration (two micro-batches), with and without
+// recompute, and with the head in FP8 (--fp8-head): the fused path (fp8_fused) against the unfused one from the same scales, parameters
+// and batches. The loss, every gradient and every scale (the amaxes the step recorded) must be
+// equal bit for bit. With recompute, the fused path must also leave the shared bf16 buffers of
+// the norms' and SwiGLU's outputs untouched (poisoned before, poisoned after): it never makes them.
+static int test_fp8_gpu_fused_step_is_bit_exact(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    const ModelConfig* c = &FP8_TEST_CONFIG;
+    int B = 4, accum = 2;
+    for (int variant = 0; variant < 3; variant++) {
+        int recompute = variant > 0;
+        bool head = variant == 2;  // the head in FP8 too, which is cast as it is on either path
+        GPT m;
+        gpt_create(&m, c, B, c->seq_len, recompute, 128, &ONE_GPU, OPTIMIZER_ADAMW);
+        gpt_enable_fp8(&m, FP8_DELAYED, head, false);
+        Uploader up;
+        uploader_create(&up, m.N, c->vocab_size);
+        size_t n = m.table.n_elements, n_scales = fp8_n_scales(c);
+        double* p = random_params(c, &m.table, 0.08);
+        uint16_t* window = random_window(B * accum, c->seq_len, c->vocab_size);
+        double* scratch = (double*)calloc(n, 8);
+        m.fp8.weights_stale = true;
+        gpu_forward_backward(&m, &up, p, window, scratch, accum);  // uncalibrated: measures every tensor
+        fp8_update_scales(m.fp8.scales, (int)n_scales, m.stream);
+        m.fp8.calibrated = true;
+        Fp8Scale* calibrated = (Fp8Scale*)malloc(n_scales * sizeof(Fp8Scale));
+        CUDA_CHECK(cudaMemcpy(calibrated, m.fp8.scales, n_scales * sizeof(Fp8Scale), cudaMemcpyDeviceToHost));
+        double loss[2], *grads[2];
+        Fp8Scale* scales[2];
+        bf16* shared[] = {m.act.xnorm_attn[0], m.act.xnorm_mlp[0], m.act.mlp_act[0]};
+        size_t row_bytes[] = {(size_t)c->d_model * 2, (size_t)c->d_model * 2, (size_t)c->ffn_dim * 2}, shared_bytes[3];
+        for (int i = 0; i < 3; i++) shared_bytes[i] = m.N * row_bytes[i];
+        for (int fuse = 0; fuse < 2; fuse++) {
+            CUDA_CHECK(cudaMemcpy(m.fp8.scales, calibrated, n_scales * sizeof(Fp8Scale), cudaMemcpyHostToDevice));
+            for (int i = 0; i < 3; i++) CUDA_CHECK(cudaMemset(shared[i], 0xFF, shared_bytes[i]));
+            m.fp8.fuse = fuse;
+            m.fp8.weights_stale = true;
+            EXPECT(fp8_fused(&m) == (fuse == 1), "recompute %d: fp8_fused is %d with fuse %d", recompute, fp8_fused(&m),
+                   fuse);
+            grads[fuse] = (double*)calloc(n, 8);
+            loss[fuse] = gpu_forward_backward(&m, &up, p, window, grads[fuse], accum);
+            scales[fuse] = (Fp8Scale*)malloc(n_scales * sizeof(Fp8Scale));
+            CUDA_CHECK(cudaMemcpy(scales[fuse], m.fp8.scales, n_scales * sizeof(Fp8Scale), cudaMemcpyDeviceToHost));
+            for (int i = 0; fuse && recompute && i < 3; i++) {
+                uint8_t* host = (uint8_t*)malloc(shared_bytes[i]);
+                CUDA_CHECK(cudaMemcpy(host, shared[i], shared_bytes[i], cudaMemcpyDeviceToHost));
+                size_t written = 0;
+                for (size_t j = 0; j < shared_bytes[i]; j++) written += host[j] != 0xFF;
+                EXPECT(written == 0, "fused: %zu bytes of shared buffer %d written", written, i);
+                free(host);
+            }
+        }
+        EXPECT(loss[1] == loss[0], "recompute %d: loss %.9g fused, %.9g unfused", recompute, loss[1], loss[0]);
+        for (int i = 0; i < m.table.n_tensors; i++) {
+            const ParamTensor* t = &m.table.tensors[i];
+            EXPECT(!memcmp(grads[1] + t->offset, grads[0] + t->offset, (size_t)(t->rows * t->cols) * 8),
+                   "recompute %d: the gradient of %s differs fused and unfused", recompute, t->name);
+        }
+        EXPECT(!memcmp(scales[1], scales[0], n_scales * sizeof(Fp8Scale)),
+               "recompute %d: the scales (their amaxes) differ fused and unfused", recompute);
+        printf("    recompute %d%s: loss %.6f both ways\n", recompute, head ? ", head in FP8" : "", loss[0]);
+        for (int fuse = 0; fuse < 2; fuse++) free(grads[fuse]), free(scales[fuse]);
+        free(p); free(window); free(scratch); free(calibrated);
+        uploader_free(&up);
+        gpt_free(&m);
+    }
+    return TEST_RESULT;
+}
+
 static const TestCase fp8_tests[] = {
     {"fp8_rounding_every_code", test_fp8_rounding_every_code},
     {"fp8_scale_exponent", test_fp8_scale_exponent},
@@ -491,6 +686,8 @@ static const TestCase fp8_tests[] = {
     {"gpu_fp8_log_scales", test_fp8_gpu_log_scales},
     {"gpu2_fp8_scales_agree", test_fp8_two_gpus_scales_agree},
     {"gpu2_fp8_resume_is_bit_exact", test_fp8_two_gpus_resume_is_bit_exact},
+    {"gpu_fp8_fused_casts", test_fp8_gpu_fused_casts},
+    {"gpu_fp8_fused_step_is_bit_exact", test_fp8_gpu_fused_step_is_bit_exact},
 };
 static const int n_fp8_tests = sizeof(fp8_tests) / sizeof(fp8_tests[0]);
 
