@@ -658,14 +658,17 @@ static void gpt_plan_memory(GPT* m) {
     m->bytes_scratch = scratch.used;
 }
 
-// Exits with one line if the plan cannot fit in the GPU's free memory.
-static void gpt_check_fits(const GPT* m) {
+// Exits with one line if the plan cannot fit in the GPU's memory: its free memory, plus the
+// `allocated` bytes of the plan that are already taken (FP8 mode is planned after the model is
+// allocated, and only its own part is still to come).
+static void gpt_check_fits(const GPT* m, size_t allocated) {
     size_t free_bytes, total_bytes;
     CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    if (gpt_bytes_total(m) > free_bytes) {
+    size_t available = free_bytes + allocated;
+    if (gpt_bytes_total(m) > available) {
         fprintf(stderr, "train_gpt: this config needs %.2f GiB of GPU memory (activations %.2f) but %.2f GiB are "
                         "free; lower --batch, or use --recompute 1%s\n", gib(gpt_bytes_total(m)),
-                gib(m->bytes_activations), gib(free_bytes), m->dp.world > 1 ? ", or a higher --zero" : "");
+                gib(m->bytes_activations), gib(available), m->dp.world > 1 ? ", or a higher --zero" : "");
         exit(1);
     }
 }
@@ -776,7 +779,7 @@ static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recomp
     matmul_init();
     gpt_plan_shards(m);
     gpt_plan_memory(m);
-    gpt_check_fits(m);  // a plan that cannot fit is one line, before any allocation
+    gpt_check_fits(m, 0);  // a plan that cannot fit is one line, before any allocation
     gpt_allocate(m);
 }
 
@@ -832,7 +835,7 @@ static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling, bool head, bool fast_accu
     for (size_t bytes : sizes) arena_take(&a, bytes);
     f->bytes = a.used;
     f->on = true;
-    gpt_check_fits(m);
+    gpt_check_fits(m, gpt_bytes_total(m) - f->bytes);  // the rest of the plan is allocated already
     CUDA_CHECK(cudaMalloc(&a.base, a.used));
     a.used = 0;
     f->memory = a.base;
