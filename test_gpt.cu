@@ -369,8 +369,8 @@ static int test_export_hf_files(void) {
     param_table_build(&m.table, &m.cfg, 1);
     float* w = (float*)calloc(m.table.n_elements, sizeof(float));
     for (size_t i = 0; i < m.table.n_elements; i++) w[i] = (float)rand_normal();
-    char dir[] = "/tmp/test_gpt_export_XXXXXX", err[512];
-    EXPECT(mkdtemp(dir) != NULL, "mkdtemp");
+    char dir[64], err[512];
+    EXPECT(make_test_dir(dir, sizeof(dir), "test_gpt_export") == 0, "mkdtemp");
     EXPECT(export_hf(&m, w, dir, err, sizeof(err)), "export failed: %s", err);
     char path[1024];
     snprintf(path, sizeof(path), "%s/model.safetensors", dir);
@@ -405,9 +405,7 @@ static int test_export_hf_files(void) {
                    strstr(text, "\"num_key_value_heads\": 2"),
                "config.json lacks an explicit field:\n%s", text);
     }
-    char cmd[1100];
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-    EXPECT(system(cmd) == 0, "cleanup");
+    failed |= remove_test_dir(dir);
     free(w);
     free(m.table.tensors);
     return TEST_RESULT;
@@ -1176,10 +1174,10 @@ static int test_model_trains(void) {
 // The trainer as a user runs it: checkpoints, resume, export and init-from (GPU; they run the
 // ./train_gpt binary on a small model and a generated shard).
 
-// A temporary directory with train_000000.bin of n random tokens < vocab; returns false on error.
+// A temporary directory (into dir, 64 bytes) with train_000000.bin of n random tokens < vocab;
+// returns false on error.
 static bool make_shard_dir(char* dir, size_t n, int vocab) {
-    strcpy(dir, "/tmp/test_gpt_run_XXXXXX");
-    if (!mkdtemp(dir)) return false;
+    if (make_test_dir(dir, 64, "test_gpt_run")) return false;
     uint16_t* tokens = (uint16_t*)malloc(n * sizeof(uint16_t));
     for (size_t i = 0; i < n; i++) tokens[i] = (uint16_t)(rand_uniform() * vocab);
     char path[256], err[512];
@@ -1273,8 +1271,7 @@ static int test_resume_is_bit_exact(void) {
     char line[512];
     int code = run_command(cmd, line, sizeof(line));
     EXPECT(code == 1 && strstr(line, "optimizer.0-of-1.safetensors"), "damaged checkpoint: exit %d, '%s'", code, line);
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-    EXPECT(system(cmd) == 0, "cleanup");
+    failed |= remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -1313,8 +1310,7 @@ static int test_kill_during_checkpoint_then_resume(void) {
         EXPECT(system(cmd) != 0, "a .tmp directory survived the resume");
         printf("    killed after checkpoint %d, resumed to %d\n", step, step + 2);
     }
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-    EXPECT(system(cmd) == 0, "cleanup");
+    failed |= remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -1330,8 +1326,7 @@ static int test_checkpoint_on_full_disk(void) {
     snprintf(cmd, sizeof(cmd), "mkdir -p %s/full && mount -t tmpfs -o size=12m tmpfs %s/full 2>/dev/null", dir, dir);
     if (system(cmd) != 0) {
         printf("    skipped: cannot mount a small tmpfs here (needs root)\n");
-        snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-        if (system(cmd) != 0) printf("    cleanup of %s failed\n", dir);
+        remove_test_dir(dir);
         return TEST_SKIP;
     }
     const char* model = "./train_gpt --vocab 8192 --d-model 256 --layers 2 --heads 4 --kv-heads 2 --head-dim 64 "
@@ -1365,8 +1360,7 @@ static int test_export_then_init_from(void) {
     EXPECT(system(cmd) == 0, "init-from and export: %s", cmd);
     snprintf(cmd, sizeof(cmd), "cmp -s %s/a/hf/model.safetensors %s/b/hf/model.safetensors", dir, dir);
     EXPECT(system(cmd) == 0, "init-from did not reproduce the exported weights");
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-    EXPECT(system(cmd) == 0, "cleanup");
+    failed |= remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -1444,8 +1438,7 @@ static int test_two_gpus_match_one(void) {
     printf("    %d steps on 2 GPUs: ZeRO 1, 2, sockets only%s identical; ZeRO 0 identical up to step %d, then within "
            "%.2e (%d of %d steps clipped); 1 GPU within %.2e\n", DP_STEPS, have_torchrun ? ", torchrun" : "",
            first_apart ? first_apart - 1 : DP_STEPS, worst[0], clipped, DP_STEPS, worst[1]);
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-    EXPECT(system(cmd) == 0, "cleanup");
+    failed |= remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -1499,8 +1492,7 @@ static int test_two_gpus_sharded_checkpoints(void) {
            worst[1]);
     printf("    2 GPUs resumed bit-exactly; steps 6-10 resharded 2 -> 1 GPU within %.2e, 1 -> 2 within %.2e\n",
            worst[0], worst[1]);
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-    EXPECT(system(cmd) == 0, "cleanup");
+    failed |= remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -1536,8 +1528,7 @@ static int test_two_gpus_kill_and_resume(void) {
         code = run_command(cmd, line, sizeof(line));
         EXPECT(code == 0, "resume %s from the 2-GPU checkpoint failed", resumes[i][0] ? "on 2 GPUs" : "on 1 GPU");
     }
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-    EXPECT(system(cmd) == 0, "cleanup");
+    failed |= remove_test_dir(dir);
     return TEST_RESULT;
 }
 

@@ -18,11 +18,6 @@
 
 #define CKT_ERR 1024
 
-static int ckt_mkdtemp(char* dir, size_t n) {
-    snprintf(dir, n, "/tmp/ckpt_test_XXXXXX");
-    return mkdtemp(dir) ? 0 : -1;
-}
-
 /* dir/name into buf, a CK_PATH_MAX buffer (test paths are short: it always fits). */
 static char* ckt_join(char* buf, const char* dir, const char* name) {
     if (snprintf(buf, CK_PATH_MAX, "%s/%s", dir, name) >= CK_PATH_MAX) buf[0] = '\0';
@@ -298,7 +293,7 @@ static int ckt_make_tensors(StTensor* t, uint8_t* storage) {
 static int test_safetensors_roundtrip(void) {
     int failed = 0;
     char dir[64], path[CK_PATH_MAX], err[CKT_ERR];
-    if (ckt_mkdtemp(dir, sizeof dir)) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof dir, "ckpt_test")) return TEST_FAIL;
     ckt_join(path, dir, "all.safetensors");
     StTensor t[CKT_N_TENSORS];
     uint8_t storage[512];
@@ -344,7 +339,7 @@ static int test_safetensors_roundtrip(void) {
 static int test_safetensors_header_layout(void) {
     int failed = 0;
     char dir[64], path[CK_PATH_MAX], err[CKT_ERR];
-    if (ckt_mkdtemp(dir, sizeof dir)) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof dir, "ckpt_test")) return TEST_FAIL;
     ckt_join(path, dir, "x.safetensors");
     uint16_t v[3] = {1, 2, 3};
     for (int len = 1; len <= 8; len++) {  /* name lengths that leave every possible remainder mod 8 */
@@ -403,7 +398,7 @@ static int test_safetensors_python_reader(void) {
     int failed = 0;
     if (system("python3 -c pass >/dev/null 2>&1") != 0) return TEST_SKIP;
     char dir[64], path[CK_PATH_MAX], script[CK_PATH_MAX], cmd[3 * CK_PATH_MAX], err[CKT_ERR];
-    if (ckt_mkdtemp(dir, sizeof dir)) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof dir, "ckpt_test")) return TEST_FAIL;
     ckt_join(path, dir, "all.safetensors");
     ckt_join(script, dir, "reader.py");
     StTensor t[CKT_N_TENSORS];
@@ -443,7 +438,7 @@ static int test_safetensors_python_reader(void) {
 static int test_safetensors_rejects_bad_files(void) {
     int failed = 0;
     char dir[64], path[CK_PATH_MAX], err[CKT_ERR];
-    if (ckt_mkdtemp(dir, sizeof dir)) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof dir, "ckpt_test")) return TEST_FAIL;
     ckt_join(path, dir, "bad.safetensors");
     uint8_t data[32] = {0};
     const struct { const char* header; size_t data_len; const char* expect; } cases[] = {
@@ -507,7 +502,7 @@ static int test_safetensors_rejects_bad_files(void) {
 static int test_ckpt_roundtrip(void) {
     int failed = 0;
     char dir[64], out[CK_PATH_MAX], path[CK_PATH_MAX], err[CKT_ERR];
-    if (ckt_mkdtemp(dir, sizeof dir)) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof dir, "ckpt_test")) return TEST_FAIL;
     ckt_join(out, dir, "run/a");  /* created on the way */
     StTensor t[CKT_N_TENSORS];
     uint8_t storage[512], rng[100];
@@ -567,7 +562,7 @@ static int test_ckpt_roundtrip(void) {
 static int test_ckpt_detects_damage(void) {
     int failed = 0;
     char dir[64], out[CK_PATH_MAX], ck[CK_PATH_MAX], file[CK_PATH_MAX], mpath[CK_PATH_MAX], err[CKT_ERR];
-    if (ckt_mkdtemp(dir, sizeof dir)) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof dir, "ckpt_test")) return TEST_FAIL;
     ckt_join(out, dir, "out");
     ckt_join(ck, out, "ckpt_5");
     ckt_join(file, ck, "model.safetensors");
@@ -626,7 +621,7 @@ static int test_ckpt_detects_damage(void) {
 static int test_ckpt_crash_between_steps(void) {
     int failed = 0;
     char dir[64], out[CK_PATH_MAX], path[CK_PATH_MAX], err[CKT_ERR];
-    if (ckt_mkdtemp(dir, sizeof dir)) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof dir, "ckpt_test")) return TEST_FAIL;
     ckt_join(out, dir, "out");
     EXPECT(ckt_commit_simple(out, 10, 0, err) == 0, "%s", err);
 
@@ -692,7 +687,7 @@ static int test_ckpt_crash_between_steps(void) {
 static int test_ckpt_keep_last_k(void) {
     int failed = 0;
     char dir[64], out[CK_PATH_MAX], path[CK_PATH_MAX], err[CKT_ERR];
-    if (ckt_mkdtemp(dir, sizeof dir)) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof dir, "ckpt_test")) return TEST_FAIL;
     ckt_join(out, dir, "out");
     for (int step = 10; step <= 50; step += 10) EXPECT(ckt_commit_simple(out, step, 2, err) == 0, "%s", err);
     int64_t* steps;
@@ -725,7 +720,7 @@ static int test_ckpt_keep_last_k(void) {
 static int test_ckpt_write_errors(void) {
     int failed = 0;
     char dir[64], out[CK_PATH_MAX], path[CK_PATH_MAX], err[CKT_ERR];
-    if (ckt_mkdtemp(dir, sizeof dir)) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof dir, "ckpt_test")) return TEST_FAIL;
     /* a path below a regular file cannot be created, even by root */
     ckt_join(path, dir, "file");
     test_write_file(path, "x", 1);
@@ -834,7 +829,7 @@ static int ckt_shared_checkpoint(const char* out, int64_t step, int failing, cha
 static int test_ckpt_several_writers(void) {
     int failed = 0;
     char dir[64], out[CK_PATH_MAX], path[CK_PATH_MAX], err[CKT_ERR];
-    if (ckt_mkdtemp(dir, sizeof dir)) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof dir, "ckpt_test")) return TEST_FAIL;
     ckt_join(out, dir, "out");
     EXPECT(ck_mkdir_p(out, err, sizeof err) == 0, "%s", err);
     EXPECT(ckt_shared_checkpoint(out, 4, 0, err, sizeof err) == 0, "%s", err);

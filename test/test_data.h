@@ -27,18 +27,11 @@
 
 static char* td_make_temp_dir(void) {
     static char dir[64];
-    snprintf(dir, sizeof(dir), "/tmp/test_data_XXXXXX");
-    if (!mkdtemp(dir)) {
+    if (make_test_dir(dir, sizeof(dir), "test_data")) {
         printf("    cannot create a temporary directory: %s\n", strerror(errno));
         return NULL;
     }
     return dir;
-}
-
-static void td_remove_dir(const char* dir) {
-    char cmd[256];
-    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
-    if (system(cmd) != 0) printf("    could not remove %s\n", dir);
 }
 
 static double td_seconds(void) {
@@ -334,7 +327,7 @@ static int test_tokenizer_matches_node(void) {
     }
     free(docs.data);
     free(doc.data);
-    td_remove_dir(dir);
+    remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -354,7 +347,7 @@ static int test_unicode_classes_match_node(void) {
     size_t len = 0;
     char err[512];
     char* classes = rc == 0 ? td_read_file(path, &len, err, sizeof(err)) : NULL;
-    td_remove_dir(dir);
+    remove_test_dir(dir);
     EXPECT(classes && len == 0x110000, "node did not write the classes: %s", cmd);
     if (!classes || len != 0x110000) { free(classes); return TEST_RESULT; }
     if (strcmp(version, UNICODE_CLASSES_VERSION) != 0) {
@@ -775,7 +768,7 @@ static int test_loader_every_window_once_per_epoch(void) {
         loader_close(&L);
     }
     free(stream);
-    td_remove_dir(dir);
+    remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -814,7 +807,7 @@ static int test_loader_ranks_disjoint_and_complete(void) {
     for (int r = 0; r < opened; r++) loader_close(&ranks[r]);
     free(all);
     free(single);
-    td_remove_dir(dir);
+    remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -829,7 +822,7 @@ static int test_loader_state_restores_exactly(void) {
     DataLoader L, M, R[2];
     if (loader_open(&L, pattern, 4, 16, 0, 1, 1, 1234, err, sizeof(err)) < 0) {
         EXPECT(0, "loader_open: %s", err);
-        td_remove_dir(dir);
+        remove_test_dir(dir);
         return TEST_RESULT;
     }
     int steps = (int)loader_batches_per_epoch(&L) - 20;  // the saved state is 20 steps before an epoch ends
@@ -892,7 +885,7 @@ static int test_loader_state_restores_exactly(void) {
     loader_close(&L);
     free(want);
     free(first);
-    td_remove_dir(dir);
+    remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -960,7 +953,7 @@ static int test_loader_rejects_bad_shards(void) {
     DataLoader never_opened;
     memset(&never_opened, 0, sizeof(never_opened));
     loader_close(&never_opened);  // harmless
-    td_remove_dir(dir);
+    remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -975,7 +968,7 @@ static int test_loader_prefetch_keeps_up(void) {
     DataLoader L;
     if (loader_open(&L, path, 16, 256, 0, 1, 1, 5, err, sizeof(err)) < 0) {
         EXPECT(0, "loader_open: %s", err);
-        td_remove_dir(dir);
+        remove_test_dir(dir);
         return TEST_RESULT;
     }
     loader_next(&L);
@@ -994,7 +987,7 @@ static int test_loader_prefetch_keeps_up(void) {
     EXPECT(waited / STEPS < 200e-6, "loader_next took %.0f us on average; the thread should have the batch ready",
            1e6 * waited / STEPS);
     loader_close(&L);
-    td_remove_dir(dir);
+    remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -1034,7 +1027,7 @@ static int test_shard_writer(void) {
     shard_writer_init(&v, dir, "val", 100);
     EXPECT(shard_writer_add(&v, &too_big, 1, err, sizeof(err)) < 0 && strstr(err, "70000"), "id 70000: '%s'", err);
     shard_writer_finish(&v, err, sizeof(err));
-    td_remove_dir(dir);
+    remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -1152,7 +1145,7 @@ static int test_prepro_end_to_end(void) {
     free(out.data);
     free(want.data);
     free(expect.data);
-    td_remove_dir(dir);
+    remove_test_dir(dir);
     return TEST_RESULT;
 }
 

@@ -544,8 +544,7 @@ static int test_fp8_gpu_log_scales(void) {
              "%s/logged/ckpt_6 --out %s/other | grep -q 'FP8 scales of the other --fp8-head; the scales start afresh'",
              dir, dir, dir);
     EXPECT(system(cmd) == 0, "a resume with the head in BF16 did not say its scales start afresh");
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-    EXPECT(system(cmd) == 0, "cleanup");
+    failed |= remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -574,8 +573,7 @@ static int test_fp8_two_gpus_scales_agree(void) {
            dir);
     snprintf(cmd, sizeof(cmd), "grep -q '\"fp8_ranks\": \"different\"' %s/current/log.jsonl", dir);
     EXPECT(system(cmd) == 0, "current scaling: the ranks' own amaxes were never seen to differ (%s/current)", dir);
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-    EXPECT(system(cmd) == 0, "cleanup");
+    failed |= remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -600,8 +598,7 @@ static int test_fp8_two_gpus_resume_is_bit_exact(void) {
     snprintf(path, sizeof(path), "%s/straight/log.jsonl", dir);
     snprintf(path_b, sizeof(path_b), "%s/split/log.jsonl", dir);
     failed |= compare_logged_steps(path, path_b, 1, 10);
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-    EXPECT(system(cmd) == 0, "cleanup");
+    failed |= remove_test_dir(dir);
     return TEST_RESULT;
 }
 

@@ -20,17 +20,6 @@ typedef struct {
     const char* says;  // the one line must contain this
 } BadInput;
 
-static int ti_mkdtemp(char* dir, size_t n) {
-    snprintf(dir, n, "/tmp/test_inputs_XXXXXX");
-    return mkdtemp(dir) ? 0 : -1;
-}
-
-static void ti_rmtree(const char* dir) {
-    char cmd[1100];
-    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
-    if (system(cmd) != 0) printf("    cleanup of %s failed\n", dir);
-}
-
 static int ti_write(const char* dir, const char* name, const char* text) {
     char path[1024];
     snprintf(path, sizeof(path), "%s/%s", dir, name);
@@ -94,9 +83,9 @@ static int test_train_flag_domains(void) {
         {"--lr '1\n2'", 2, "bad value '1\\x0a2' for --lr"},
     };
     char dir[64];
-    if (ti_mkdtemp(dir, sizeof(dir))) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof(dir), "test_inputs")) return TEST_FAIL;
     int failed = ti_run_cases("./train_gpt", cases, sizeof(cases) / sizeof(cases[0]), dir);
-    ti_rmtree(dir);
+    remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -120,7 +109,7 @@ static int ti_shard(const char* dir, const char* name, int n) {
 static int test_train_missing_inputs(void) {
     if (!ti_have("./train_gpt")) return TEST_FAIL;
     char dir[64];
-    if (ti_mkdtemp(dir, sizeof(dir))) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof(dir), "test_inputs")) return TEST_FAIL;
     int failed = 0;
     EXPECT(ti_shard(dir, "train_000000.bin", 1000) == 0 && ti_write(dir, "val_000000.bin", "not a shard") == 0,
            "making the shards");
@@ -140,7 +129,7 @@ static int test_train_missing_inputs(void) {
         const BadInput no_gpu[] = {{TI_RUN "--out %s/out", 1, "no CUDA GPU found (no NVIDIA driver is loaded"}};
         failed |= ti_run_cases("./train_gpt", no_gpu, 1, dir);
     }
-    ti_rmtree(dir);
+    remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -171,7 +160,7 @@ static int test_train_bad_config_json(void) {
         {"", "", "model.safetensors"},  // the good one: on to the weights, which are not there
     };
     char dir[64];
-    if (ti_mkdtemp(dir, sizeof(dir))) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof(dir), "test_inputs")) return TEST_FAIL;
     int failed = 0;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         char text[1024];
@@ -186,7 +175,7 @@ static int test_train_bad_config_json(void) {
     EXPECT(test_write_file(path, "\x10\0\0\0\0\0\0\0{\"a\": 1}        ", 24) == 0, "writing the weights");
     const BadInput weights = {"--init-from %s", 1, "model.safetensors: tensor 'a'"};
     failed |= ti_run_cases("./train_gpt", &weights, 1, dir);
-    ti_rmtree(dir);
+    remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -195,7 +184,7 @@ static int test_train_bad_config_json(void) {
 static int test_train_bad_checkpoint(void) {
     if (!ti_have("./train_gpt")) return TEST_FAIL;
     char dir[64], ckpt[128];
-    if (ti_mkdtemp(dir, sizeof(dir))) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof(dir), "test_inputs")) return TEST_FAIL;
     int failed = 0;
     snprintf(ckpt, sizeof(ckpt), "%s/ckpt_6", dir);
     EXPECT(ti_shard(dir, "train_000000.bin", 1000) == 0 && mkdir(ckpt, 0755) == 0 && ti_write(ckpt, "x.bin", "abc") == 0,
@@ -227,7 +216,7 @@ static int test_train_bad_checkpoint(void) {
         const BadInput c = {args, 1, cases[i].says};
         if (strcmp(cases[i].says, "no CUDA GPU found") || !g_have_gpu) failed |= ti_run_cases("./train_gpt", &c, 1, dir);
     }
-    ti_rmtree(dir);
+    remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -263,7 +252,7 @@ static bool ti_any(const char* dir, const char* prefix) {
 static int test_prepro_bad_inputs(void) {
     if (!ti_have("./prepro")) return TEST_FAIL;
     char dir[64];
-    if (ti_mkdtemp(dir, sizeof(dir))) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof(dir), "test_inputs")) return TEST_FAIL;
     int failed = 0;
     ByteBuf json = {NULL, 0, 0};
     EXPECT(ti_byte_tokenizer(dir, &json) == 0, "writing a tokenizer");
@@ -293,7 +282,7 @@ static int test_prepro_bad_inputs(void) {
     EXPECT(!ti_any(dir, "out\\."), "a staging directory was left in %s", dir);
     snprintf(path, sizeof(path), "%s/out", dir);
     EXPECT(access(path, F_OK) != 0, "%s was made by a run that failed", path);
-    ti_rmtree(dir);
+    remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -302,7 +291,7 @@ static int test_prepro_bad_inputs(void) {
 static int test_prepro_stops_leave_nothing(void) {
     if (!ti_have("./prepro")) return TEST_FAIL;
     char dir[64], path[128], cmd[1024], err[1024];
-    if (ti_mkdtemp(dir, sizeof(dir))) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof(dir), "test_inputs")) return TEST_FAIL;
     int failed = 0;
     ByteBuf json = {NULL, 0, 0};
     EXPECT(ti_byte_tokenizer(dir, &json) == 0, "writing a tokenizer");
@@ -337,7 +326,7 @@ static int test_prepro_stops_leave_nothing(void) {
     snprintf(path, sizeof(path), "%s/out", dir);
     EXPECT(access(path, F_OK) != 0, "%s exists after runs that did not finish", path);
     EXPECT(!ti_any(dir, "out\\."), "a staging directory was left in %s", dir);
-    ti_rmtree(dir);
+    remove_test_dir(dir);
     return TEST_RESULT;
 }
 
@@ -353,10 +342,10 @@ static int test_messages_one_line(void) {
     fail(tiny, sizeof(tiny), "%s", "abcd\nef");
     EXPECT(strcmp(tiny, "abcd") == 0, "'%s'", tiny);
     char dir[64];  // a byte vocabulary, with a merge line that holds an escape sequence
-    if (ti_mkdtemp(dir, sizeof(dir))) return TEST_FAIL;
+    if (make_test_dir(dir, sizeof(dir), "test_inputs")) return TEST_FAIL;
     ByteBuf vocab = {NULL, 0, 0};
     EXPECT(ti_byte_tokenizer(dir, &vocab) == 0, "writing a tokenizer");
-    ti_rmtree(dir);
+    remove_test_dir(dir);
     const char merges[] = "#version: 0.2\n\x1b[2J a\n";
     Tokenizer tk;
     EXPECT(tokenizer_load_from_memory(&tk, "encoder.json", vocab.data, vocab.len, "vocab.bpe", merges,

@@ -375,8 +375,7 @@ static int test_resume_each_optimizer(void) {
     int code = run_command(cmd, line, sizeof(line));
     EXPECT(code == 1 && strstr(line, "--optimizer adamw, and this run has --optimizer adamw8bit"), "exit %d, '%s'", code,
            line);
-    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
-    EXPECT(system(cmd) == 0, "cleanup");
+    failed |= remove_test_dir(dir);
     return TEST_RESULT;
 }
 

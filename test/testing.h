@@ -7,12 +7,14 @@
  * a GPU calls REQUIRE_GPU() first, so that on a machine without one it counts as skipped.
  * EXPECT prints the failing condition with file and line and makes the test fail, but lets it run
  * on, so one run shows every broken check. test_write_file is for tests that make input files;
- * run_command for those that run ./train_gpt or ./prepro and read what they say.
+ * run_command for those that run ./train_gpt or ./prepro and read what they say;
+ * make_test_dir and remove_test_dir for their temporary directories.
  */
 #ifndef TESTING_H
 #define TESTING_H
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <stdbool.h>
 #include <string.h>
 #include <math.h>
@@ -66,5 +68,20 @@ static int run_command(const char* cmd, char* err, size_t len) {
     do {                                                                         \
         if (!g_have_gpu) return TEST_SKIP;                                       \
     } while (0)
+
+/* Makes a fresh temporary directory /tmp/<name>_XXXXXX into dir (n bytes); 0, or -1 if it could not. */
+static int make_test_dir(char* dir, size_t n, const char* name) {
+    snprintf(dir, n, "/tmp/%s_XXXXXX", name);
+    return mkdtemp(dir) ? 0 : -1;
+}
+
+/* Removes a test's temporary directory with all it holds; 1 (having said so) if that failed. */
+static int remove_test_dir(const char* dir) {
+    int failed = 0;
+    char cmd[1100];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+    EXPECT(system(cmd) == 0, "cleanup of %s", dir);
+    return failed;
+}
 
 #endif
