@@ -5,10 +5,14 @@
  * code that trains, and checks it against independent computations:
  *  - CPU tests (always): config validation, the parameter table, the HF name mapping, the
  *    learning-rate schedule, the FLOP count, a finite-difference check of the CPU reference's
- *    gradients in fp64, the HF export's files, the command line; then data.h's and ckpt.h's tests.
+ *    gradients in fp64, the HF export's files, the command line; then the suites of test/: data
+ *    (test_data.h), checkpoints (test_ckpt.h), comm.h (test_comm.h), bad input (test_inputs.h),
+ *    FP8's roundings (test_fp8.h) and the optimizers' arithmetic (test_optim.h).
  *  - GPU tests (skipped without a GPU): every kernel against the CPU reference on fresh random
  *    inputs of awkward sizes, the whole model's loss and every gradient tensor against the CPU
- *    reference for several configs, bit-exact determinism, recompute on == off, and training.
+ *    reference for several configs, bit-exact determinism, recompute on == off, training, ZeRO's
+ *    modes on one GPU, ./train_gpt's checkpoints, resume, export and init-from, FP8 mode and the
+ *    optimizers' kernels and resumes; `gpu2_*` tests need two GPUs (data parallelism).
  * Every GPU output is poisoned (filled with NaN) before the run, so an unwritten element fails.
  * Inputs are random with a seed printed at the start (set TEST_SEED to repeat a run).
  * Usage: ./test_gpt [substring]   runs the tests whose name contains the substring.
@@ -1372,6 +1376,10 @@ static int gpu_count(void) {
     int n = 0;
     return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
 }
+#define REQUIRE_TWO_GPUS()                                                       \
+    do {                                                                         \
+        if (!g_have_gpu || gpu_count() < 2) return TEST_SKIP;                    \
+    } while (0)
 
 // A figure ("loss", "grad_norm") of steps 1..n of a run's log.jsonl, as printed (9 significant
 // digits); returns how many steps were logged.
@@ -1390,7 +1398,6 @@ static int logged_figures(const char* log_path, const char* key, double* out, in
 }
 
 #define DP_STEPS 50
-#define DP_RUN SMALL_RUN "--ckpt-every 0 --steps 50 "
 
 // The same tokens per step on 2 GPUs (every ZeRO mode, NCCL over sockets only, and launched by
 // torchrun where it is installed) and on 1 GPU with twice the accumulation. Two ranks add two
@@ -1400,7 +1407,7 @@ static int logged_figures(const char* log_path, const char* key, double* out, in
 // once the clip is active (norm > 1) so does the update. One GPU adds its micro-batches in another
 // order. Those are said as figures, held to 1e-2 over the 50 steps.
 static int test_two_gpus_match_one(void) {
-    if (!g_have_gpu || gpu_count() < 2) return TEST_SKIP;
+    REQUIRE_TWO_GPUS();
     int failed = 0;
     char dir[64], cmd[2048], path[256];
     EXPECT(make_shard_dir(dir, 200000, 512), "shard");
@@ -1413,8 +1420,8 @@ static int test_two_gpus_match_one(void) {
     int n_runs = have_torchrun ? 7 : 6;
     double loss[7][DP_STEPS], norm[7][DP_STEPS];
     for (int r = 0; r < n_runs; r++) {
-        snprintf(cmd, sizeof(cmd), "%s" DP_RUN "%s --train-data '%s/train_*.bin' --out %s/%s > %s/%s.txt 2>&1",
-                 launch[r], flags[r], dir, dir, runs[r], dir, runs[r]);
+        snprintf(cmd, sizeof(cmd), "%s" SMALL_RUN "--ckpt-every 0 --steps %d %s --train-data '%s/train_*.bin' --out %s/%s "
+                 "> %s/%s.txt 2>&1", launch[r], DP_STEPS, flags[r], dir, dir, runs[r], dir, runs[r]);
         EXPECT(system(cmd) == 0, "run %s failed: %s", runs[r], cmd);
         snprintf(path, sizeof(path), "%s/%s/log.jsonl", dir, runs[r]);
         EXPECT(logged_figures(path, "loss", loss[r], DP_STEPS) == DP_STEPS &&
@@ -1447,7 +1454,7 @@ static int test_two_gpus_match_one(void) {
 // and a one-GPU checkpoint on two, each saying it resharded and going on where the straight run
 // went (to the reduction order's rounding).
 static int test_two_gpus_sharded_checkpoints(void) {
-    if (!g_have_gpu || gpu_count() < 2) return TEST_SKIP;
+    REQUIRE_TWO_GPUS();
     int failed = 0;
     char dir[64], cmd[2048], path[256], extra[256];
     EXPECT(make_shard_dir(dir, 60000, 512), "shard");
@@ -1500,7 +1507,7 @@ static int test_two_gpus_sharded_checkpoints(void) {
 // started by hand (as a multi-node launcher would leave them), the survivor's watchdog stops it
 // within --timeout. Either way the run resumes from `latest`, on 1 GPU as on 2.
 static int test_two_gpus_kill_and_resume(void) {
-    if (!g_have_gpu || gpu_count() < 2) return TEST_SKIP;
+    REQUIRE_TWO_GPUS();
     int failed = 0;
     char dir[64], cmd[4096], line[512];
     EXPECT(make_shard_dir(dir, 400000, 512), "shard");
@@ -1532,7 +1539,7 @@ static int test_two_gpus_kill_and_resume(void) {
     return TEST_RESULT;
 }
 
-// FP8 mode's tests use the whole-model helpers above.
+// FP8's and the optimizers' tests use the whole-model and run helpers above.
 #include "test/test_fp8.h"
 #include "test/test_optim.h"
 

@@ -26,7 +26,7 @@ torchddp() {  # name, torch_baseline flags...
     | python3 -c 'import json,sys; [print("%-18s %9.0f tok/s/GPU %7.2f ms %6.2f GiB   (raw: %s)" % (r["run"], r.get("tokens_per_s_per_gpu", r["tokens_per_s"] / 2), r["ms_per_step_mean"], r["peak_mem_gib"], {k: r[k] for k in r if "tokens" in k})) for r in map(json.loads, sys.stdin)]'
 }
 # TORCH=0 leaves PyTorch out (when its figures come from an earlier call); EXTRA="VAR=value ..."
-# adds one more run of each ZeRO mode with those environment variables (e.g. NCCL_MAX_CTAS=8).
+# adds one more run of ZeRO 1 and 2 with those environment variables (e.g. NCCL_MAX_CTAS=8).
 for size in ${*:-default 1b}; do
   echo "=== $size"
   if [ "$size" = 1b ]; then

@@ -34,11 +34,6 @@ static char* td_make_temp_dir(void) {
     return dir;
 }
 
-static double td_seconds(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 // The whole file, NUL-terminated (free it), or NULL with err.
 static char* td_read_file(const char* path, size_t* len, char* err, size_t err_len) {
@@ -282,9 +277,9 @@ static int test_tokenizer_matches_node(void) {
     EXPECT(test_write_file(docs_path, docs.data, docs.len) == 0, "cannot write %s", docs_path);
     snprintf(cmd, sizeof(cmd), "node scripts/tokenizer_reference.js encode data/npm/gpt-3-encoder-1.1.4/Encoder.js %s %s",
              docs_path, ids_path);
-    double t0 = td_seconds();
+    double t0 = now_seconds();
     int rc = system(cmd);
-    double node_seconds = td_seconds() - t0;
+    double node_seconds = now_seconds() - t0;
     size_t ref_len = 0;
     char err[512];
     char* ref = rc == 0 ? td_read_file(ids_path, &ref_len, err, sizeof(err)) : NULL;
@@ -299,9 +294,9 @@ static int test_tokenizer_matches_node(void) {
             const char* text = docs.data + p + 4;
             p += 4 + n;
             ids.len = 0;
-            double t1 = td_seconds();
+            double t1 = now_seconds();
             tokenizer_encode(tk, text, n, &ids);
-            c_seconds += td_seconds() - t1;
+            c_seconds += now_seconds() - t1;
             if (q + 4 <= ref_len) memcpy(&m, ref + q, 4);
             const uint32_t* want = (const uint32_t*)(ref + q + 4);
             if (q + 4 + 4 * (size_t)m > ref_len) { EXPECT(0, "the reference output is short at document %zu", d); break; }
@@ -436,9 +431,9 @@ static int test_tokenizer_speed(void) {
         what = "generated English words";
     }
     TokenList ids = {NULL, 0, 0};
-    double t0 = td_seconds();
+    double t0 = now_seconds();
     tokenizer_encode(tk, text, len, &ids);
-    double seconds = td_seconds() - t0;
+    double seconds = now_seconds() - t0;
     double mb_per_s = (double)len / 1e6 / seconds;
     printf("    encoded %.1f MB of %s in %.2f s: %.1f MB/s, %.2f bytes per token\n", len / 1e6, what, seconds, mb_per_s,
            (double)len / (double)ids.len);
@@ -977,9 +972,9 @@ static int test_loader_prefetch_keeps_up(void) {
     for (int k = 0; k < STEPS; k++) {
         struct timespec busy = {0, 1000000};
         nanosleep(&busy, NULL);  // the training step
-        double t0 = td_seconds();
+        double t0 = now_seconds();
         loader_next(&L);
-        double dt = td_seconds() - t0;
+        double dt = now_seconds() - t0;
         waited += dt;
         if (dt > worst) worst = dt;
     }

@@ -556,7 +556,7 @@ static int test_fp8_gpu_log_scales(void) {
 // measures its own tensors, must be said to differ at some step (else the check could not see
 // rank 1 at all).
 static int test_fp8_two_gpus_scales_agree(void) {
-    if (!g_have_gpu || gpu_count() < 2) return TEST_SKIP;
+    REQUIRE_TWO_GPUS();
     int failed = 0;
     char dir[64], cmd[2048];
     EXPECT(make_shard_dir(dir, 60000, 512), "shard");
@@ -582,7 +582,7 @@ static int test_fp8_two_gpus_scales_agree(void) {
 // norms. The checkpoint holds rank 0's scales, which are every rank's only because the ranks
 // agree on their amaxes each step: before that, rank 1 resumed on rank 0's scales and drifted.
 static int test_fp8_two_gpus_resume_is_bit_exact(void) {
-    if (!g_have_gpu || gpu_count() < 2) return TEST_SKIP;
+    REQUIRE_TWO_GPUS();
     int failed = 0;
     char dir[64], cmd[2048], path[256], path_b[256];
     EXPECT(make_shard_dir(dir, 60000, 512), "shard");
@@ -615,6 +615,8 @@ static int test_fp8_gpu_fused_step_is_bit_exact(void) {
     for (int variant = 0; variant < 3; variant++) {
         int recompute = variant > 0;
         bool head = variant == 2;  // the head in FP8 too, which is cast as it is on either path
+        char what[48];
+        snprintf(what, sizeof(what), "recompute %d%s", recompute, head ? ", head in FP8" : "");
         GPT m;
         gpt_create(&m, c, B, c->seq_len, recompute, 128, &ONE_GPU, OPTIMIZER_ADAMW);
         gpt_enable_fp8(&m, FP8_DELAYED, head, false);
@@ -640,7 +642,7 @@ static int test_fp8_gpu_fused_step_is_bit_exact(void) {
             for (int i = 0; i < 3; i++) CUDA_CHECK(cudaMemset(shared[i], 0xFF, shared_bytes[i]));
             m.fp8.fuse = fuse;
             m.fp8.weights_stale = true;
-            EXPECT(fp8_fused(&m) == (fuse == 1), "recompute %d: fp8_fused is %d with fuse %d", recompute, fp8_fused(&m),
+            EXPECT(fp8_fused(&m) == (fuse == 1), "%s: fp8_fused is %d with fuse %d", what, fp8_fused(&m),
                    fuse);
             grads[fuse] = (double*)calloc(n, 8);
             loss[fuse] = gpu_forward_backward(&m, &up, p, window, grads[fuse], accum);
@@ -655,15 +657,15 @@ static int test_fp8_gpu_fused_step_is_bit_exact(void) {
                 free(host);
             }
         }
-        EXPECT(loss[1] == loss[0], "recompute %d: loss %.9g fused, %.9g unfused", recompute, loss[1], loss[0]);
+        EXPECT(loss[1] == loss[0], "%s: loss %.9g fused, %.9g unfused", what, loss[1], loss[0]);
         for (int i = 0; i < m.table.n_tensors; i++) {
             const ParamTensor* t = &m.table.tensors[i];
             EXPECT(!memcmp(grads[1] + t->offset, grads[0] + t->offset, (size_t)(t->rows * t->cols) * 8),
-                   "recompute %d: the gradient of %s differs fused and unfused", recompute, t->name);
+                   "%s: the gradient of %s differs fused and unfused", what, t->name);
         }
         EXPECT(!memcmp(scales[1], scales[0], n_scales * sizeof(Fp8Scale)),
-               "recompute %d: the scales (their amaxes) differ fused and unfused", recompute);
-        printf("    recompute %d%s: loss %.6f both ways\n", recompute, head ? ", head in FP8" : "", loss[0]);
+               "%s: the scales (their amaxes) differ fused and unfused", what);
+        printf("    %s: loss %.6f both ways\n", what, loss[0]);
         for (int fuse = 0; fuse < 2; fuse++) free(grads[fuse]), free(scales[fuse]);
         free(p); free(window); free(scratch); free(calibrated);
         uploader_free(&up);
