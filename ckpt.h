@@ -1021,10 +1021,7 @@ static int st_parse_header(StFile* f, const uint8_t* data, uint64_t data_len, ch
             rc = st_parse_metadata(f, e, err, err_len);
             continue;
         }
-        for (int j = 0; j < f->n_tensors && !rc; j++)
-            if (strcmp(f->tensors[j].name, e->key) == 0)
-                rc = fail(err, err_len, "%s: tensor '%s' appears twice in the header", f->path, e->key);
-        if (!rc) rc = st_parse_entry(f, e, &f->tensors[f->n_tensors], &spans[f->n_tensors], data_len, err, err_len);
+        rc = st_parse_entry(f, e, &f->tensors[f->n_tensors], &spans[f->n_tensors], data_len, err, err_len);
         f->n_tensors++;
     }
     if (!rc) rc = st_check_layout(f, spans, data, data_len, err, err_len);
@@ -1587,7 +1584,6 @@ static int ckpt_parse_manifest(CkptReader* r, const char* mpath, const char* tex
         uint32_t crc_value;
         if (!ckpt_valid_name(f->key) || strcmp(f->key, CKPT_MANIFEST) == 0)
             return fail(err, err_len, "%s: invalid file name '%s'", mpath, f->key);
-        if (ckpt_find_file(r, f->key)) return fail(err, err_len, "%s: file '%s' listed twice", mpath, f->key);
         if (json_get_int(m, f, "bytes", &bytes) || bytes < 0 || json_get_string(m, f, "crc32c", &crc) ||
             ckpt_parse_crc(crc, &crc_value))
             return fail(err, err_len, "%s: file '%s' needs \"bytes\" (an integer) and \"crc32c\" (8 hex digits)",

@@ -957,17 +957,12 @@ static void comm_join(Comm* c, cudaStream_t compute) {  // compute waits for the
     CUDA_CHECK(cudaStreamWaitEvent(compute, c->from_comm, 0));
 }
 
-// Sums of fp32 across ranks: in place over n elements.
-static void comm_all_reduce(Comm* c, float* x, size_t n) {
+// Sums (ncclSum) or maxima (ncclMax: FP8's amaxes, so that every rank derives the same scales; a
+// max is exact and does not depend on the order) of fp32 across ranks, in place over n elements.
+static void comm_all_reduce(Comm* c, float* x, size_t n, ncclRedOp_t op) {
     if (c->world == 1) return;
-    comm_call(c, ncclAllReduce(x, x, n, ncclFloat, ncclSum, c->nccl, c->stream), "all-reduce");
-}
-
-// Maxima of fp32 across ranks, in place over n elements (FP8's amaxes: every rank then derives
-// the same scales). A max is exact and does not depend on the order, so every rank gets the same bits.
-static void comm_all_reduce_max(Comm* c, float* x, size_t n) {
-    if (c->world == 1) return;
-    comm_call(c, ncclAllReduce(x, x, n, ncclFloat, ncclMax, c->nccl, c->stream), "all-reduce (max)");
+    const char* what = op == ncclMax ? "all-reduce (max)" : "all-reduce";
+    comm_call(c, ncclAllReduce(x, x, n, ncclFloat, op, c->nccl, c->stream), what);
 }
 
 static void comm_copy(Comm* c, void* dst, const void* src, size_t bytes) {  // a collective of one rank

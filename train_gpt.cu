@@ -1229,7 +1229,7 @@ static void fp8_agree_amaxes(GPT* m) {
     Comm* c = m->dp.comm;
     if (!m->fp8.on || m->fp8.scaling != FP8_DELAYED || !c || m->dp.world == 1) return;
     comm_follow(c, m->stream);
-    comm_all_reduce_max(c, (float*)m->fp8.scales, fp8_n_scales(&m->cfg) * sizeof(Fp8Scale) / sizeof(float));
+    comm_all_reduce(c, (float*)m->fp8.scales, fp8_n_scales(&m->cfg) * sizeof(Fp8Scale) / sizeof(float), ncclMax);
 }
 
 // Evaluation (validation, sampling) runs the FP8 forward too, and its casts would leave their
@@ -1321,7 +1321,7 @@ static void grads_ready(GPT* m, int b) {
     float* owned = m->grad_shard + m->opt_offset[b];
     comm_follow(c, m->stream);
     if (m->dp.zero == 0) {
-        comm_all_reduce(c, m->grad_bucket[b], len);
+        comm_all_reduce(c, m->grad_bucket[b], len, ncclSum);
     } else if (m->dp.zero == 1 || m->micro == 0) {
         comm_reduce_scatter(c, m->grad_bucket[b], owned, piece);
     } else {
@@ -1406,7 +1406,7 @@ static void sum_over_ranks(GPT* m, float* scalars, int count) {
     Comm* c = m->dp.comm;
     if (!c || m->dp.world == 1) return;
     comm_follow(c, m->stream);
-    comm_all_reduce(c, scalars, count);
+    comm_all_reduce(c, scalars, count, ncclSum);
     comm_join(c, m->stream);
 }
 

@@ -2,7 +2,7 @@
  * test/test_comm.h - CPU tests of comm.h: the launch environment (torchrun, Slurm, a single
  * process, and every malformed value, through a fake environment), ZeRO's shard arithmetic at
  * awkward sizes, resharding W1 -> W2 checked element by element against a brute-force mapping,
- * the max all-reduce's arithmetic, and the TCP bootstrap between real processes.
+ * and the TCP bootstrap between real processes.
  *
  * test_gpt.cu includes testing.h, comm.h, then this file, and runs comm_tests. The bootstrap tests
  * fork one child per rank over loopback, on a port found free just before; each child reports its
