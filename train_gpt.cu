@@ -12,23 +12,24 @@
  *   loss   = mean cross-entropy of the next token
  *
  * What lives where: kernels.cuh holds the CUDA kernels, the optimizers' kernels and the one matmul
- * wrapper; lib/fp8.cuh FP8's casts and scales; data.h the token shards and loader; comm.h data
- * parallelism over NCCL (ranks, collectives, ZeRO's shard arithmetic); ckpt.h the safetensors and
- * checkpoint files; doc/map.md is the map of the whole repository. This file, in reading order:
- * the config; the parameter table, which lays out every tensor in one flat buffer; the
- * activations; the model on the GPU (with FP8 mode); uploading batches; forward; backward (with
- * the hook where a bucket's gradients leave for the other ranks); the optimizer step (AdamW,
- * 8-bit AdamW or Muon, on this rank's pieces); HF export and checkpoints (every rank writes its
- * optimizer shard); the command line; and the Trainer, whose train_step() is one optimizer step
- * and whose loop main() runs.
+ * wrapper; lib/fp8.cuh FP8's casts and scales; lib/config.h the ModelConfig and its reading from
+ * JSON; data.h the token shards and loader; comm.h data parallelism over NCCL (ranks, collectives,
+ * ZeRO's shard arithmetic); ckpt.h the safetensors and checkpoint files; doc/map.md is the map of
+ * the whole repository. This file, in reading order: the config; the parameter table, which lays
+ * out every tensor in one flat buffer; the activations; the model on the GPU (with FP8 mode);
+ * uploading batches; forward; backward (with the hook where a bucket's gradients leave for the
+ * other ranks); the optimizer step (AdamW, 8-bit AdamW or Muon, on this rank's pieces); HF export
+ * and checkpoints (with ZeRO 1 and 2 every rank writes its optimizer shard); the command line; and
+ * the Trainer, whose train_step() is one optimizer step and whose loop main() runs.
  *
- * Precision: bf16 weights and activations for compute (or FP8 for the layers' matmuls with --fp8
- * 1, and the head's with --fp8-head 1), fp32 accumulation everywhere, fp32 master weights and gradients, the optimizer's state in
- * fp32 (or 8 bits). One convention to know: parameters live in ONE flat buffer (the same layout for
- * the fp32 master copy, the bf16 copy and the gradients; the optimizer's buffers hold this rank's
- * pieces of it), laid out layer by layer, so that each layer's gradients are one contiguous range
- * (a "bucket") that is complete as soon as the backward has left that layer.
- * test_gpt.cu #includes this file with TRAIN_GPT_NO_MAIN defined, so tests run this exact code.
+ * Precision: bf16 weights and activations for compute (or FP8 for the layers' matmuls with --fp8 1,
+ * and the head's with --fp8-head 1), fp32 accumulation everywhere, fp32 master weights and
+ * gradients, the optimizer's state in fp32 (or 8 bits). One convention to know: parameters live in
+ * ONE flat buffer (the same layout for the fp32 master copy, the bf16 copy and the gradients; the
+ * optimizer's buffers hold this rank's pieces of it), laid out layer by layer, so that each layer's
+ * gradients are one contiguous range (a "bucket") that is complete as soon as the backward has left
+ * that layer. test_gpt.cu #includes this file with TRAIN_GPT_NO_MAIN defined, so tests run this
+ * exact code.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -95,11 +96,11 @@ static bool config_check(const ModelConfig* c, char* err, size_t err_len) {
 // Each rank holds the whole model in bf16 and runs its own micro-batches; the ranks' gradients are
 // summed bucket by bucket (see the parameter table) as the backward completes them, on comm.h's
 // stream, while the backward goes on. --zero says what else a rank holds in full:
-//   0: everything: fp32 master weights, gradients and both moments. Each bucket is all-reduced
-//      at the last micro-batch, and every rank runs the same AdamW over everything.
-//   1: the gradients, but the master weights and moments only of its piece of each bucket (a 1/W
-//      share). At the last micro-batch each bucket is reduce-scattered into the rank's piece;
-//      AdamW updates the pieces; the bf16 pieces are all-gathered into every rank's model.
+//   0: everything: fp32 master weights, gradients and the optimizer's state. Each bucket is
+//      all-reduced at the last micro-batch, and every rank runs the same update over everything.
+//   1: the gradients, but the master weights and optimizer state only of its piece of each
+//      bucket (a 1/W share). At the last micro-batch each bucket is reduce-scattered into the rank's piece;
+//      the optimizer updates the pieces; the bf16 pieces are all-gathered into every rank's model.
 //   2: the gradients only in pieces too. Every micro-batch reduce-scatters each bucket and adds it
 //      into the piece; a layer's full-size gradients live only in a ring of two bucket buffers.
 // Every bucket is padded to a multiple of W * PARAM_ALIGN elements, so its pieces are equal (as
@@ -196,7 +197,6 @@ static void param_add(ParamTable* pt, const ModelConfig* c, ParamKind kind, int 
     *offset += ((size_t)(t->rows * t->cols) + PARAM_ALIGN - 1) / PARAM_ALIGN * PARAM_ALIGN;
 }
 
-// Pads a bucket that ends at *offset to a multiple of world * PARAM_ALIGN elements.
 // A bucket of `used` elements cut into n_shards pieces the way comm.h cuts every collective's
 // buffer: equal, PARAM_ALIGN-aligned pieces, the last padded. The parameter table pads each bucket
 // to comm_padded_len of this split, so ZeRO's pieces, the checkpoint's shards and the resharding
@@ -211,6 +211,7 @@ static CommShards bucket_split(size_t used, int n_shards) {
     return shards;
 }
 
+// Pads a bucket that ends at *offset to a multiple of world * PARAM_ALIGN elements.
 static void bucket_pad(size_t* offset, size_t bucket_start, int world) {
     CommShards shards = bucket_split(*offset - bucket_start, world);
     *offset = bucket_start + comm_padded_len(&shards);
@@ -259,7 +260,7 @@ static size_t param_count(const ParamTable* pt) {  // without padding
     return n;
 }
 
-// AdamW's view of "what decays": one flag per PARAM_ALIGN elements of the flat buffer (host array
+// The optimizer's view of "what decays": one flag per PARAM_ALIGN elements of the flat buffer (host array
 // of n_elements / PARAM_ALIGN bytes; padding never decays, and stays zero either way).
 static uint8_t* param_decay_flags(const ParamTable* pt) {
     uint8_t* flags = (uint8_t*)calloc(pt->n_elements / PARAM_ALIGN, 1);
@@ -640,8 +641,8 @@ static size_t largest_bucket(const ParamTable* pt, int n) {
 
 // Sizes every buffer from the config and the ZeRO mode, before anything is allocated: weights
 // (bf16 everywhere; fp32 master only for the owned part), gradients (full, or with ZeRO 2 the ring,
-// bucket L and the reduced pieces), both moments, and the activations (measured by laying them
-// out over no memory).
+// bucket L and the reduced pieces), the optimizer's state (and Muon's scratch), and the activations
+// (measured by laying them out over no memory).
 static void gpt_plan_memory(GPT* m) {
     const ParamTable* pt = &m->table;
     size_t P = pt->n_elements, S = m->opt_len, L = pt->n_layers, sharded = m->dp.zero > 0;
@@ -1536,14 +1537,14 @@ static void hf_config_text(const ModelConfig* c, char* json, size_t len) {
              c->seq_len > 4096 ? c->seq_len : 4096, c->norm_eps, c->rope_theta, c->n_layer, GPT2_EOT, GPT2_EOT);
 }
 
-// The safetensors entries of a flat fp32 buffer under HF names, each name prefixed (e.g.
-// "exp_avg."). names must hold n * HF_NAME_MAX bytes; returns n.
-static int hf_st_tensors(const GPT* m, const float* flat, const char* prefix, StTensor* st, char* names) {
+// The safetensors entries of a flat fp32 buffer under HF names. names must hold n * HF_NAME_MAX
+// bytes; returns n.
+static int hf_st_tensors(const GPT* m, const float* flat, StTensor* st, char* names) {
     int n = hf_tensors(m, NULL);
     HfTensor* hf = (HfTensor*)malloc(n * sizeof(HfTensor));
     hf_tensors(m, hf);
     for (int i = 0; i < n; i++) {
-        snprintf(names + i * HF_NAME_MAX, HF_NAME_MAX, "%s%s", prefix, hf[i].name);
+        snprintf(names + i * HF_NAME_MAX, HF_NAME_MAX, "%s", hf[i].name);
         st[i].name = names + i * HF_NAME_MAX;
         st[i].dtype = ST_F32;
         st[i].ndim = hf[i].rows == 1 ? 1 : 2;
@@ -1555,16 +1556,15 @@ static int hf_st_tensors(const GPT* m, const float* flat, const char* prefix, St
     return n;
 }
 
-// Fills a flat fp32 buffer from a safetensors file in HF names (with `prefix`), converting bf16
-// and fp16 to fp32. Every tensor must be there with the right shape.
-static bool hf_st_load(const GPT* m, const StFile* f, const char* prefix, float* flat, char* err, size_t err_len) {
+// Fills a flat fp32 buffer from a safetensors file in HF names, converting bf16 and fp16 to fp32.
+// Every tensor must be there with the right shape.
+static bool hf_st_load(const GPT* m, const StFile* f, float* flat, char* err, size_t err_len) {
     int n = hf_tensors(m, NULL);
     HfTensor* hf = (HfTensor*)malloc(n * sizeof(HfTensor));
     hf_tensors(m, hf);
     bool ok = true;
     for (int i = 0; i < n && ok; i++) {
-        char name[HF_NAME_MAX];
-        snprintf(name, sizeof(name), "%s%s", prefix, hf[i].name);
+        const char* name = hf[i].name;
         const StTensor* t = st_find(f, name);
         int64_t count = hf[i].rows * hf[i].cols;
         bool shape_ok = t && (hf[i].rows == 1 ? t->ndim == 1 && t->shape[0] == hf[i].cols
@@ -1615,7 +1615,7 @@ static bool export_hf(const GPT* m, const float* weights, const char* dir, char*
     int n = hf_tensors(m, NULL);
     StTensor* st = (StTensor*)calloc(n, sizeof(StTensor));
     char* names = (char*)malloc((size_t)n * HF_NAME_MAX);
-    hf_st_tensors(m, weights, "", st, names);
+    hf_st_tensors(m, weights, st, names);
     char path[1024], config[2048];
     snprintf(path, sizeof(path), "%s/model.safetensors", dir);
     const char* meta[] = {"format", "pt"};
@@ -1651,14 +1651,14 @@ static float* download_flat(const GPT* m, const void* device, bool is_bf16) {
 // a manifest records every file's size and CRC32C). Ours holds:
 //   model.safetensors      fp32 master weights under transformers' Qwen3 names
 //   config.json            transformers' config: the directory also loads as a Qwen3 model
-//   optimizer.<r>-of-<S>.safetensors   AdamW's moments, shard r of S (below)
+//   optimizer.<r>-of-<S>.safetensors   the optimizer's state tensors, shard r of S (below)
 //   trainer_state.bin      the step count, the data loader's state and the trainer's RNGs
 //   fp8_scales.bin         FP8 runs: the scales and their amax histories (lib/fp8.cuh)
 // and the manifest's config object is the ModelConfig, which a resume must match exactly, with
 // the number of optimizer shards and of GPUs of the run that wrote it. The learning rate is a
 // function of the step, so the step restores the schedule's position.
 //
-// The moments are stored as the optimizer holds them: bucket by bucket, cut into S shards, one
+// The optimizer's state is stored as the optimizer holds it: bucket by bucket, cut into S shards, one
 // per rank with ZeRO 1 and 2 (each rank writes its own file), one with ZeRO 0 (rank 0 writes it).
 // Shard r of bucket b is comm.h's CommShards range r of the bucket's used elements: exactly the
 // piece owned_part gives rank r, padding excluded. A run with another number of shards builds its
@@ -1708,13 +1708,13 @@ static void fp8_state_header(const GPT* m, void* state) {
 static void fp8_state_restore(GPT* m, const void* state, size_t len, const char* dir) {
     Fp8StateHeader h = {};
     if (state && len >= sizeof(h)) memcpy(&h, state, sizeof(h));
-    if (!state || h.magic != FP8_STATE_MAGIC || h.version != FP8_STATE_VERSION || len != fp8_state_bytes(m) ||
-        h.scaling != (int32_t)m->fp8.scaling || h.head != (int32_t)m->fp8.head) {
-        const char* why = !state || h.magic != FP8_STATE_MAGIC ? "no FP8 scales"
-                          : h.version != FP8_STATE_VERSION   ? "FP8 scales of another version"
-                          : len != fp8_state_bytes(m)        ? "FP8 scales of another model"
-                          : h.scaling != (int32_t)m->fp8.scaling ? "FP8 scales of the other scaling"
-                                                                 : "FP8 scales of the other --fp8-head";
+    const char* why = !state || h.magic != FP8_STATE_MAGIC       ? "no FP8 scales"
+                      : h.version != FP8_STATE_VERSION             ? "FP8 scales of another version"
+                      : len != fp8_state_bytes(m)                  ? "FP8 scales of another model"
+                      : h.scaling != (int32_t)m->fp8.scaling       ? "FP8 scales of the other scaling"
+                      : h.head != (int32_t)m->fp8.head             ? "FP8 scales of the other --fp8-head"
+                                                                   : NULL;
+    if (why) {
         printf("fp8: %s holds %s; the scales start afresh\n", dir, why);
         return;
     }
@@ -1783,7 +1783,7 @@ static bool checkpoint_write_owner(const GPT* m, const float* master, const void
     int n = hf_tensors(m, NULL);
     StTensor* st = (StTensor*)xcalloc(n, sizeof(StTensor));
     char* names = (char*)xmalloc((size_t)n * HF_NAME_MAX);
-    hf_st_tensors(m, master, "", st, names);
+    hf_st_tensors(m, master, st, names);
     char hf_config[2048];
     hf_config_text(&m->cfg, hf_config, sizeof(hf_config));
     JsonWriter config;
@@ -1883,8 +1883,8 @@ static bool checkpoint_config_read(const GPT* m, const CkptReader* r, int* old_s
         return false;
     }
     // Checkpoints from before --optimizer existed have no "optimizer": they were AdamW's.
-    const char* optimizer = "adamw";
-    if (json_get_string(&r->manifest, r->config, "optimizer", &optimizer) != 0) optimizer = "adamw";
+    const char* optimizer = "adamw";  // kept when the manifest has none
+    json_get_string(&r->manifest, r->config, "optimizer", &optimizer);
     if (strcmp(optimizer, OPTIMIZER_NAMES[m->optimizer]) != 0) {
         snprintf(err, err_len, "%s was written with --optimizer %s, and this run has --optimizer %s: an optimizer's "
                  "state cannot continue as another's (resume with --optimizer %s)", r->dir, optimizer,
@@ -1924,7 +1924,7 @@ static bool checkpoint_read(const GPT* m, const char* dir, Restored* out, char* 
     memset(out->master, 0, m->table.n_elements * 4);
     memset(out->opt_state, 0, m->opt_state_bytes);
     if (ok && ckpt_open_safetensors(&r, "model.safetensors", &model, err, err_len) == 0) {
-        ok = hf_st_load(m, &model, "", out->master, err, err_len);
+        ok = hf_st_load(m, &model, out->master, err, err_len);
         st_close(&model);
     } else {
         ok = false;
@@ -2282,7 +2282,6 @@ static void check_options(const Options* o) {
     else if (o->gpus < 1 || o->gpus > 1024) problem = "--gpus must be in [0, 1024] (0: every GPU of this machine)";
     else if (o->zero < 0 || o->zero > 2) problem = "--zero must be 0, 1 or 2";
     else if (!(o->timeout >= 5.0f)) problem = "--timeout must be at least 5 seconds";
-    else if (o->fp8 != 0 && o->fp8 != 1) problem = "--fp8 must be 0 or 1";
     else if (strcmp(o->fp8_scaling, "delayed") != 0 && strcmp(o->fp8_scaling, "current") != 0)
         problem = "--fp8-scaling must be 'delayed' or 'current'";
     else if (!o->fp8 && (o->fp8_head || o->fp8_fast_accum || o->fp8_log_scales))
@@ -2430,7 +2429,7 @@ static void dump_grads(GPT* m, Uploader* up, const uint16_t* window, const char*
     free(grads);
 }
 
-// Asynchronous checkpoints. At a checkpoint step the master weights and both moments are copied
+// Asynchronous checkpoints. At a checkpoint step the master weights and the optimizer's state are copied
 // to pinned host memory on a side stream, after the step's optimizer update; the next optimizer
 // update waits for that copy (forward and backward need not: they read only the bf16 weights).
 // A host thread then writes the files while training goes on. Before the next snapshot, or at
@@ -2438,7 +2437,7 @@ static void dump_grads(GPT* m, Uploader* up, const uint16_t* window, const char*
 typedef struct {
     const GPT* model;
     bool owner;              // rank 0: it owns the checkpoint directory and writes the master weights
-    bool writes_shard;       // it writes a shard of the moments (rank 0; with ZeRO 1, 2 every rank)
+    bool writes_shard;       // it writes a shard of the optimizer's state (rank 0; with ZeRO 1, 2 every rank)
     float* host_master;      // pinned, the owner's: the whole flat layout
     void* host_opt_state;    // pinned: this rank's optimizer state (opt_state_bytes)
     void* host_fp8;          // pinned, the owner's in FP8 runs: fp8_scales.bin's bytes
@@ -2545,7 +2544,7 @@ static void load_init_from(GPT* m, const char* dir) {
     snprintf(path, sizeof(path), "%s/model.safetensors", dir);
     StFile weights;
     float* master = (float*)calloc(m->table.n_elements, sizeof(float));
-    if (st_open(&weights, path, err, sizeof(err)) != 0 || !hf_st_load(m, &weights, "", master, err, sizeof(err))) {
+    if (st_open(&weights, path, err, sizeof(err)) != 0 || !hf_st_load(m, &weights, master, err, sizeof(err))) {
         fprintf(stderr, "train_gpt: --init-from: %s\n", err);
         exit(1);
     }
@@ -2915,7 +2914,7 @@ static void log_one_step(Trainer* t, int index) {
     CUDA_CHECK(cudaEventElapsedTime(&ms, t->step_start[slot], t->step_end[slot]));
     const OptimScalars* s = &t->readback[slot];
     double now = now_seconds(), tokens = (double)t->model.N * t->accum * t->model.dp.world;
-    if (t->parallel) t->comm.last_progress = now_seconds();  // the watchdog's sign of life
+    if (t->parallel) t->comm.last_progress = now;  // the watchdog's sign of life
     if (index == t->start_step) t->t_first_step = now - t->t_start;
     if (index == t->start_step) t->t_loop = now;  // the ETA leaves out the first step's warm-up
     double per_step = index > t->start_step ? (now - t->t_loop) / (index - t->start_step) : ms / 1e3;
