@@ -7,7 +7,8 @@
  * the per-head QK norm with rotary embedding, attention (in lib/attention.cuh, included at that
  * place; its PTX wrappers are in lib/ptx.cuh), SwiGLU, the chunked cross-entropy; then the
  * optimizer (the learning-rate schedule; the fused AdamW update; 8-bit AdamW's quantization map and
- * its fused update; Muon's momentum and Newton-Schulz iteration) and the cuBLASLt wrapper.
+ * its fused update), the cuBLASLt wrapper, then Muon (momentum and Newton-Schulz), whose iteration
+ * multiplies through that wrapper.
  * Each forward kernel is followed by its backward, whose comment states the derivative it computes.
  *
  * Conventions a reader must know:
@@ -653,12 +654,7 @@ __global__ void optimizer_schedule_kernel(OptimScalars* s, OptimConfig o) {
 #define PARAM_FLAG_DECAY 1
 #define PARAM_FLAG_MUON 2
 
-// With g = grad * clip_scale, clip_scale = min(1, max_norm / ||grad||) read from the device:
-//   m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
-//   p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + lr * wd * p     (decoupled decay)
-// for the n elements the pointers start at, wd = weight_decay where flags[i / PARAM_ALIGN] has
-// PARAM_FLAG_DECAY (so a range must start on a PARAM_ALIGN boundary, as every tensor and every ZeRO
-// piece does). Elements flagged PARAM_FLAG_MUON are left alone: Muon updates them.
+// The gradient clip's factor, min(1, max_norm / ||grad||), from the norm on the device.
 __device__ __forceinline__ float clip_scale_of(const OptimConfig& o, const OptimScalars* s) {
     float norm = sqrtf(s->grad_norm_sq);
     return (o.grad_clip > 0.0f && norm > o.grad_clip) ? o.grad_clip / norm : 1.0f;
@@ -671,6 +667,12 @@ __device__ __forceinline__ float adamw_new_weight(float p, float mi, float vi, f
     return p - lr * ((mi / bias_corr1) / (sqrtf(vi / bias_corr2) + eps) + wd * p);
 }
 
+// With g = grad * clip_scale_of(...):
+//   m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
+//   p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + lr * wd * p     (decoupled decay)
+// for the n elements the pointers start at, wd = weight_decay where flags[i / PARAM_ALIGN] has
+// PARAM_FLAG_DECAY (so a range must start on a PARAM_ALIGN boundary, as every tensor and every ZeRO
+// piece does). Elements flagged PARAM_FLAG_MUON are left alone: Muon updates them.
 __global__ void adamw_kernel(float* master, bf16* params, const float* grads, float* m, float* v,
                              const uint8_t* flags, size_t n, OptimConfig o, const OptimScalars* s) {
     float clip_scale = clip_scale_of(o, s);
@@ -691,7 +693,8 @@ __global__ void adamw_kernel(float* master, bf16* params, const float* grads, fl
 }
 
 // An optimizer step is one optimizer_schedule (the step's learning rate and bias corrections),
-// then adamw_step over one or more ranges of the flat buffers (the trainer updates bucket by
+// then adamw_step (or adamw8bit_step; with Muon also muon_matrix_step per hidden matrix) over one
+// or more ranges of the flat buffers (the trainer updates bucket by
 // bucket, so that each bucket's new weights can be sent while the next is updated): each pointer
 // points at the range's first element, and params may be elsewhere than the others (ZeRO writes
 // a rank's bf16 piece straight into its place in the full buffer). The gradient norm must

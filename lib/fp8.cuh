@@ -17,8 +17,8 @@
  *   delayed  the largest amax of the last FP8_HISTORY optimizer steps; each cast records its
  *            tensor's amax as it goes (one pass), and fp8_update_scales rolls the history at the
  *            end of the step. Before the first step has filled the history, casts use current.
- * Everything lives on the device in an array of Fp8Scale, one per tensor role; the host never
- * reads a scale. The convention to know: `scale` multiplies into FP8, `scale_inv` (what a matmul
+ * Everything lives on the device in an array of Fp8Scale, one per tensor role; during a step the
+ * host never reads a scale (checkpoints and --fp8-log-scales copy them out at a step's end). The convention to know: `scale` multiplies into FP8, `scale_inv` (what a matmul
  * takes as its operand's scale, and the first field so that it is 16-byte aligned as cuBLASLt
  * wants) multiplies back out.
  *
