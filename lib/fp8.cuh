@@ -18,9 +18,10 @@
  *            tensor's amax as it goes (one pass), and fp8_update_scales rolls the history at the
  *            end of the step. Before the first step has filled the history, casts use current.
  * Everything lives on the device in an array of Fp8Scale, one per tensor role; during a step the
- * host never reads a scale (checkpoints and --fp8-log-scales copy them out at a step's end). The convention to know: `scale` multiplies into FP8, `scale_inv` (what a matmul
- * takes as its operand's scale, and the first field so that it is 16-byte aligned as cuBLASLt
- * wants) multiplies back out.
+ * host never reads a scale (checkpoints and --fp8-log-scales copy them out at a step's end). The
+ * convention to know: `scale` multiplies into FP8, `scale_inv` (what a matmul takes as its
+ * operand's scale, and the first field so that it is 16-byte aligned as cuBLASLt wants) multiplies
+ * back out.
  *
  * The cast kernel writes the row-major copy, the transposed copy, or both (Hopper's FP8 matmuls
  * take only the TN form, so the backward's products need transposed operands; doc/fp8.md). What
