@@ -1828,8 +1828,10 @@ static bool checkpoint_write_shard(const GPT* m, const void* opt_state, int64_t 
 
 // This run's pieces of the optimizer's state (opt_state's layout) from a checkpoint's S shard
 // files, whatever S is: per bucket, comm_reshard_plan says which ranges of which old shards make
-// this rank's piece. Only the files it names are opened. The ranges start and end on PARAM_ALIGN
-// boundaries, so an 8-bit AdamW scale (one per Q8_BLOCK = PARAM_ALIGN elements) moves whole.
+// this rank's piece. Only the files it names are mapped here (ckpt_open has already read every file
+// of the checkpoint once, on every rank, to check its CRC32C). The ranges start and end on
+// PARAM_ALIGN boundaries, so an 8-bit AdamW scale (one per Q8_BLOCK = PARAM_ALIGN elements) moves
+// whole.
 static bool read_optimizer_shards(const GPT* m, const CkptReader* r, int old_shards, void* opt_state, char* err,
                                   size_t err_len) {
     const ParamTable* pt = &m->table;
