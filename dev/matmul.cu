@@ -48,8 +48,9 @@
  *
  * Robustness: each version runs in its own child process, forked before any CUDA call, so that a
  * crash (a sticky CUDA error) or a hang costs it only the shape it happened at: the parent marks
- * that shape, starts a fresh child after it, and kills a child that reports nothing for
- * STALL_LIMIT_S seconds. Kernels that wait on mbarriers bound every wait (MM_TIMEOUT).
+ * that shape, starts a fresh child after it (up to MAX_CHILD_DEATHS times), and kills a child that
+ * reports nothing for STALL_LIMIT_S seconds. Kernels that wait on mbarriers bound every wait
+ * (MM_TIMEOUT).
  */
 #define TRAIN_GPT_NO_MAIN
 #include "../train_gpt.cu"  // the parameter table, DEFAULT_CONFIG, and the cuBLASLt wrappers
@@ -67,7 +68,8 @@
 static const int LOSS_CHUNK = 4096;          // train_gpt's --loss-chunk default: the head's rows at a time
 static const float UNIT_UNIFORM = 1.7320508f;  // sqrt(3): uniform in [-sqrt 3, sqrt 3) has variance 1
 static const int SAMPLES = 64;               // rows and columns checked at a trainer shape
-static const double STALL_LIMIT_S = 60;
+static const double STALL_LIMIT_S = 60;     // a child that reports nothing for so long is killed
+static const int MAX_CHILD_DEATHS = 3;       // crashed or killed children before a version is given up
 
 // ----------------------------------------------------------------------------------------------
 // The forms, the versions
@@ -389,10 +391,15 @@ static double now_s(void) {
 
 // Runs a version over every case in child processes, filling results[case]. A child that dies
 // (a CUDA error exits, a fault kills) or stalls loses only the case it was in: it is marked, and a
-// fresh child goes on from the next one.
+// fresh child goes on from the next one; after MAX_CHILD_DEATHS the version's other cases are not run.
 static void run_isolated(const Impl& im, const std::vector<Case>& cases, bool timing, std::vector<Record>& results) {
     size_t next = 0;
-    while (next < cases.size()) {
+    for (int deaths = 0; next < cases.size(); ++deaths) {
+        if (deaths == MAX_CHILD_DEATHS) {
+            printf("v%d %s: %d child processes lost; its remaining %zu cases are not run\n", im.version, im.name,
+                   deaths, cases.size() - next);
+            return;
+        }
         int fds[2];
         if (pipe(fds) != 0) {
             perror("pipe");
