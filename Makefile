@@ -27,10 +27,14 @@ test_gpt: test_gpt.cu train_gpt.cu $(TEST_HEADERS) $(HEADERS)
 prepro: tools/prepro.c data.h lib/util.h lib/tokenizer.h lib/unicode_classes.h
 	$(CC) $(CFLAGS) $< -o $@ -lpthread
 
-dev: dev/attention
+dev: dev/attention dev/matmul
 
-dev/attention: dev/attention.cu dev/common.h $(wildcard dev/*.cuh) kernels.cuh lib/attention.cuh lib/ptx.cuh \
+dev/attention: dev/attention.cu dev/common.h $(wildcard dev/attention*.cuh) kernels.cuh lib/attention.cuh lib/ptx.cuh \
                lib/cuda_check.h
+	$(NVCC) $(NVFLAGS) -lineinfo $< -o $@ $(LIBS)
+
+# the matmul ladder includes the trainer itself (its parameter table gives the shapes)
+dev/matmul: dev/matmul.cu dev/common.h dev/matmul*.cuh dev/attention_fa2.cuh train_gpt.cu $(HEADERS)
 	$(NVCC) $(NVFLAGS) -lineinfo $< -o $@ $(LIBS)
 
 test: all
@@ -50,4 +54,4 @@ plot:
 	python3 scripts/plot_log.py out/log.jsonl out/log.png
 
 clean:
-	rm -f train_gpt test_gpt prepro dev/attention
+	rm -f train_gpt test_gpt prepro dev/attention dev/matmul

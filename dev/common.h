@@ -1,8 +1,8 @@
 /*
  * dev/common.h - helpers shared by the dev/ kernel ladders: random inputs (on the host, and on the
- * device for the large timing shapes), NaN poisoning of outputs, error metrics against a
- * reference, median timing with CUDA events, and the CPU FP64 reference of causal GQA attention
- * (forward and backward) that every attention version is checked against.
+ * device for the large timing shapes, bf16 or fp32), NaN poisoning of outputs, error metrics
+ * against a reference, median timing with CUDA events, and the CPU FP64 reference of causal GQA
+ * attention (forward and backward) that every attention version is checked against.
  *
  * Convention: references take the bf16 inputs already widened to float (the exact values the GPU
  * sees) and compute in double; the metrics report max |gpu - ref| and ||gpu - ref|| / ||ref||,
@@ -31,11 +31,16 @@ static void fill_uniform_host(std::vector<bf16>& x, uint64_t seed, float scale) 
     for (size_t i = 0; i < x.size(); ++i) x[i] = __float2bfloat16(uniform_at(seed, i, scale));
 }
 
-__global__ void fill_uniform_kernel(bf16* x, size_t n, uint64_t seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        x[i] = __float2bfloat16(uniform_at(seed, i, scale));
+// bf16 (rounded to nearest, as fill_uniform_host does) or fp32 (uniform_at's value itself).
+template <typename T>
+__global__ void fill_uniform_kernel(T* x, size_t n, uint64_t seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        if constexpr (sizeof(T) == 2) x[i] = __float2bfloat16(uniform_at(seed, i, scale));
+        else x[i] = uniform_at(seed, i, scale);
+    }
 }
-static void fill_uniform_device(bf16* x, size_t n, uint64_t seed, float scale) {
+template <typename T>
+static void fill_uniform_device(T* x, size_t n, uint64_t seed, float scale) {
     fill_uniform_kernel<<<1024, 256>>>(x, n, seed, scale);
     CUDA_CHECK(cudaGetLastError());
 }

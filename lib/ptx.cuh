@@ -7,7 +7,8 @@
  * the async-proxy fences.
  *
  * How it fits: lib/attention.cuh builds its kernels on these, and so do the wgmma versions of the
- * dev/ attention ladder; each wrapper is one instruction (or one fixed group), named for it.
+ * dev/ attention ladder and the Hopper matmul of the dev/ matmul ladder (dev/matmul_wgmma.cuh); each
+ * wrapper is one instruction (or one fixed group), named for it.
  *
  * Conventions a reader must know: shared-memory operands are 32-bit shared-window addresses
  * (__cvta_generic_to_shared), not pointers; every wgmma wrapper is issued by all 128 threads of a
@@ -45,12 +46,15 @@ static __device__ __forceinline__ void wg_fence_regs(float (&d)[N][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
 }
 
-// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading-byte offset (unused
-// here: 16 bytes), stride-byte offset 1024 (eight 128-byte rows), base offset 0.
-static __device__ __forceinline__ uint64_t wg_desc(uint32_t smem_addr) {
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, leading-byte offset, stride-byte
+// offset 1024 (eight 128-byte rows), base offset 0. The leading-byte offset matters only for an
+// MN-major operand wider than one 64-column panel (N > 64): it is the distance between its panels
+// (CUTLASS's canonical MN-major layout, ((64 mn, panels), (8 k, k/8)) : ((1, LBO), (128 B, SBO)));
+// K-major operands and single panels ignore it (16 bytes by convention).
+static __device__ __forceinline__ uint64_t wg_desc(uint32_t smem_addr, uint32_t lead_bytes = 16) {
     uint64_t d = 0;
     d |= (uint64_t)((smem_addr & 0x3FFFF) >> 4);
-    d |= (uint64_t)1 << 16;
+    d |= (uint64_t)((lead_bytes & 0x3FFFF) >> 4) << 16;
     d |= (uint64_t)(1024 >> 4) << 32;
     d |= (uint64_t)1 << 62;
     return d;
@@ -111,13 +115,55 @@ static __device__ __forceinline__ void wg_mma_ss_n128(float (&d)[16][4], uint64_
         : "l"(desc_a), "l"(desc_b), "n"(SCALE_D), "n"(TA), "n"(TB));
 }
 
-// The SS product for N in {32, 64, 128}. TA = 1 reads A MN-major (a [16 k][64 m] panel, each k row
-// 64 contiguous m), TB = 1 reads B MN-major; either then advances 16 rows (2048 bytes) per k-step.
+template <int SCALE_D, int TA = 0, int TB = 0>
+static __device__ __forceinline__ void wg_mma_ss_n256(float (&d)[32][4], uint64_t desc_a, uint64_t desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, %131, %132;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),
+          "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),
+          "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),
+          "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),
+          "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),
+          "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),
+          "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),
+          "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),
+          "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]),
+          "+f"(d[16][0]), "+f"(d[16][1]), "+f"(d[16][2]), "+f"(d[16][3]),
+          "+f"(d[17][0]), "+f"(d[17][1]), "+f"(d[17][2]), "+f"(d[17][3]),
+          "+f"(d[18][0]), "+f"(d[18][1]), "+f"(d[18][2]), "+f"(d[18][3]),
+          "+f"(d[19][0]), "+f"(d[19][1]), "+f"(d[19][2]), "+f"(d[19][3]),
+          "+f"(d[20][0]), "+f"(d[20][1]), "+f"(d[20][2]), "+f"(d[20][3]),
+          "+f"(d[21][0]), "+f"(d[21][1]), "+f"(d[21][2]), "+f"(d[21][3]),
+          "+f"(d[22][0]), "+f"(d[22][1]), "+f"(d[22][2]), "+f"(d[22][3]),
+          "+f"(d[23][0]), "+f"(d[23][1]), "+f"(d[23][2]), "+f"(d[23][3]),
+          "+f"(d[24][0]), "+f"(d[24][1]), "+f"(d[24][2]), "+f"(d[24][3]),
+          "+f"(d[25][0]), "+f"(d[25][1]), "+f"(d[25][2]), "+f"(d[25][3]),
+          "+f"(d[26][0]), "+f"(d[26][1]), "+f"(d[26][2]), "+f"(d[26][3]),
+          "+f"(d[27][0]), "+f"(d[27][1]), "+f"(d[27][2]), "+f"(d[27][3]),
+          "+f"(d[28][0]), "+f"(d[28][1]), "+f"(d[28][2]), "+f"(d[28][3]),
+          "+f"(d[29][0]), "+f"(d[29][1]), "+f"(d[29][2]), "+f"(d[29][3]),
+          "+f"(d[30][0]), "+f"(d[30][1]), "+f"(d[30][2]), "+f"(d[30][3]),
+          "+f"(d[31][0]), "+f"(d[31][1]), "+f"(d[31][2]), "+f"(d[31][3])
+        : "l"(desc_a), "l"(desc_b), "n"(SCALE_D), "n"(TA), "n"(TB));
+}
+
+// The SS product for N in {32, 64, 128, 256}. TA = 1 reads A MN-major (a [16 k][64 m] panel, each k
+// row 64 contiguous m), TB = 1 reads B MN-major (N > 64: N/64 such panels, the descriptor's leading
+// offset apart); either then advances 16 rows (2048 bytes) per k-step.
 template <int N, int SCALE_D, int TA = 0, int TB = 0>
 static __device__ __forceinline__ void wg_mma_ss(float (&d)[N / 8][4], uint64_t desc_a, uint64_t desc_b) {
     if constexpr (N == 32) wg_mma_ss_n32<SCALE_D, TA, TB>(d, desc_a, desc_b);
     else if constexpr (N == 64) wg_mma_ss_n64<SCALE_D, TA, TB>(d, desc_a, desc_b);
-    else wg_mma_ss_n128<SCALE_D, TA, TB>(d, desc_a, desc_b);
+    else if constexpr (N == 128) wg_mma_ss_n128<SCALE_D, TA, TB>(d, desc_a, desc_b);
+    else wg_mma_ss_n256<SCALE_D, TA, TB>(d, desc_a, desc_b);
 }
 
 // d[OFF .. OFF+7][4] += A (64 x 16 bf16 in registers, the mma.m16n8k16 A layout per warp) *
@@ -162,6 +208,18 @@ static __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) 
             : "r"(bar), "r"(parity)
             : "memory");
     } while (!done);
+}
+// One bounded try: true once the phase with the given parity has completed. If it has not, the
+// thread may be suspended for up to about hint_ns nanoseconds first (the suspend-time hint of
+// try_wait, PTX ISA 7.8), so a caller can bound a wait by counting tries.
+static __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity, uint32_t hint_ns) {
+    uint32_t done;
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity), "r"(hint_ns)
+        : "memory");
+    return done != 0;
 }
 // One box {64 columns, rows, 1} at (column c0, row t0, batch b) of a 3-D tensor map into shared
 // memory at dst; completes its bytes on bar.

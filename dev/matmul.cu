@@ -1,0 +1,544 @@
+/*
+ * dev/matmul.cu - the matmul ladder (issue 12): the three products of every linear layer of the
+ * trainer, forward y = x W^T, input gradient dx = dy W and weight gradient dW += dy^T x (bf16 in,
+ * fp32 accumulation, bf16 out; dW fp32 and accumulated, as the trainer keeps it), each version
+ * checked against a CPU FP64 reference and timed at the trainer's own shapes beside cuBLASLt.
+ *
+ * Versions (the forms and their operand layouts: dev/matmul_common.cuh):
+ *   0  cuBLASLt through kernels.cuh's linear_forward / linear_backward_input /
+ *      linear_backward_weight: the trainer's own calls, the reference column of the table.
+ *   1  naive (matmul_naive.cuh): a thread per output, an fp32 loop over k. Any shape.
+ *   2  mma.sync (matmul_mma.cuh): 128 x 128 tiles, 8 warps of 64 x 32, ldmatrix, a 3-stage
+ *      cp.async ring.
+ *   3  Hopper (matmul_wgmma.cuh): 128 x 256 tiles, TMA loads on a 4-stage mbarrier ring, wgmma
+ *      m64n256k16 from swizzled shared memory, a producer warpgroup and two consumer warpgroups;
+ *      a block per tile.
+ *   4  version 3's kernel on a persistent grid (a block per SM) walking the tiles in groups of 8
+ *      tile rows; a block's next tile loads while this one's epilogue stores.
+ * Versions 2-4 (and cuBLASLt here) take sides that are multiples of 8; a shape a version cannot
+ * take is skipped, with a word. Resource use (-Xptxas -v) and the figures: doc/matmul.md.
+ *
+ * Usage: ./dev/matmul            check and time every version
+ *        ./dev/matmul N          version N only, cuBLASLt beside it (digits: "34" runs 3 and 4)
+ *        a second argument `check` skips the timing (./dev/matmul 3 check)
+ *
+ * Shapes: the trainer's, from its own parameter table (param_shape, qkv_dim in train_gpt.cu), for
+ * the default config (batch 32 x 1024 tokens) and for 1b (the scripts' --d-model 2048 --heads 32
+ * --kv-heads 8 --head-dim 64 --ffn 8192 --batch 8): the layers' qkv, attn_out, gate_up and down
+ * matrices and the output head, whose rows go LOSS_CHUNK at a time; each in its three forms. The
+ * forward is timed without the residual that the trainer adds in attn_out's and down's.
+ *
+ * Checks: first small awkward shapes (sides that are not multiples of the tiles, K not a multiple
+ * of 64, more tiles than SMs, 8 x 8 x 8, odd sides for the naive version), every entry; then each
+ * trainer shape on a 64 x 64 grid of sampled entries (the first and last row and column among
+ * them). Inputs are uniform with unit variance; the reference sums the exact bf16 inputs in fp64.
+ * An entry passes when |gpu - ref| <= 2^-7 |ref| + 2^-10 sqrt(sum_k (a_k b_k)^2): the first term
+ * is twice the rounding of a bf16 output (bf16 keeps 8 significant bits: a relative error up to
+ * 2^-8); the second covers the fp32 accumulation in any order (its rounding errors grow like
+ * sqrt(K) 2^-24 times the partial sums, under 2^-16 of that norm for K <= 65536). Simulated on the
+ * CPU (fp32 sums in k order, then bf16; K = 8 .. 50304, 300 dot products each), correct results
+ * stay under 0.44 of the tolerance, while one k-block of 64 lost puts the median entry at 3.7 (K =
+ * 50304) to 30 (K = 768) times it: among the thousands of entries checked such a bug cannot hide.
+ * A bf16 output is poisoned with NaN before each checked run; an fp32 dW is filled with known
+ * values, which it accumulates onto.
+ *
+ * Timing: CUDA events, the median of 10 runs after 3 warm-ups (naive: its checked run alone);
+ * TFLOP/s = 2 M N K / time; "x" is cuBLASLt's time over the version's (1.00: level with it).
+ * Operands are not rotated through memory: those of most shapes exceed the 50 MiB L2.
+ *
+ * Robustness: each version runs in its own child process, forked before any CUDA call, so that a
+ * crash (a sticky CUDA error) or a hang costs it only the shape it happened at: the parent marks
+ * that shape, starts a fresh child after it (up to MAX_CHILD_DEATHS times), and kills a child that
+ * reports nothing for STALL_LIMIT_S seconds. Kernels that wait on mbarriers bound every wait
+ * (MM_TIMEOUT).
+ */
+#define TRAIN_GPT_NO_MAIN
+#include "../train_gpt.cu"  // the parameter table, DEFAULT_CONFIG, and the cuBLASLt wrappers
+#include "common.h"
+#include "matmul_naive.cuh"
+#include "matmul_mma.cuh"
+#include "matmul_wgmma.cuh"
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <string>
+#include <thread>
+
+static const int LOSS_CHUNK = 4096;          // train_gpt's --loss-chunk default: the head's rows at a time
+static const float UNIT_UNIFORM = 1.7320508f;  // sqrt(3): uniform in [-sqrt 3, sqrt 3) has variance 1
+static const int SAMPLES = 64;               // rows and columns checked at a trainer shape
+static const double STALL_LIMIT_S = 60;     // a child that reports nothing for so long is killed
+static const int MAX_CHILD_DEATHS = 3;       // crashed or killed children before a version is given up
+
+// ----------------------------------------------------------------------------------------------
+// The forms, the versions
+
+typedef enum { FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, N_FORMS } Form;
+static const char* FORM_NAMES[N_FORMS] = {"fwd", "dx", "dW"};
+static const bool A_KMAJOR[N_FORMS] = {true, true, false}, B_KMAJOR[N_FORMS] = {true, false, false};
+
+typedef void (*Bf16Fn)(bf16* out, const bf16* a, const bf16* b, int N, int I, int O, cudaStream_t s);
+typedef void (*WeightFn)(float* dW, const bf16* dy, const bf16* x, int N, int I, int O, cudaStream_t s);
+
+typedef struct {
+    int version;
+    const char* name;
+    Bf16Fn forward, backward_input;  // forward(y, x, W, ...), backward_input(dx, dy, W, ...)
+    WeightFn backward_weight;        // backward_weight(dW, dy, x, ...)
+    bool sides_of_8;                 // runs only shapes whose sides are multiples of 8
+    int warmup, reps;                // timing; reps 0: the checked run's own time (the naive version)
+} Impl;
+
+static void cublaslt_forward(bf16* y, const bf16* x, const bf16* W, int N, int I, int O, cudaStream_t s) {
+    linear_forward(y, x, W, NULL, N, I, O, s);
+}
+
+static const Impl IMPLS[] = {
+    {0, "cuBLASLt", cublaslt_forward, linear_backward_input, linear_backward_weight, true, 3, 10},
+    {1, "naive", mm_forward<NaiveMatmul>, mm_backward_input<NaiveMatmul>, mm_backward_weight<NaiveMatmul>, false, 0,
+     0},
+    {2, "mma.sync", mm_forward<MmaMatmul>, mm_backward_input<MmaMatmul>, mm_backward_weight<MmaMatmul>, true, 3, 10},
+    {3, "wgmma", mm_forward<HopperMatmul<false>>, mm_backward_input<HopperMatmul<false>>,
+     mm_backward_weight<HopperMatmul<false>>, true, 3, 10},
+    {4, "wgmma persistent", mm_forward<HopperMatmul<true>>, mm_backward_input<HopperMatmul<true>>,
+     mm_backward_weight<HopperMatmul<true>>, true, 3, 10},
+};
+static const int N_IMPLS = sizeof(IMPLS) / sizeof(IMPLS[0]);
+
+// ----------------------------------------------------------------------------------------------
+// Cases: one form at one shape, with the entries it checks and their reference.
+
+typedef struct {
+    std::string name;  // "default qkv", "check"
+    Form form;
+    int tok, I, O;     // the trainer's N, I, O (x [N, I], W [O, I])
+    int M, N, K;       // the GEMM: C[M][N] (+)= A[M][K] B[K][N] (matmul_common.cuh)
+    bool timed;        // a trainer shape: sampled entries checked, then timed
+    uint64_t seed;     // A's values come from seed, B's from seed + 1, an fp32 C's from seed + 2
+    std::vector<int> rows, cols;    // the entries checked: every (rows[i], cols[j])
+    std::vector<double> ref, norm;  // for each: the fp64 reference, and sqrt(sum_k (a_k b_k)^2)
+} Case;
+
+static Case make_case(const std::string& name, Form form, int tok, int I, int O, bool timed, uint64_t seed) {
+    Case c;
+    c.name = name;
+    c.form = form;
+    c.tok = tok, c.I = I, c.O = O;
+    if (form == FORWARD) c.M = tok, c.N = O, c.K = I;
+    else if (form == BACKWARD_INPUT) c.M = tok, c.N = I, c.K = O;
+    else c.M = O, c.N = I, c.K = tok;
+    c.timed = timed;
+    c.seed = seed;
+    return c;
+}
+
+// n indices in [0, size): all of them when they fit, else the first, the last and n - 2 spread at
+// random (splitmix64; repeats are harmless).
+static std::vector<int> sample_indices(int size, int n, uint64_t seed) {
+    std::vector<int> v;
+    if (size <= n) {
+        for (int i = 0; i < size; ++i) v.push_back(i);
+        return v;
+    }
+    v.push_back(0);
+    v.push_back(size - 1);
+    for (int i = 2; i < n; ++i) v.push_back((int)(splitmix64(seed * 0x9E3779B97F4A7C15ull + i) % size));
+    return v;
+}
+
+// The trainer's shapes: for each config, each matrix in each form.
+static void add_trainer_cases(std::vector<Case>& cases) {
+    ModelConfig one_b = DEFAULT_CONFIG;
+    one_b.d_model = 2048, one_b.n_head = 32, one_b.n_kv_head = 8, one_b.head_dim = 64, one_b.ffn_dim = 8192;
+    const struct {
+        const char* name;
+        ModelConfig cfg;
+        int batch;
+    } configs[] = {{"default", DEFAULT_CONFIG, 32}, {"1b", one_b, 8}};
+    const ParamKind kinds[] = {P_QKV, P_ATTN_OUT, P_GATE_UP, P_DOWN, P_EMBED};
+    for (const auto& cf : configs)
+        for (ParamKind kind : kinds) {
+            int64_t rows, cols;  // the matrix W [O, I]
+            param_shape(&cf.cfg, kind, &rows, &cols);
+            const int tokens = cf.batch * cf.cfg.seq_len;
+            const int tok = kind == P_EMBED ? std::min(LOSS_CHUNK, tokens) : tokens;
+            const std::string name = std::string(cf.name) + " " + (kind == P_EMBED ? "head" : PARAM_KINDS[kind].name);
+            for (int f = 0; f < N_FORMS; ++f)
+                cases.push_back(make_case(name, (Form)f, tok, (int)cols, (int)rows, true, 1000 + 10 * cases.size()));
+        }
+}
+
+// The small shapes, as (N, I, O): each form puts them in other roles (make_case).
+static void add_check_cases(std::vector<Case>& cases) {
+    const int shapes[][3] = {
+        {384, 320, 512},   // whole tiles; 5 to 8 k-blocks
+        {136, 72, 264},    // edge tiles everywhere, K = 72 / 264 / 136
+        {200, 200, 120},
+        {128, 1024, 256},  // k-blocks wrap the rings several times
+        {1416, 24, 3080},  // more 128 x 256 tiles than SMs: the persistent walk comes round again
+        {8, 8, 8},
+        {77, 19, 33},      // odd sides: the naive version only
+    };
+    for (const auto& s : shapes)
+        for (int f = 0; f < N_FORMS; ++f) cases.push_back(make_case("check", (Form)f, s[0], s[1], s[2], false, 7 + 10 * cases.size()));
+}
+
+// ----------------------------------------------------------------------------------------------
+// The CPU reference: fp64 sums of the bf16 inputs, read by storage index exactly as the device
+// filled them (fill_uniform_device: element i of a buffer is uniform_at(seed, i) rounded to bf16).
+
+static double operand_at(uint64_t seed, size_t i) {
+    return (double)__bfloat162float(__float2bfloat16(uniform_at(seed, i, UNIT_UNIFORM)));
+}
+
+static void case_reference(Case* c) {
+    const int M = c->M, N = c->N, K = c->K;
+    const bool ak = A_KMAJOR[c->form], bk = B_KMAJOR[c->form];
+    const size_t nr = c->rows.size(), nc = c->cols.size();
+    std::vector<double> a(nr * K), b(nc * K);  // the checked rows of A, the checked columns of B
+    for (size_t i = 0; i < nr; ++i)
+        for (int k = 0; k < K; ++k) {
+            const size_t m = c->rows[i];
+            a[i * K + k] = operand_at(c->seed, ak ? m * K + k : (size_t)k * M + m);
+        }
+    for (size_t j = 0; j < nc; ++j)
+        for (int k = 0; k < K; ++k) {
+            const size_t n = c->cols[j];
+            b[j * K + k] = operand_at(c->seed + 1, bk ? n * K + k : (size_t)k * N + n);
+        }
+    c->ref.assign(nr * nc, 0.0);
+    c->norm.assign(nr * nc, 0.0);
+    for (size_t i = 0; i < nr; ++i)
+        for (size_t j = 0; j < nc; ++j) {
+            double sum = 0, sq = 0;
+            for (int k = 0; k < K; ++k) {
+                const double p = a[i * K + k] * b[j * K + k];
+                sum += p;
+                sq += p * p;
+            }
+            if (c->form == BACKWARD_WEIGHT)  // dW += ...: onto its fp32 starting values
+                sum += uniform_at(c->seed + 2, (size_t)c->rows[i] * N + c->cols[j], 1.0f);
+            c->ref[i * nc + j] = sum;
+            c->norm[i * nc + j] = sqrt(sq);
+        }
+}
+
+static void compute_references(std::vector<Case>& cases) {
+    const unsigned n_threads = std::max(1u, std::thread::hardware_concurrency());
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < n_threads; ++t)
+        pool.emplace_back([&cases, t, n_threads] {
+            for (size_t i = t; i < cases.size(); i += n_threads) case_reference(&cases[i]);
+        });
+    for (std::thread& th : pool) th.join();
+}
+
+// ----------------------------------------------------------------------------------------------
+// Running one version on one case (in a child process)
+
+typedef enum { NOT_RUN, OK, WRONG, TIMEOUT, SKIPPED, CRASHED, HUNG } Status;
+static const char* STATUS_NAMES[] = {"not run", "ok", "FAIL", "TIMEOUT", "skip", "CRASHED", "HUNG"};
+
+typedef struct {  // what a child reports of one case, through its pipe
+    int index;
+    int status;
+    float err;  // the worst |gpu - ref| / tolerance over the checked entries
+    float ms;   // median time (timed cases that passed)
+} Record;
+
+template <typename T>
+__global__ void gather_kernel(float* out, const T* c, const int* rows, const int* cols, int nr, int nc, int ldc) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < (long)nr * nc; i += (long)gridDim.x * blockDim.x) {
+        const long at = (long)rows[i / nc] * ldc + cols[i % nc];
+        if constexpr (sizeof(T) == 2) out[i] = __bfloat162float(c[at]);
+        else out[i] = c[at];
+    }
+}
+
+// The checked entries of the output, as floats.
+static std::vector<float> gather_checked(const Case& c, const void* out) {
+    const int nr = (int)c.rows.size(), nc = (int)c.cols.size();
+    int *rows, *cols;
+    float* vals;
+    CUDA_CHECK(cudaMalloc(&rows, nr * sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&cols, nc * sizeof(int)));
+    CUDA_CHECK(cudaMalloc(&vals, (size_t)nr * nc * sizeof(float)));
+    CUDA_CHECK(cudaMemcpy(rows, c.rows.data(), nr * sizeof(int), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(cols, c.cols.data(), nc * sizeof(int), cudaMemcpyHostToDevice));
+    if (c.form == BACKWARD_WEIGHT) gather_kernel<<<256, 256>>>(vals, (const float*)out, rows, cols, nr, nc, c.N);
+    else gather_kernel<<<256, 256>>>(vals, (const bf16*)out, rows, cols, nr, nc, c.N);
+    LAUNCH_CHECK();
+    std::vector<float> h((size_t)nr * nc);
+    CUDA_CHECK(cudaMemcpy(h.data(), vals, h.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaFree(rows));
+    CUDA_CHECK(cudaFree(cols));
+    CUDA_CHECK(cudaFree(vals));
+    return h;
+}
+
+static const char* case_label(const Case& c, char* buf, size_t len) {
+    snprintf(buf, len, "%s %s (M %d N %d K %d)", c.name.c_str(), FORM_NAMES[c.form], c.M, c.N, c.K);
+    return buf;
+}
+
+// Compares against the reference; prints the worst entry of a failed check. Returns OK or WRONG.
+static Status check_output(const Impl& im, const Case& c, const void* out, float* worst) {
+    const std::vector<float> got = gather_checked(c, out);
+    const size_t nc = c.cols.size();
+    double worst_ratio = -1;
+    size_t worst_at = 0, bad = 0, nonfinite = 0;
+    for (size_t e = 0; e < got.size(); ++e) {
+        const double d = fabs((double)got[e] - c.ref[e]);
+        const double tol = ldexp(fabs(c.ref[e]), -7) + ldexp(c.norm[e], -10);
+        const double ratio = !std::isfinite(got[e]) ? INFINITY : d == 0 ? 0 : d / tol;
+        nonfinite += !std::isfinite(got[e]);
+        bad += ratio > 1;
+        if (ratio > worst_ratio) worst_ratio = ratio, worst_at = e;
+    }
+    *worst = (float)worst_ratio;
+    if (bad == 0) return OK;
+    char label[96];
+    printf("FAIL v%d %s, %s: %zu of %zu entries off (%zu NaN/inf); worst at row %d col %d: %g, reference %g "
+           "(%.1f x the tolerance)\n", im.version, im.name, case_label(c, label, sizeof label), bad, got.size(),
+           nonfinite, c.rows[worst_at / nc], c.cols[worst_at % nc], got[worst_at], c.ref[worst_at], worst_ratio);
+    return WRONG;
+}
+
+static void run_form(const Impl& im, const Case& c, void* out, const bf16* a, const bf16* b) {
+    switch (c.form) {
+    case FORWARD: im.forward((bf16*)out, a, b, c.tok, c.I, c.O, 0); break;                 // y = x W^T
+    case BACKWARD_INPUT: im.backward_input((bf16*)out, a, b, c.tok, c.I, c.O, 0); break;   // dx = dy W
+    default: im.backward_weight((float*)out, a, b, c.tok, c.I, c.O, 0); break;             // dW += dy^T x
+    }
+}
+
+// Checks (and, for a trainer shape, times) one version at one case.
+static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
+    Record r = {index, NOT_RUN, 0, 0};
+    char label[96];
+    const char* problem = im.sides_of_8 ? mm_tiled_shape_problem(c.M, c.N, c.K) : NULL;
+    if (problem) {
+        printf("skip v%d %s, %s: %s\n", im.version, im.name, case_label(c, label, sizeof label), problem);
+        r.status = SKIPPED;
+        return r;
+    }
+    const bool weight = c.form == BACKWARD_WEIGHT;
+    const size_t a_n = (size_t)c.M * c.K, b_n = (size_t)c.K * c.N, c_n = (size_t)c.M * c.N;
+    bf16 *a, *b;
+    void* out;
+    CUDA_CHECK(cudaMalloc(&a, a_n * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&b, b_n * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&out, c_n * (weight ? sizeof(float) : sizeof(bf16))));
+    fill_uniform_device(a, a_n, c.seed, UNIT_UNIFORM);
+    fill_uniform_device(b, b_n, c.seed + 1, UNIT_UNIFORM);
+    if (weight) fill_uniform_device((float*)out, c_n, c.seed + 2, 1.0f);
+    else poison(out, c_n * sizeof(bf16));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    mm_error_take();
+
+    cudaEvent_t start, stop;  // around the checked run: the naive version's only timing
+    CUDA_CHECK(cudaEventCreate(&start));
+    CUDA_CHECK(cudaEventCreate(&stop));
+    CUDA_CHECK(cudaEventRecord(start));
+    run_form(im, c, out, a, b);
+    CUDA_CHECK(cudaEventRecord(stop));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    float checked_ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&checked_ms, start, stop));
+    CUDA_CHECK(cudaEventDestroy(start));
+    CUDA_CHECK(cudaEventDestroy(stop));
+    const int error = mm_error_take();
+    if (error != MM_OK) {
+        printf("FAIL v%d %s, %s: %s\n", im.version, im.name, case_label(c, label, sizeof label),
+               error == MM_TIMEOUT ? "an mbarrier wait timed out" : "shared memory not 1024-byte aligned");
+        r.status = TIMEOUT;
+    } else {
+        r.status = check_output(im, c, out, &r.err);
+    }
+    if (r.status == OK && c.timed && timing)
+        r.ms = im.reps == 0 ? checked_ms : time_median_ms([&] { run_form(im, c, out, a, b); }, im.warmup, im.reps);
+    CUDA_CHECK(cudaFree(a));
+    CUDA_CHECK(cudaFree(b));
+    CUDA_CHECK(cudaFree(out));
+    return r;
+}
+
+// A child's life: cases first .. end, one record each down the pipe as soon as it is known. After
+// two timeouts the version is taken for broken (each costs up to a second or so per kernel).
+static void child_main(const Impl& im, const std::vector<Case>& cases, size_t first, bool timing, int fd) {
+    if (first == 0 && im.version == 0) {
+        cudaDeviceProp prop;
+        CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+        printf("device: %s, %d SMs, %.0f MiB L2\n", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1048576.0);
+    }
+    matmul_init();
+    int timeouts = 0;
+    for (size_t i = first; i < cases.size(); ++i) {
+        Record r = {(int)i, NOT_RUN, 0, 0};  // after two timeouts: not run, which counts as failed
+        if (timeouts < 2) r = run_case(im, cases[i], (int)i, timing);
+        timeouts += r.status == TIMEOUT;
+        fflush(stdout);
+        if (write(fd, &r, sizeof r) != (ssize_t)sizeof r) exit(1);
+    }
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+// Runs a version over every case in child processes, filling results[case]. A child that dies
+// (a CUDA error exits, a fault kills) or stalls loses only the case it was in: it is marked, and a
+// fresh child goes on from the next one; after MAX_CHILD_DEATHS the version's other cases are not run.
+static void run_isolated(const Impl& im, const std::vector<Case>& cases, bool timing, std::vector<Record>& results) {
+    size_t next = 0;
+    for (int deaths = 0; next < cases.size(); ++deaths) {
+        if (deaths == MAX_CHILD_DEATHS) {
+            printf("v%d %s: %d child processes lost; its remaining %zu cases are not run\n", im.version, im.name,
+                   deaths, cases.size() - next);
+            return;
+        }
+        int fds[2];
+        if (pipe(fds) != 0) {
+            perror("pipe");
+            exit(1);
+        }
+        fflush(stdout);
+        fflush(stderr);
+        const pid_t pid = fork();
+        if (pid < 0) {
+            perror("fork");
+            exit(1);
+        }
+        if (pid == 0) {
+            close(fds[0]);
+            child_main(im, cases, next, timing, fds[1]);
+            fflush(stdout);
+            exit(0);
+        }
+        close(fds[1]);
+        fcntl(fds[0], F_SETFL, O_NONBLOCK);
+        int status = 0, last = (int)next - 1;
+        bool hung = false;
+        double progress = now_s();
+        for (bool done = false; !done;) {
+            done = waitpid(pid, &status, WNOHANG) == pid;
+            Record r;
+            while (read(fds[0], &r, sizeof r) == (ssize_t)sizeof r) {  // records are small: whole or none
+                results[r.index] = r;
+                last = r.index;
+                progress = now_s();
+            }
+            if (!done && now_s() - progress > STALL_LIMIT_S) {
+                kill(pid, SIGKILL);
+                waitpid(pid, &status, 0);
+                hung = done = true;
+            }
+            if (!done) usleep(20000);
+        }
+        close(fds[0]);
+        if (!hung && WIFEXITED(status) && WEXITSTATUS(status) == 0) return;
+        const int bad = last + 1;  // the case it was in
+        if (bad >= (int)cases.size()) return;
+        char label[96];
+        printf("%s v%d %s, %s: the child process %s; going on with a fresh one\n", hung ? "HUNG" : "CRASHED",
+               im.version, im.name, case_label(cases[bad], label, sizeof label),
+               hung ? "reported nothing for a minute and was killed" : "died (its error is above)");
+        results[bad].status = hung ? HUNG : CRASHED;
+        next = bad + 1;
+    }
+}
+
+// ----------------------------------------------------------------------------------------------
+// The report
+
+static bool failed(int status) { return status != OK && status != SKIPPED; }
+
+static void print_summary(const Impl& im, const std::vector<Case>& cases, const std::vector<Record>& res) {
+    for (int timed = 0; timed < 2; ++timed) {
+        int n = 0, ok = 0, skipped = 0;
+        double worst = 0;
+        for (size_t i = 0; i < cases.size(); ++i) {
+            if (cases[i].timed != (bool)timed) continue;
+            ++n;
+            ok += res[i].status == OK;
+            skipped += res[i].status == SKIPPED;
+            if (res[i].status == OK) worst = std::max(worst, (double)res[i].err);
+        }
+        printf("%s v%d %-17s %-14s %2d ok, %d skipped, %d failed of %d (worst error %.3f of the tolerance)\n",
+               ok + skipped == n ? "ok  " : "FAIL", im.version, im.name, timed ? "trainer shapes" : "check shapes",
+               ok, skipped, n - ok - skipped, n, worst);
+    }
+}
+
+static void print_table(const std::vector<int>& chosen, const std::vector<Case>& cases,
+                        const std::vector<std::vector<Record>>& res) {
+    printf("\nTFLOP/s (x: cuBLASLt's time / the version's) at the trainer's shapes; C[M][N] (+)= A[M][K] B[K][N]\n");
+    printf("%-16s %-4s %6s %6s %6s | %-16s", "shape", "form", "M", "N", "K", "v0 cuBLASLt");
+    for (size_t v = 1; v < chosen.size(); ++v) printf(" | v%d %-13.13s", IMPLS[chosen[v]].version, IMPLS[chosen[v]].name);
+    printf("\n%-16s %-4s %6s %6s %6s | %7s %8s", "", "", "", "", "", "ms", "TFLOP/s");
+    for (size_t v = 1; v < chosen.size(); ++v) printf(" | %8s %7s", "TFLOP/s", "x");
+    printf("\n");
+    for (size_t i = 0; i < cases.size(); ++i) {
+        const Case& c = cases[i];
+        if (!c.timed) continue;
+        const double flop = 2.0 * c.M * c.N * c.K;
+        const Record& ref = res[0][i];
+        printf("%-16s %-4s %6d %6d %6d | ", c.name.c_str(), FORM_NAMES[c.form], c.M, c.N, c.K);
+        if (ref.status == OK && ref.ms > 0) printf("%7.3f %8.1f", ref.ms, flop / ref.ms / 1e9);
+        else printf("%16s", STATUS_NAMES[ref.status]);
+        for (size_t v = 1; v < chosen.size(); ++v) {
+            const Record& r = res[v][i];
+            if (r.status == OK && r.ms > 0) {
+                printf(" | %8.1f", flop / r.ms / 1e9);
+                if (ref.status == OK && ref.ms > 0) printf(" %6.2fx", ref.ms / r.ms);
+                else printf(" %7s", "-");
+            } else {
+                printf(" | %16s", STATUS_NAMES[r.status]);
+            }
+        }
+        printf("\n");
+    }
+}
+
+int main(int argc, char** argv) {
+    const char* want = argc > 1 ? argv[1] : "";  // digits: the versions to run beside cuBLASLt
+    const bool timing = !(argc > 2 && strcmp(argv[2], "check") == 0);
+    std::vector<int> chosen = {0};  // indices into IMPLS; cuBLASLt first, always
+    for (int i = 1; i < N_IMPLS; ++i)
+        if (!*want || strchr(want, '0' + IMPLS[i].version)) chosen.push_back(i);
+    if (*want && (strspn(want, "01234") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')))) {
+        fprintf(stderr, "usage: %s [versions] [check]; versions are digits of 0 cuBLASLt, 1 naive, 2 mma.sync, "
+                        "3 wgmma, 4 wgmma persistent (not '%s')\n", argv[0], want);
+        return 1;
+    }
+
+    std::vector<Case> cases;
+    add_check_cases(cases);
+    add_trainer_cases(cases);
+    for (size_t i = 0; i < cases.size(); ++i) {
+        Case& c = cases[i];
+        c.rows = sample_indices(c.M, c.timed ? SAMPLES : c.M, c.seed + 3);
+        c.cols = sample_indices(c.N, c.timed ? SAMPLES : c.N, c.seed + 4);
+    }
+    const double t0 = now_s();
+    compute_references(cases);
+    printf("CPU FP64 reference of %zu cases in %.1f s; each version runs in its own process\n", cases.size(),
+           now_s() - t0);
+
+    std::vector<std::vector<Record>> results(chosen.size(), std::vector<Record>(cases.size(), Record{0, NOT_RUN, 0, 0}));
+    for (size_t v = 0; v < chosen.size(); ++v) run_isolated(IMPLS[chosen[v]], cases, timing, results[v]);
+
+    printf("\nchecks: every entry of the small shapes, %d x %d sampled entries of each trainer shape\n", SAMPLES,
+           SAMPLES);
+    int failures = 0;
+    for (size_t v = 0; v < chosen.size(); ++v) {
+        print_summary(IMPLS[chosen[v]], cases, results[v]);
+        for (const Record& r : results[v]) failures += failed(r.status);
+    }
+    if (timing) print_table(chosen, cases, results);
+    printf("%s: %d failed checks\n", failures ? "CHECK FAILED" : "all checks passed", failures);
+    return failures ? 1 : 0;
+}
