@@ -965,6 +965,20 @@ static void comm_all_reduce(Comm* c, float* x, size_t n, ncclRedOp_t op) {
     comm_call(c, ncclAllReduce(x, x, n, ncclFloat, op, c->nccl, c->stream), what);
 }
 
+// The largest of every rank's x, on the host: for a choice every rank must make alike, once, at
+// start (through the GPU, as NCCL's collectives are; a float holds these small ints exactly).
+static int comm_max_int(Comm* c, int x) {
+    if (c->world == 1) return x;
+    float value = (float)x, *device;
+    CUDA_CHECK(cudaMalloc(&device, sizeof(float)));
+    CUDA_CHECK(cudaMemcpy(device, &value, sizeof(float), cudaMemcpyHostToDevice));
+    comm_all_reduce_max(c, device, 1);
+    CUDA_CHECK(cudaStreamSynchronize(c->stream));
+    CUDA_CHECK(cudaMemcpy(&value, device, sizeof(float), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaFree(device));
+    return (int)value;
+}
+
 static void comm_copy(Comm* c, void* dst, const void* src, size_t bytes) {  // a collective of one rank
     if (dst != src) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, c->stream));
 }

@@ -4,15 +4,17 @@
  * It #includes train_gpt.cu itself (with TRAIN_GPT_NO_MAIN), so the tests exercise exactly the
  * code that trains, and checks it against independent computations:
  *  - CPU tests (always): config validation, the parameter table, the HF name mapping, the
- *    learning-rate schedule, the FLOP count, a finite-difference check of the CPU reference's
- *    gradients in fp64, the HF export's files, the command line; then the suites of test/: data
- *    (test_data.h), checkpoints (test_ckpt.h), comm.h (test_comm.h), bad input (test_inputs.h),
- *    FP8's roundings (test_fp8.h) and the optimizers' arithmetic (test_optim.h).
+ *    learning-rate schedule, the FLOP count, --recompute auto's choice from the memory plan, a
+ *    finite-difference check of the CPU reference's gradients in fp64, the HF export's files, the
+ *    command line; then the suites of test/: data (test_data.h), checkpoints (test_ckpt.h), comm.h
+ *    (test_comm.h), bad input (test_inputs.h), FP8's roundings (test_fp8.h) and the optimizers'
+ *    arithmetic (test_optim.h).
  *  - GPU tests (skipped without a GPU): every kernel against the CPU reference on fresh random
  *    inputs of awkward sizes, the whole model's loss and every gradient tensor against the CPU
- *    reference for several configs, bit-exact determinism, recompute on == off, training, ZeRO's
- *    modes on one GPU, ./train_gpt's checkpoints, resume, export and init-from, FP8 mode and the
- *    optimizers' kernels and resumes; `gpu2_*` tests need two GPUs (data parallelism).
+ *    reference for several configs, bit-exact determinism, the same gradients whichever layers
+ *    recompute, training, ZeRO's modes on one GPU, ./train_gpt's checkpoints, resume, export and
+ *    init-from, FP8 mode and the optimizers' kernels and resumes; `gpu2_*` tests need two GPUs
+ *    (data parallelism).
  * Every GPU output is poisoned (filled with NaN) before the run, so an unwritten element fails.
  * Inputs are random with a seed printed at the start (set TEST_SEED to repeat a run).
  * Usage: ./test_gpt [substring]   runs the tests whose name contains the substring.
@@ -50,6 +52,13 @@ static double* random_array(size_t n, double scale) {
     double* x = (double*)malloc(n * sizeof(double));
     for (size_t i = 0; i < n; i++) x[i] = scale * rand_normal();
     return x;
+}
+
+// A model on the GPU with k = recompute_layers: planned and built as the trainer does it.
+static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, int recompute_layers, int loss_chunk,
+                       const Sharding* dp, OptimizerKind optimizer) {
+    gpt_plan(m, cfg, B, T, recompute_layers, loss_chunk, dp, optimizer);
+    gpt_build(m);
 }
 
 static double round_bf16(double x) { return (double)__bfloat162float(__float2bfloat16((float)x)); }
@@ -303,6 +312,94 @@ static int test_flops_per_token(void) {
     double expect = 6 * (L * (d * dq + 2 * d * dkv + dq * d + 3 * d * F) + V * d) + 12 * L * dq * T;
     EXPECT(fabs(flops_per_token(&DEFAULT_CONFIG) - expect) < 1.0, "%.0f vs %.0f", flops_per_token(&DEFAULT_CONFIG),
            expect);
+    return TEST_RESULT;
+}
+
+// --recompute auto's choice (recompute_layers_that_fit), on the host, for several models, GPU
+// counts and headrooms, against an independent computation. Each layer recomputed beyond the
+// first saves its four recomputable tensors (each carve rounded up to 256 bytes), so the plan at
+// k is expected(k) = plan(0) - max(k - 1, 0) x per_layer: checked against the plan at every k. The
+// fewest k that fit F free bytes with headroom H then has a closed form: 0 if plan(0) + H <= F,
+// else 1 + ceil((plan(0) + H - F) / per_layer) if that is at most L, else none. Swept over F at
+// every boundary, the choice must match it, be monotone in F, leave the plan at k fitting and the
+// plan at k - 1 not, and end in one line naming the shortfall when even k = L does not fit.
+static int test_recompute_auto_choice(void) {
+    int failed = 0;
+    const ModelConfig one_b = {50304, 2048, 16, 32, 8, 64, 8192, 1024, 1e6f, 1e-6f};
+    const ModelConfig odd = {512, 128, 3, 4, 2, 64, 256, 77, 1e4f, 1e-6f};
+    const ModelConfig one_layer = {256, 128, 1, 2, 2, 64, 192, 130, 1e4f, 1e-6f};
+    struct {
+        const ModelConfig* c;
+        int B;
+        Sharding dp;
+        int headroom;  // 0: none; 1: the trainer's (recompute_headroom) without FP8, 2: with FP8, 3: with its head
+    } cases[] = {
+        {&DEFAULT_CONFIG, 32, ONE_GPU, 1}, {&DEFAULT_CONFIG, 32, ONE_GPU, 2}, {&one_b, 8, {0, 2, 1, NULL}, 3},
+        {&one_b, 8, {1, 4, 2, NULL}, 1},   {&odd, 3, ONE_GPU, 0},             {&one_layer, 2, ONE_GPU, 0},
+    };
+    for (auto& tc : cases) {
+        const ModelConfig* c = tc.c;
+        int L = c->n_layer;
+        size_t N = (size_t)tc.B * c->seq_len, r = 256;
+        size_t recomputable[] = {N * c->d_model * 2, N * c->d_model * 2, N * qkv_dim(c) * 2, N * c->ffn_dim * 2};
+        size_t per_layer = 0;
+        for (size_t bytes : recomputable) per_layer += (bytes + r - 1) / r * r;
+        size_t expected[MAX_LAYERS + 1];
+        for (int k = 0; k <= L; k++) {
+            GPT m;
+            gpt_plan(&m, c, tc.B, c->seq_len, k, 4096, &tc.dp, OPTIMIZER_ADAMW);
+            if (k == 0) expected[0] = gpt_bytes_total(&m);
+            expected[k] = expected[0] - (k > 1 ? (size_t)(k - 1) * per_layer : 0);
+            EXPECT(gpt_bytes_total(&m) == expected[k], "L %d, %d recomputed: the plan is %zu bytes, expected %zu", L, k,
+                   gpt_bytes_total(&m), expected[k]);
+            gpt_plan_free(&m);
+        }
+        GPT m;
+        gpt_plan(&m, c, tc.B, c->seq_len, L, 4096, &tc.dp, OPTIMIZER_ADAMW);
+        size_t headroom = tc.headroom ? recompute_headroom(&m, tc.headroom >= 2, tc.headroom == 3) : 0;
+        size_t frees[3 * (MAX_LAYERS + 1) + 2], n_frees = 0;
+        frees[n_frees++] = 0;
+        for (int k = L; k >= 0; k--)
+            for (int d = -1; d <= 1; d++) frees[n_frees++] = expected[k] + headroom + d;
+        frees[n_frees++] = (size_t)1 << 50;
+        qsort(frees, n_frees, sizeof(size_t), [](const void* a, const void* b) {
+            size_t x = *(const size_t*)a, y = *(const size_t*)b;
+            return (x > y) - (x < y);
+        });
+        int previous = L + 1;
+        for (size_t i = 0; i < n_frees; i++) {
+            size_t f = frees[i], need0 = expected[0] + headroom;
+            int want = f >= need0 ? 0 : -1;
+            if (want < 0 && L >= 2) {
+                size_t k = 1 + (need0 - f + per_layer - 1) / per_layer;
+                want = k <= (size_t)L ? (int)k : -1;
+            }
+            char err[512] = "";
+            int k = recompute_layers_that_fit(&m, f, headroom, err, sizeof(err));
+            EXPECT(k == want, "L %d, %zu bytes free, headroom %zu: chose %d, expected %d", L, f, headroom, k, want);
+            int as_count = k < 0 ? L + 1 : k;
+            EXPECT(as_count <= previous, "L %d: %d layers at %zu bytes free, after %d at fewer", L, k, f, previous);
+            previous = as_count;
+            if (k >= 0) {
+                EXPECT(m.recompute_layers == k && gpt_bytes_total(&m) + headroom <= f,
+                       "L %d: the plan at %d does not fit", L, k);
+                GPT fewer;
+                if (k > 0) {
+                    gpt_plan(&fewer, c, tc.B, c->seq_len, k - 1, 4096, &tc.dp, OPTIMIZER_ADAMW);
+                    EXPECT(gpt_bytes_total(&fewer) + headroom > f, "L %d: %d layers fit but %d were chosen", L, k - 1,
+                           k);
+                    gpt_plan_free(&fewer);
+                }
+            } else {
+                EXPECT(err[0] && !strchr(err, '\n') && strstr(err, "needs") && strstr(err, "lower --batch"),
+                       "L %d, %zu bytes free: no choice, and the line is '%s'", L, f, err);
+            }
+        }
+        EXPECT(previous == 0, "L %d: plenty of memory should recompute nothing (%d)", L, previous);
+        printf("    L %d, B %d, %d GPU(s), headroom %.2f GiB: %zu bytes (%.3f GiB) per recomputed layer\n", L, tc.B,
+               tc.dp.world, gib(headroom), per_layer, gib(per_layer));
+        gpt_plan_free(&m);
+    }
     return TEST_RESULT;
 }
 
@@ -778,7 +875,7 @@ static int test_kernel_embedding_and_reductions(void) {
     // embedding forward/backward through upload_batch's bucketing, with many repeated tokens
     ModelConfig c = {64, 72, 1, 2, 1, 64, 8, 50, 1e4f, 1e-6f};
     GPT m;
-    gpt_create(&m, &c, 3, 50, false, 4096, &ONE_GPU, OPTIMIZER_ADAMW);
+    gpt_create(&m, &c, 3, 50, 0, 4096, &ONE_GPU, OPTIMIZER_ADAMW);
     Uploader up;
     uploader_create(&up, m.N, c.vocab_size);
     uint16_t* window = random_window(3, 50, 11);  // tokens < 11: heavy repetition
@@ -930,16 +1027,17 @@ static int test_model_matches_reference(void) {
     int failed = 0;
     struct {
         ModelConfig c;
-        int B, accum, recompute;
+        int B, accum, recompute_layers;
     } cases[] = {
-        {{512, 128, 3, 4, 2, 64, 256, 77, 10000.0f, 1e-6f}, 2, 1, 0},    // GQA, odd layers, odd T
-        {{256, 256, 2, 2, 1, 128, 384, 64, 1e6f, 1e-5f}, 2, 1, 1},       // MQA, head_dim 128, recompute
+        {{512, 128, 3, 4, 2, 64, 256, 77, 10000.0f, 1e-6f}, 2, 1, 2},    // GQA, odd layers, odd T, 2 of 3 recomputed
+        {{256, 256, 2, 2, 1, 128, 384, 64, 1e6f, 1e-5f}, 2, 1, 2},       // MQA, head_dim 128, every layer recomputed
         {{256, 128, 1, 2, 2, 64, 192, 130, 10000.0f, 1e-6f}, 1, 2, 0},   // MHA, gradient accumulation
     };
     for (auto& tc : cases) {
         const ModelConfig* c = &tc.c;
         GPT m;
-        gpt_create(&m, c, tc.B, c->seq_len, tc.recompute, 100, &ONE_GPU, OPTIMIZER_ADAMW);  // loss_chunk 100: several chunks
+        // loss_chunk 100: several chunks
+        gpt_create(&m, c, tc.B, c->seq_len, tc.recompute_layers, 100, &ONE_GPU, OPTIMIZER_ADAMW);
         Uploader up;
         uploader_create(&up, m.N, c->vocab_size);
         double* p = random_params(c, &m.table, 0.08);
@@ -976,17 +1074,21 @@ static int test_model_matches_reference(void) {
     return TEST_RESULT;
 }
 
-// Same seed, same batch: bit-identical loss and gradients; and recompute changes nothing.
+// Same seed, same batch: bit-identical loss and gradients; and recomputation changes nothing, for
+// any number k of recomputed layers: none, some (the first of two: one layer shares the buffers,
+// the other keeps its own) or all.
 static int test_model_deterministic(void) {
     REQUIRE_GPU();
     int failed = 0;
     ModelConfig c = {4096, 256, 2, 4, 2, 64, 512, 200, 1e4f, 1e-6f};
     uint16_t* window = random_window(4, c.seq_len, c.vocab_size);
-    double* grads[3];
-    double loss[3];
-    for (int run = 0; run < 3; run++) {
+    const int recompute_layers[] = {0, 0, 1, 2};  // the first two runs are identical
+    const int runs = 4;
+    double* grads[runs];
+    double loss[runs];
+    for (int run = 0; run < runs; run++) {
         GPT m;
-        gpt_create(&m, &c, 4, c.seq_len, run == 2, 333, &ONE_GPU, OPTIMIZER_ADAMW);
+        gpt_create(&m, &c, 4, c.seq_len, recompute_layers[run], 333, &ONE_GPU, OPTIMIZER_ADAMW);
         Uploader up;
         uploader_create(&up, m.N, c.vocab_size);
         ParamTable* pt = &m.table;
@@ -996,14 +1098,18 @@ static int test_model_deterministic(void) {
         loss[run] = gpu_forward_backward(&m, &up, p, window, grads[run], 1);
         free(p);
         uploader_free(&up);
-        if (run == 2) {
-            EXPECT(loss[0] == loss[1] && loss[1] == loss[2], "losses differ: %.9g %.9g %.9g", loss[0], loss[1], loss[2]);
+        if (run == 1) {
+            EXPECT(loss[0] == loss[1], "losses differ between identical runs: %.9g %.9g", loss[0], loss[1]);
             EXPECT(memcmp(grads[0], grads[1], pt->n_elements * 8) == 0, "gradients differ between identical runs");
-            EXPECT(memcmp(grads[0], grads[2], pt->n_elements * 8) == 0, "recompute changes the gradients");
+        } else if (run > 1) {
+            EXPECT(loss[run] == loss[0], "recomputing %d of %d layers changes the loss: %.9g, not %.9g",
+                   recompute_layers[run], c.n_layer, loss[run], loss[0]);
+            EXPECT(memcmp(grads[0], grads[run], pt->n_elements * 8) == 0,
+                   "recomputing %d of %d layers changes the gradients", recompute_layers[run], c.n_layer);
         }
         gpt_free(&m);
     }
-    for (int i = 0; i < 3; i++) free(grads[i]);
+    for (int i = 0; i < runs; i++) free(grads[i]);
     free(window);
     return TEST_RESULT;
 }
@@ -1031,7 +1137,7 @@ static int test_model_bucket_hook(void) {
     int failed = 0;
     ModelConfig c = {1024, 128, 3, 2, 1, 64, 256, 64, 1e4f, 1e-6f};
     GPT m;
-    gpt_create(&m, &c, 2, c.seq_len, true, 4096, &ONE_GPU, OPTIMIZER_ADAMW);
+    gpt_create(&m, &c, 2, c.seq_len, c.n_layer, 4096, &ONE_GPU, OPTIMIZER_ADAMW);
     gpt_init(&m, 3);
     Uploader up;
     uploader_create(&up, m.N, c.vocab_size);
@@ -1081,7 +1187,7 @@ static void zero_mode_run(int zero, int accum, const ModelConfig* c, const uint1
     if (comm_open(&comm, &env, 10.0, err, sizeof(err)) != 0) printf("    %s\n", err);
     Sharding dp = {0, 1, zero, &comm};
     GPT m;
-    gpt_create(&m, c, 2, c->seq_len, true, 4096, &dp, OPTIMIZER_ADAMW);
+    gpt_create(&m, c, 2, c->seq_len, c->n_layer, 4096, &dp, OPTIMIZER_ADAMW);
     gpt_init(&m, 11);
     Uploader up;
     uploader_create(&up, m.N, c->vocab_size);
@@ -1148,7 +1254,7 @@ static int test_model_trains(void) {
     int failed = 0;
     ModelConfig c = {1024, 128, 2, 2, 1, 64, 256, 64, 1e4f, 1e-6f};
     GPT m;
-    gpt_create(&m, &c, 4, c.seq_len, true, 4096, &ONE_GPU, OPTIMIZER_ADAMW);
+    gpt_create(&m, &c, 4, c.seq_len, c.n_layer, 4096, &ONE_GPU, OPTIMIZER_ADAMW);
     gpt_init(&m, 7);
     Uploader up;
     uploader_create(&up, m.N, c.vocab_size);
@@ -1279,6 +1385,36 @@ static int test_resume_is_bit_exact(void) {
     return TEST_RESULT;
 }
 
+// --recompute 0, 1 and auto train alike: 6 steps each (gradient accumulation on) log the same
+// losses and gradient norms to the bit, and the auto run says in its header how many layers it
+// recomputes (on a GPU with room, none: this model's plan is a few MiB).
+static int test_recompute_auto_trains_alike(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    char dir[64], cmd[2048], path[256], path_b[256];
+    EXPECT(make_shard_dir(dir, 60000, 512), "shard");
+    const char* modes[] = {"0", "1", "auto"};
+    for (int i = 0; i < 3; i++) {
+        snprintf(cmd, sizeof(cmd), SMALL_RUN "--train-data '%s/train_*.bin' --steps 6 --ckpt-every 0 --recompute %s "
+                 "--out %s/rc_%s > %s/rc_%s.txt", dir, modes[i], dir, modes[i], dir, modes[i]);
+        EXPECT(system(cmd) == 0, "run failed: %s", cmd);
+    }
+    snprintf(path, sizeof(path), "%s/rc_0/log.jsonl", dir);
+    for (int i = 1; i < 3; i++) {
+        snprintf(path_b, sizeof(path_b), "%s/rc_%s/log.jsonl", dir, modes[i]);
+        failed |= compare_logged_steps(path, path_b, 1, 6);
+    }
+    snprintf(cmd, sizeof(cmd), "grep -q 'recompute auto: 0 of 2 layers' %s/rc_auto.txt && grep -q "
+             "'(recompute 2 of 2 layers)' %s/rc_1.txt", dir, dir);
+    EXPECT(system(cmd) == 0, "the headers do not say 'recompute auto: 0 of 2 layers' and 'recompute 2 of 2 layers' "
+           "(%s/rc_*.txt)", dir);
+    if (!failed) {
+        snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+        EXPECT(system(cmd) == 0, "cleanup");
+    }
+    return TEST_RESULT;
+}
+
 // kill -9 at an arbitrary moment while checkpoints are being written asynchronously every step:
 // the run resumes from `latest`, which must be complete and verify.
 static int test_kill_during_checkpoint_then_resume(void) {
@@ -1405,16 +1541,18 @@ static int logged_figures(const char* log_path, const char* key, double* out, in
 // so does every rerun. ZeRO 0 sums the squares of the gradient norm over the whole buffer where
 // ZeRO 1 and 2 sum each rank's pieces and add the two sums: the norm differs in its last bits, and
 // once the clip is active (norm > 1) so does the update. One GPU adds its micro-batches in another
-// order. Those are said as figures, held to 1e-2 over the 50 steps.
+// order. Those are said as figures, held to 1e-2 over the 50 steps. A rerun of ZeRO 2 with
+// --recompute auto (the ranks agree on how many layers recompute, and that changes no number)
+// must equal ZeRO 1 too.
 static int test_two_gpus_match_one(void) {
     REQUIRE_TWO_GPUS();
     int failed = 0;
     char dir[64], cmd[2048], path[256];
     EXPECT(make_shard_dir(dir, 200000, 512), "shard");
     bool have_torchrun = system("command -v torchrun > /dev/null 2>&1") == 0;
-    const char* runs[] = {"one", "zero0", "zero1", "zero2", "zero2_again", "zero2_sockets", "torchrun_zero1"};
-    const char* flags[] = {"", "--gpus 2 --zero 0", "--gpus 2 --zero 1", "--gpus 2 --zero 2", "--gpus 2 --zero 2",
-                           "--gpus 2 --zero 2", "--zero 1"};
+    const char* runs[] = {"one", "zero0", "zero1", "zero2", "zero2_recompute_auto", "zero2_sockets", "torchrun_zero1"};
+    const char* flags[] = {"", "--gpus 2 --zero 0", "--gpus 2 --zero 1", "--gpus 2 --zero 2",
+                           "--gpus 2 --zero 2 --recompute auto", "--gpus 2 --zero 2", "--zero 1"};
     const char* launch[] = {"", "", "", "", "", "NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 ",
                             "torchrun --standalone --nproc_per_node 2 --no-python "};
     int n_runs = have_torchrun ? 7 : 6;
@@ -1431,6 +1569,10 @@ static int test_two_gpus_match_one(void) {
     for (int r = 3; r < n_runs; r++)
         EXPECT(!memcmp(loss[2], loss[r], sizeof(loss[2])) && !memcmp(norm[2], norm[r], sizeof(norm[2])),
                "%s differs from zero1", runs[r]);
+    snprintf(cmd, sizeof(cmd), "grep -q 'recompute auto: .* on every rank, the most any rank needs' %s/%s.txt", dir,
+             runs[4]);
+    EXPECT(system(cmd) == 0, "the --recompute auto run on 2 GPUs does not say that the ranks agreed (%s/%s.txt)", dir,
+           runs[4]);
     double worst[2] = {0, 0};  // ZeRO 0 and 1 GPU against ZeRO 1
     int first_apart = 0, clipped = 0;
     for (int i = 0; i < DP_STEPS; i++) {
@@ -1551,6 +1693,7 @@ static const TestCase model_tests[] = {
     {"hf_names_cover_every_parameter", test_hf_names_cover_every_parameter},
     {"learning_rate_schedules", test_learning_rate_schedules},
     {"flops_per_token", test_flops_per_token},
+    {"recompute_auto_choice", test_recompute_auto_choice},
     {"reference_gradients_match_finite_differences", test_reference_gradients_match_finite_differences},
     {"export_hf_files", test_export_hf_files},
     {"command_line", test_command_line},
@@ -1569,6 +1712,7 @@ static const TestCase model_tests[] = {
     {"gpu_zero_modes_agree_on_one_gpu", test_zero_modes_agree_on_one_gpu},
     {"gpu_model_trains", test_model_trains},
     {"gpu_resume_is_bit_exact", test_resume_is_bit_exact},
+    {"gpu_recompute_auto_trains_alike", test_recompute_auto_trains_alike},
     {"gpu_kill_during_checkpoint_then_resume", test_kill_during_checkpoint_then_resume},
     {"gpu_checkpoint_on_full_disk", test_checkpoint_on_full_disk},
     {"gpu_export_then_init_from", test_export_then_init_from},

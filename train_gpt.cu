@@ -304,9 +304,12 @@ static double flops_per_token(const ModelConfig* c) {
 
 // ----------------------------------------------------------------------------------------------
 // Activations: what the forward keeps for the backward, per layer, and the backward's scratch.
-// With recompute on, the cheap elementwise outputs (both RMSNorm outputs, the normed and rotated
-// q/k/v, the SwiGLU output) are not kept per layer: every layer writes the same buffer, and the
-// backward runs those kernels again before it needs them.
+// Recomputation is per layer: in the first k layers (--recompute: k = 0, k = L, or with `auto` the
+// fewest that fit) the cheap elementwise outputs (both RMSNorm outputs, the normed and rotated
+// q/k/v, the SwiGLU output) are not kept: those k layers write one shared set of buffers, and the
+// backward runs those kernels again before it needs them. The other L - k layers keep their own.
+// The shared set is one layer's worth, so k = 1 saves nothing and each layer recomputed beyond the
+// first saves one layer's set: 2 (2 N C + N (Hq+2Hkv) D + N F) bytes.
 
 typedef struct {
     // kept by the forward
@@ -315,14 +318,14 @@ typedef struct {
     float* rstd_attn[MAX_LAYERS];     // [N]
     float* rstd_mlp[MAX_LAYERS];      // [N]
     float* rstd_qk[MAX_LAYERS];       // [N, Hq + Hkv]
-    bf16* xnorm_attn[MAX_LAYERS];     // [N, C]            (shared when recomputed)
+    bf16* xnorm_attn[MAX_LAYERS];     // [N, C]            (shared by the recomputed layers)
     bf16* qkv[MAX_LAYERS];            // [N, (Hq+2Hkv) D]  the projection's output, before the norms
-    bf16* qkv_rot[MAX_LAYERS];        // [N, (Hq+2Hkv) D]  normed and rotated q, k; v (shared when recomputed)
+    bf16* qkv_rot[MAX_LAYERS];        // [N, (Hq+2Hkv) D]  normed and rotated q, k; v (shared, as above)
     bf16* attn_out[MAX_LAYERS];       // [N, Hq D]
     float* lse[MAX_LAYERS];           // [B, Hq, T]        attention's logsumexp per query row
-    bf16* xnorm_mlp[MAX_LAYERS];      // [N, C]            (shared when recomputed)
+    bf16* xnorm_mlp[MAX_LAYERS];      // [N, C]            (shared, as above)
     bf16* gate_up[MAX_LAYERS];        // [N, 2F]
-    bf16* mlp_act[MAX_LAYERS];        // [N, F]            (shared when recomputed)
+    bf16* mlp_act[MAX_LAYERS];        // [N, F]            (shared, as above)
     float* rstd_final;                // [N]
     bf16* xnorm_final;                // [N, C]
     bf16* logits;                     // [R, V]  a chunk of the output head's rows } one region: the head is
@@ -432,7 +435,7 @@ typedef struct GPT {
     ParamTable table;
     int B, T, N;            // micro-batch shape, N = B * T
     int loss_chunk;         // R: rows of the output head processed at once
-    bool recompute;
+    int recompute_layers;   // k: layers 0 .. k-1 share the recomputable buffers and recompute them
     bool deterministic;     // attention backward: dQ sums in a fixed order (bitwise reproducible)
     Sharding dp;            // this rank among the data-parallel ranks
     // The flat buffers: bf16 weights and (ZeRO 0, 1) gradients are table.n_elements long; the
@@ -514,14 +517,15 @@ static void* arena_take(Arena* a, size_t bytes) {
     return a->base ? (void*)(a->base + start) : NULL;  // base == NULL: only measuring
 }
 
-// Lays out (or, with a->base == NULL, just measures) the activations and scratch.
+// Lays out (or, with a->base == NULL, just measures) the activations and scratch; layers
+// 0 .. recompute_layers-1 share one set of the recomputable buffers.
 static void activations_layout(Activations* a, Arena* kept, Arena* scratch, const ModelConfig* c, int B, int T,
-                               int loss_chunk, bool recompute) {
+                               int loss_chunk, int recompute_layers) {
     size_t N = (size_t)B * T, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c), A = (size_t)c->n_head * c->head_dim;
     size_t heads = (size_t)B * c->n_head * T;
     int L = c->n_layer;
     bf16 *xnorm_attn = NULL, *qkv_rot = NULL, *xnorm_mlp = NULL, *mlp_act = NULL;
-    if (recompute) {
+    if (recompute_layers > 0) {
         xnorm_attn = (bf16*)arena_take(kept, N * C * 2);
         qkv_rot = (bf16*)arena_take(kept, N * Q * 2);
         xnorm_mlp = (bf16*)arena_take(kept, N * C * 2);
@@ -537,10 +541,11 @@ static void activations_layout(Activations* a, Arena* kept, Arena* scratch, cons
         a->attn_out[l] = (bf16*)arena_take(kept, N * A * 2);
         a->lse[l] = (float*)arena_take(kept, heads * 4);
         a->gate_up[l] = (bf16*)arena_take(kept, N * 2 * F * 2);
-        a->xnorm_attn[l] = recompute ? xnorm_attn : (bf16*)arena_take(kept, N * C * 2);
-        a->qkv_rot[l] = recompute ? qkv_rot : (bf16*)arena_take(kept, N * Q * 2);
-        a->xnorm_mlp[l] = recompute ? xnorm_mlp : (bf16*)arena_take(kept, N * C * 2);
-        a->mlp_act[l] = recompute ? mlp_act : (bf16*)arena_take(kept, N * F * 2);
+        bool shared = l < recompute_layers;
+        a->xnorm_attn[l] = shared ? xnorm_attn : (bf16*)arena_take(kept, N * C * 2);
+        a->qkv_rot[l] = shared ? qkv_rot : (bf16*)arena_take(kept, N * Q * 2);
+        a->xnorm_mlp[l] = shared ? xnorm_mlp : (bf16*)arena_take(kept, N * C * 2);
+        a->mlp_act[l] = shared ? mlp_act : (bf16*)arena_take(kept, N * F * 2);
     }
     a->rstd_final = (float*)arena_take(kept, N * 4);
     a->xnorm_final = (bf16*)arena_take(kept, N * C * 2);
@@ -654,24 +659,51 @@ static void gpt_plan_memory(GPT* m) {
     if (m->optimizer == OPTIMIZER_MUON) muon_scratch_layout(&m->muon, &muon, m);
     m->bytes_optimizer = m->opt_state_bytes + S / PARAM_ALIGN + muon.used;
     Arena kept = {NULL, 0, 0}, scratch = {NULL, 0, 0};
-    activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute);
+    activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute_layers);
     m->bytes_activations = kept.used;
     m->bytes_scratch = scratch.used;
 }
 
-// Exits with one line if the plan cannot fit in the GPU's memory: its free memory, plus the
-// `allocated` bytes of the plan that are already taken (FP8 mode is planned after the model is
-// allocated, and only its own part is still to come).
+// Whether the plan, with `headroom` bytes more for what is allocated after it, fits in free_bytes;
+// if not, one line in err saying by how much and what to change.
+static bool plan_fits(const GPT* m, size_t free_bytes, size_t headroom, char* err, size_t err_len) {
+    size_t need = gpt_bytes_total(m) + headroom;
+    if (need <= free_bytes) return true;
+    char kept_free[96] = "";
+    if (headroom)
+        snprintf(kept_free, sizeof(kept_free), ", %.2f kept free for what is allocated after it", gib(headroom));
+    snprintf(err, err_len, "this config needs %.2f GiB of GPU memory (activations %.2f with %d of %d layers "
+             "recomputed%s) but %.2f GiB are free for it; lower --batch%s%s", gib(need), gib(m->bytes_activations),
+             m->recompute_layers, m->cfg.n_layer, kept_free, gib(free_bytes),
+             m->recompute_layers < m->cfg.n_layer ? ", or use --recompute auto or 1" : "",
+             m->dp.world > 1 ? ", or a higher --zero" : "");
+    return false;
+}
+
+// Exits with one line if the plan does not fit in the GPU's memory: what is free now and the
+// `allocated` bytes of the plan that are allocated already.
 static void gpt_check_fits(const GPT* m, size_t allocated) {
     size_t free_bytes, total_bytes;
+    char err[512];
     CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    size_t available = free_bytes + allocated;
-    if (gpt_bytes_total(m) > available) {
-        fprintf(stderr, "train_gpt: this config needs %.2f GiB of GPU memory (activations %.2f) but %.2f GiB are "
-                        "free; lower --batch, or use --recompute 1%s\n", gib(gpt_bytes_total(m)),
-                gib(m->bytes_activations), gib(available), m->dp.world > 1 ? ", or a higher --zero" : "");
+    if (!plan_fits(m, free_bytes + allocated, 0, err, sizeof(err))) {
+        fprintf(stderr, "train_gpt: %s\n", err);
         exit(1);
     }
+}
+
+// --recompute auto: the fewest recomputed layers k whose plan, with `headroom` bytes kept free for
+// what is allocated after it, fits in free_bytes. A function of the plan and the bytes only (the
+// tests call it without a GPU): it plans m at k = 0, 1, ... (memory falls as k grows, so the first
+// k that fits is the fewest) and leaves m planned at the k it returns; -1, with plan_fits's line in
+// err, when even k = L does not fit.
+static int recompute_layers_that_fit(GPT* m, size_t free_bytes, size_t headroom, char* err, size_t err_len) {
+    for (int k = 0; k <= m->cfg.n_layer; k++) {
+        m->recompute_layers = k;
+        gpt_plan_memory(m);
+        if (plan_fits(m, free_bytes, headroom, err, err_len)) return k;
+    }
+    return -1;
 }
 
 // The optimizer's flags for its buffers: the table's decay flags, and with Muon which elements are
@@ -748,7 +780,7 @@ static void gpt_allocate(GPT* m) {
     CUDA_CHECK(cudaMalloc(&scratch.base, m->bytes_scratch));
     m->activation_memory = kept.base;
     m->scratch_memory = scratch.base;
-    activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute);
+    activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute_layers);
 
     int T = m->T, D = m->cfg.head_dim;
     size_t rope_n = (size_t)T * (D / 2);
@@ -760,27 +792,39 @@ static void gpt_allocate(GPT* m) {
     free(host_rope);
 }
 
-// dp says which rank of how many this is and the ZeRO mode (ONE_GPU on one GPU); `optimizer`
-// which update rule, whose state is sized and allocated here (Muon needs dp->zero == 0).
-static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, bool recompute, int loss_chunk,
-                       const Sharding* dp, OptimizerKind optimizer) {
+// The model's plan, on the host only (no GPU needed): the parameter table, the shards and every
+// buffer's size. dp says which rank of how many this is and the ZeRO mode (ONE_GPU on one GPU);
+// `optimizer` which update rule, whose state is sized here (Muon needs dp->zero == 0); the first
+// recompute_layers layers recompute (0 .. L).
+static void gpt_plan(GPT* m, const ModelConfig* cfg, int B, int T, int recompute_layers, int loss_chunk,
+                     const Sharding* dp, OptimizerKind optimizer) {
     memset(m, 0, sizeof(*m));
     m->cfg = *cfg;
     m->optimizer = optimizer;
     m->B = B;
     m->T = T;
     m->N = B * T;
-    m->recompute = recompute;
+    m->recompute_layers = recompute_layers;
     m->deterministic = true;
     m->loss_chunk = loss_chunk < m->N ? loss_chunk : m->N;
     m->dp = *dp;
     m->accum = 1;
     param_table_build(&m->table, cfg, dp->world);
-    CUDA_CHECK(cudaStreamCreate(&m->stream));
-    matmul_init();
     gpt_plan_shards(m);
     gpt_plan_memory(m);
-    gpt_check_fits(m, 0);  // a plan that cannot fit is one line, before any allocation
+}
+
+static void gpt_plan_free(GPT* m) {
+    param_table_free(&m->table);
+    free(m->opt_offset);
+}
+
+// The planned model on the GPU. A plan that cannot fit is one line, before any allocation (the
+// cuBLASLt workspace is in the plan, so it is checked before matmul_init allocates it).
+static void gpt_build(GPT* m) {
+    gpt_check_fits(m, 0);
+    CUDA_CHECK(cudaStreamCreate(&m->stream));
+    matmul_init();
     gpt_allocate(m);
 }
 
@@ -795,8 +839,7 @@ static void gpt_free(GPT* m) {
         for (int b = 0; b <= m->table.n_layers; b++) CUDA_CHECK(cudaEventDestroy(m->params_ready[b]));
     CUDA_CHECK(cudaStreamDestroy(m->stream));
     matmul_free();
-    param_table_free(&m->table);
-    free(m->opt_offset);
+    gpt_plan_free(m);
 }
 
 // The scales: every layer's FP8_ROLES x FP8_MATRICES, then the output head's FP8_ROLES (there
@@ -809,14 +852,57 @@ static size_t fp8_scale_index(const ModelConfig* c, Fp8Role role, ParamKind kind
     return ((size_t)l * FP8_ROLES + role) * FP8_MATRICES + kind;
 }
 
-// Turns FP8 mode on (after gpt_create, before any step): allocates the FP8 weights, the scratch
+// Lays out (or, with a->base == NULL, measures) FP8 mode's memory: the scales and their saved
+// copy, the E4M3 weights and their transposes, and the casts' scratch, sized by the widest input
+// and output of the layers' matrices (and, with the head in FP8, by a chunk's dlogits).
+static void fp8_layout(GptFp8* f, Arena* a, const GPT* m, bool head) {
+    size_t widest_in = 0, widest_out = 0;
+    for (int k = 0; k < FP8_MATRICES; k++) {
+        const ParamTensor* t = param(&m->table, (ParamKind)k, 0);
+        widest_in = (size_t)t->cols > widest_in ? (size_t)t->cols : widest_in;
+        widest_out = (size_t)t->rows > widest_out ? (size_t)t->rows : widest_out;
+    }
+    size_t n_scales = fp8_n_scales(&m->cfg), P = m->table.n_elements, N = m->N;
+    size_t dy_bytes = N * widest_out, head_dy_bytes = (size_t)m->loss_chunk * m->cfg.vocab_size;
+    if (head && head_dy_bytes > dy_bytes) dy_bytes = head_dy_bytes;  // the head's input, [R, C], fits in x
+    f->scales = (Fp8Scale*)arena_take(a, n_scales * sizeof(Fp8Scale));
+    f->scales_saved = (Fp8Scale*)arena_take(a, n_scales * sizeof(Fp8Scale));
+    f->weights = (uint8_t*)arena_take(a, P);
+    f->weights_t = (uint8_t*)arena_take(a, P);
+    f->x = (uint8_t*)arena_take(a, N * widest_in);
+    f->x_t = (uint8_t*)arena_take(a, N * widest_in);
+    f->dy = (uint8_t*)arena_take(a, dy_bytes);
+    f->dy_t = (uint8_t*)arena_take(a, dy_bytes);
+}
+
+// The bytes gpt_enable_fp8 will allocate (--recompute auto keeps them free).
+static size_t fp8_bytes(const GPT* m, bool head) {
+    GptFp8 measured;
+    Arena a = {NULL, 0, 0};
+    fp8_layout(&measured, &a, m, head);
+    return a.used;
+}
+
+// What --recompute auto keeps free beyond the plan, besides FP8's memory: what no plan counts. The
+// kernels' modules load at their first launch (lazy loading), NCCL connects its channels and
+// allocates their buffers at the first collective of each kind, cudaMalloc rounds every
+// allocation up to its page, and the uploader's buffers and the RoPE tables are not in the plan.
+// A guess to be measured (doc/perf.md); 1 GiB is 1.3% of an H100.
+#define RECOMPUTE_MARGIN_BYTES (1ull << 30)
+
+// The bytes allocated after the plan, which --recompute auto keeps free: FP8's weight copies and
+// scratch when FP8 will be on (by the arithmetic gpt_enable_fp8 allocates with), and the margin.
+static size_t recompute_headroom(const GPT* m, bool fp8, bool fp8_head) {
+    return (fp8 ? fp8_bytes(m, fp8_head) : 0) + RECOMPUTE_MARGIN_BYTES;
+}
+
+// Turns FP8 mode on (after gpt_build, before any step): allocates the FP8 weights, the scratch
 // of the casts and the scales, and says so in one line if they do not fit. FP8 matmuls want every
 // side a multiple of 16 bytes, so N and the matrices' sides must be multiples of 16 (and, for the
 // head, the vocabulary and the loss chunk's rows: check_options says so before).
 static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling, bool head, bool fast_accum) {
     GptFp8* f = &m->fp8;
     int L = m->cfg.n_layer;
-    size_t widest_in = 0, widest_out = 0;
     for (int k = 0; k < FP8_MATRICES; k++) {
         const ParamTensor* t = param(&m->table, (ParamKind)k, 0);
         if (t->rows % 16 || t->cols % 16 || m->N % 16) {
@@ -824,25 +910,16 @@ static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling, bool head, bool fast_accu
                             "B x T %d)\n", t->name, (long long)t->rows, (long long)t->cols, m->N);
             exit(2);
         }
-        widest_in = (size_t)t->cols > widest_in ? (size_t)t->cols : widest_in;
-        widest_out = (size_t)t->rows > widest_out ? (size_t)t->rows : widest_out;
     }
-    size_t n_scales = fp8_n_scales(&m->cfg), P = m->table.n_elements, N = m->N;
-    size_t dy_bytes = N * widest_out, head_dy_bytes = (size_t)m->loss_chunk * m->cfg.vocab_size;
-    if (head && head_dy_bytes > dy_bytes) dy_bytes = head_dy_bytes;  // the head's input, [R, C], fits in x
-    Arena a = {NULL, 0, 0};
-    size_t sizes[] = {n_scales * sizeof(Fp8Scale), n_scales * sizeof(Fp8Scale), P, P, N * widest_in, N * widest_in,
-                      dy_bytes, dy_bytes};
-    for (size_t bytes : sizes) arena_take(&a, bytes);
-    f->bytes = a.used;
+    size_t allocated = gpt_bytes_total(m);  // the model's part of the plan, allocated by gpt_build
+    f->bytes = fp8_bytes(m, head);
     f->on = true;
-    gpt_check_fits(m, gpt_bytes_total(m) - f->bytes);  // the rest of the plan is allocated already
-    CUDA_CHECK(cudaMalloc(&a.base, a.used));
-    a.used = 0;
+    gpt_check_fits(m, allocated);
+    Arena a = {NULL, 0, f->bytes};
+    CUDA_CHECK(cudaMalloc(&a.base, f->bytes));
     f->memory = a.base;
-    uint8_t** parts[] = {(uint8_t**)&f->scales, (uint8_t**)&f->scales_saved, &f->weights, &f->weights_t, &f->x, &f->x_t,
-                         &f->dy, &f->dy_t};
-    for (int i = 0; i < 8; i++) *parts[i] = (uint8_t*)arena_take(&a, sizes[i]);
+    fp8_layout(f, &a, m, head);
+    size_t n_scales = fp8_n_scales(&m->cfg);
     Fp8Scale* host = (Fp8Scale*)xcalloc(n_scales, sizeof(Fp8Scale));
     for (int r = 0; r < FP8_ROLES; r++) {
         for (int l = 0; l < L; l++)
@@ -932,9 +1009,10 @@ static void print_memory_plan(const GPT* m) {
            (double)m->opt_state_bytes / m->opt_len,
            m->optimizer == OPTIMIZER_ADAMW8BIT ? " (AdamW's: 8)" : m->optimizer == OPTIMIZER_MUON ? " (momentum; v for AdamW's part)" : "");
     printf("memory plan (GiB): params %.2f (fp32 master + bf16) | grads %.2f | optimizer %.2f | "
-           "activations %.2f%s | scratch %.2f (logits chunk %d rows) | cuBLASLt workspace %.2f | total %.2f\n",
+           "activations %.2f (recompute %d of %d layers) | scratch %.2f (logits chunk %d rows) | cuBLASLt workspace "
+           "%.2f | total %.2f\n",
            gib(m->bytes_params), gib(m->bytes_grads), gib(m->bytes_optimizer), gib(m->bytes_activations),
-           m->recompute ? " (recompute on)" : "", gib(m->bytes_scratch), m->loss_chunk,
+           m->recompute_layers, c->n_layer, gib(m->bytes_scratch), m->loss_chunk,
            gib(CUBLASLT_WORKSPACE_BYTES), gib(gpt_bytes_total(m)));
     if (m->fp8.on)
         printf("fp8: the layers' matrices%s in FP8 (%s scaling%s); its weight copies and scratch: %.2f GiB of the "
@@ -1061,8 +1139,11 @@ static Fp8CastScale fp8_how(const GPT* m) {
 // recomputes neither norm nor SwiGLU. Otherwise the producing kernels write bf16 and a cast reads it.
 static bool fp8_fused(const GPT* m) { return m->fp8.on && m->fp8.fuse && fp8_how(m) == FP8_CAST_DELAYED; }
 
-// The parts of layer l's forward that recompute mode runs again in the backward: the two RMSNorms,
-// the QK norm with RoPE, and SwiGLU.
+// Whether layer l shares the recomputable buffers (activations_layout): the first recompute_layers.
+static bool recomputed(const GPT* m, int l) { return l < m->recompute_layers; }
+
+// The parts of layer l's forward that a recomputed layer runs again in the backward: the two
+// RMSNorms, the QK norm with RoPE, and SwiGLU.
 static void attention_norm(GPT* m, int l) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
@@ -1345,7 +1426,7 @@ static void backward(GPT* m, const Batch* batch) {
         grads_open(m, l);
         // MLP block. d_residual = dL/d(residual[l+1]) flows both through the skip connection
         // (unchanged) and through the block, whose contribution rmsnorm_backward adds to it.
-        if (m->recompute && !fused) {
+        if (recomputed(m, l) && !fused) {
             mlp_norm(m, l);
             mlp_swiglu(m, l);
         }
@@ -1356,7 +1437,7 @@ static void backward(GPT* m, const Batch* batch) {
         rmsnorm_backward(a->d_residual, G(m, P_MLP_NORM, l), a->partials, a->d_xnorm, a->residual_mid[l],
                          P(m, P_MLP_NORM, l), a->rstd_mlp[l], N, C, m->stream);
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
-        if (m->recompute) {
+        if (recomputed(m, l)) {
             if (!fused) attention_norm(m, l);
             qk_norm_rope(m, l);
         }
@@ -1996,7 +2077,7 @@ typedef struct {
     OptimConfig optim;
     int batch_size;          // B: sequences per micro-batch
     int total_batch_tokens;  // tokens per optimizer step over all GPUs; a multiple of B*T*GPUs (accumulation)
-    int recompute;
+    const char* recompute;   // "0", "1" (every layer) or "auto" (the fewest layers that fit)
     int deterministic;
     int loss_chunk;
     uint64_t seed;
@@ -2066,7 +2147,9 @@ static int option_specs(Options* o, OptionSpec* specs) {
          "'adamw'; 'muon' (Muon for the layers' matrices, AdamW for the rest; --zero 0); 'adamw8bit' (8-bit moments)"},
         {"--muon-lr", OPT_FLOAT, &o->optim.muon_lr, "Muon's peak learning rate (the schedule of --lr, scaled)"},
         {"--muon-momentum", OPT_FLOAT, &o->optim.muon_momentum, "Muon's (Nesterov) momentum"},
-        {"--recompute", OPT_BOOL, &o->recompute, "1: recompute norms, QK rope and SwiGLU in the backward"},
+        {"--recompute", OPT_STR, &o->recompute,
+         "1: every layer recomputes its norms, QK rope and SwiGLU in the backward; 0: none; 'auto': the fewest "
+         "layers that fit the GPU's free memory"},
         {"--deterministic", OPT_BOOL, &o->deterministic,
          "1: bitwise reproducible steps; 0: attention adds dQ in any order (faster only at long seq)"},
         {"--loss-chunk", OPT_INT, &o->loss_chunk, "rows of logits materialized at once"},
@@ -2134,7 +2217,7 @@ static void options_default(Options* o) {
     o->optim.muon_momentum = 0.95f;
     o->optimizer = "adamw";
     o->batch_size = 32;
-    o->recompute = 1;
+    o->recompute = "1";
     o->deterministic = 1;
     o->loss_chunk = 4096;
     o->seed = 1337;
@@ -2284,6 +2367,8 @@ static void check_options(const Options* o) {
     else if (o->gpus < 1 || o->gpus > 1024) problem = "--gpus must be in [0, 1024] (0: every GPU of this machine)";
     else if (o->zero < 0 || o->zero > 2) problem = "--zero must be 0, 1 or 2";
     else if (!(o->timeout >= 5.0f)) problem = "--timeout must be at least 5 seconds";
+    else if (strcmp(o->recompute, "0") != 0 && strcmp(o->recompute, "1") != 0 && strcmp(o->recompute, "auto") != 0)
+        problem = "--recompute must be 0, 1 or auto";
     else if (strcmp(o->fp8_scaling, "delayed") != 0 && strcmp(o->fp8_scaling, "current") != 0)
         problem = "--fp8-scaling must be 'delayed' or 'current'";
     else if (!o->fp8 && (o->fp8_head || o->fp8_fast_accum || o->fp8_log_scales))
@@ -2629,6 +2714,8 @@ typedef struct {
     double bench_ms;            // --bench: GPU time of the timed steps
     int bench_timed;
     float last_loss;
+    size_t recompute_free;      // --recompute auto: the free bytes it saw, and those it kept free
+    size_t recompute_headroom;
 } Trainer;
 
 // Data: the shards, or synthetic tokens for the benchmark; the tokenizer when sampling. Exits
@@ -2707,14 +2794,41 @@ static void trainer_open_comm(Trainer* t) {
     }
 }
 
+// --recompute auto: the fewest recomputed layers whose plan fits this GPU's free memory, keeping
+// free what is allocated after the plan (recompute_headroom). Ranks may see different free memory:
+// all take the largest k any rank needs (fewer recomputed layers need more memory, so the largest
+// k is the one that fits on every rank), and then run the same layout at the same speed. A rank
+// on which even k = L does not fit says so, and every rank stops.
+static void trainer_choose_recompute(Trainer* t) {
+    GPT* m = &t->model;
+    int L = m->cfg.n_layer;
+    size_t total_bytes;
+    char err[512];
+    CUDA_CHECK(cudaMemGetInfo(&t->recompute_free, &total_bytes));
+    t->recompute_headroom = recompute_headroom(m, t->o.fp8 != 0, t->o.fp8_head != 0);
+    int k = recompute_layers_that_fit(m, t->recompute_free, t->recompute_headroom, err, sizeof(err));
+    int agreed = t->parallel ? comm_max_int(&t->comm, k < 0 ? L + 1 : k) : k;
+    if (k < 0 || agreed > L) {
+        char who[64] = "train_gpt";
+        if (t->env.world > 1) snprintf(who, sizeof(who), "train_gpt rank %d of %d", t->env.rank, t->env.world);
+        fprintf(stderr, "%s: %s\n", who,
+                k < 0 ? err : "--recompute auto: another rank's GPU cannot fit this config (its line says why)");
+        exit(1);
+    }
+    m->recompute_layers = agreed;
+    gpt_plan_memory(m);
+}
+
 // The model, its weights (fresh, --init-from or --resume) and the checkpointer.
 static void trainer_open_model(Trainer* t) {
     const Options* o = &t->o;
     GPT* m = &t->model;
     Sharding dp = ONE_GPU;
     if (t->parallel) dp = (Sharding){t->env.rank, t->env.world, o->zero, &t->comm};
-    gpt_create(m, &o->model, o->batch_size, o->model.seq_len, o->recompute != 0, o->loss_chunk, &dp,
-                   (OptimizerKind)optimizer_kind(o->optimizer));
+    gpt_plan(m, &o->model, o->batch_size, o->model.seq_len, strcmp(o->recompute, "0") ? o->model.n_layer : 0,
+             o->loss_chunk, &dp, (OptimizerKind)optimizer_kind(o->optimizer));
+    if (!strcmp(o->recompute, "auto")) trainer_choose_recompute(t);
+    gpt_build(m);
     m->deterministic = o->deterministic != 0;
     if (o->fp8)
         gpt_enable_fp8(m, strcmp(o->fp8_scaling, "current") == 0 ? FP8_CURRENT : FP8_DELAYED, o->fp8_head != 0,
@@ -2778,6 +2892,11 @@ static void print_run_header(const Trainer* t) {
     const GPT* m = &t->model;
     printf("device: %s, %d SMs, %.1f GiB\n", t->prop.name, t->prop.multiProcessorCount, gib(t->prop.totalGlobalMem));
     print_memory_plan(m);
+    if (t->recompute_free)
+        printf("recompute auto: %d of %d layers, the fewest whose plan fits in the %.2f GiB free with %.2f GiB kept "
+               "free (FP8's memory, if on, and a margin of %.2f)%s\n", m->recompute_layers, m->cfg.n_layer,
+               gib(t->recompute_free), gib(t->recompute_headroom), gib(RECOMPUTE_MARGIN_BYTES),
+               m->dp.world > 1 ? "; on every rank, the most any rank needs" : "");
     printf("batch: %d x %d tokens, %d micro-batches per step on each of %d GPUs (%d tokens); %d steps\n", m->B, m->T,
            t->accum, m->dp.world, m->N * t->accum * m->dp.world, t->o.optim.total_steps);
     if (t->parallel)
@@ -3010,13 +3129,15 @@ static void print_bench_result(const Trainer* t) {
     double flops = flops_per_token(c);
     printf("{\"bench\": \"train_gpt\", \"device\": \"%s\", \"gpus\": %d, \"zero\": %d, \"B\": %d, \"T\": %d, "
            "\"d_model\": %d, \"layers\": %d, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"ffn\": %d, "
-           "\"recompute\": %d, \"fp8\": \"%s\", \"fp8_head\": %d, \"fp8_fast_accum\": %d, \"optimizer\": \"%s\", "
-           "\"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, \"tokens_per_s_per_gpu\": %.1f, "
+           "\"recompute\": \"%s\", \"recompute_layers\": %d, \"fp8\": \"%s\", \"fp8_head\": %d, "
+           "\"fp8_fast_accum\": %d, \"optimizer\": \"%s\", \"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, "
+           "\"tokens_per_s_per_gpu\": %.1f, "
            "\"mfu\": %.4f, \"flops_per_token\": %.6g, \"peak_mem_gib\": %.3f, \"first_step_s\": %.2f, "
            "\"final_loss\": %.4f}\n",
            t->prop.name, world, t->model.dp.zero, t->model.B, t->model.T, c->d_model, c->n_layer, c->n_head,
-           c->n_kv_head, c->head_dim, c->ffn_dim, t->o.recompute, t->o.fp8 ? t->o.fp8_scaling : "off", t->o.fp8_head,
-           t->o.fp8_fast_accum, t->o.optimizer, ms, tok_s, tok_s / world,
+           c->n_kv_head, c->head_dim, c->ffn_dim, t->o.recompute, t->model.recompute_layers,
+           t->o.fp8 ? t->o.fp8_scaling : "off", t->o.fp8_head, t->o.fp8_fast_accum, t->o.optimizer, ms, tok_s,
+           tok_s / world,
            tok_s / world * flops / (t->o.peak_tflops * 1e12), flops, gib(gpt_bytes_total(&t->model)),
            t->t_first_step, t->last_loss);
 }

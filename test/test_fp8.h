@@ -353,7 +353,7 @@ static int test_fp8_gpu_layer_products(void) {
     REQUIRE_GPU();
     int failed = 0;
     GPT m;
-    gpt_create(&m, &FP8_TEST_CONFIG, 2, FP8_TEST_CONFIG.seq_len, false, 128, &ONE_GPU, OPTIMIZER_ADAMW);
+    gpt_create(&m, &FP8_TEST_CONFIG, 2, FP8_TEST_CONFIG.seq_len, 0, 128, &ONE_GPU, OPTIMIZER_ADAMW);
     gpt_enable_fp8(&m, FP8_CURRENT, false, false);
     const ParamTensor* t = param(&m.table, P_GATE_UP, 0);
     int N = m.N, O = (int)t->rows, I = (int)t->cols;
@@ -442,7 +442,7 @@ static int test_fp8_gpu_model_gradients_vs_bf16(void) {
         double loss[3];  // BF16, FP8 current, FP8 delayed (one model at a time: matmul's state is global)
         for (int run = 0; run < 2; run++) {
             GPT m;
-            gpt_create(&m, c, B, c->seq_len, v.recompute, 128, &ONE_GPU, OPTIMIZER_ADAMW);
+            gpt_create(&m, c, B, c->seq_len, v.recompute ? c->n_layer : 0, 128, &ONE_GPU, OPTIMIZER_ADAMW);
             if (run == 1) gpt_enable_fp8(&m, FP8_CURRENT, v.head, v.fast_accum);
             Uploader up;
             uploader_create(&up, m.N, c->vocab_size);
@@ -618,7 +618,7 @@ static int test_fp8_gpu_fused_step_is_bit_exact(void) {
         char what[48];
         snprintf(what, sizeof(what), "recompute %d%s", recompute, head ? ", head in FP8" : "");
         GPT m;
-        gpt_create(&m, c, B, c->seq_len, recompute, 128, &ONE_GPU, OPTIMIZER_ADAMW);
+        gpt_create(&m, c, B, c->seq_len, recompute ? c->n_layer : 0, 128, &ONE_GPU, OPTIMIZER_ADAMW);
         gpt_enable_fp8(&m, FP8_DELAYED, head, false);
         Uploader up;
         uploader_create(&up, m.N, c->vocab_size);
@@ -674,6 +674,57 @@ static int test_fp8_gpu_fused_step_is_bit_exact(void) {
     return TEST_RESULT;
 }
 
+// The unfused FP8 path (current scaling: every cast measures, so the bf16 norms and SwiGLU are made,
+// and recomputed, as in BF16) with k = 0, 1 and L = 2 recomputed layers, the head in FP8 too: the
+// same parameters and batch give the same loss and every gradient bit for bit, and the same
+// amaxes in the scales.
+static int test_fp8_gpu_recompute_changes_nothing(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    const ModelConfig* c = &FP8_TEST_CONFIG;
+    int B = 4;
+    const int recompute_layers[] = {0, 1, 2};
+    double loss[3], *grads[3];
+    Fp8Scale* scales[3];
+    ParamTable table;
+    param_table_build(&table, c, 1);
+    size_t n = table.n_elements, n_scales = fp8_n_scales(c);
+    double* p = random_params(c, &table, 0.08);
+    uint16_t* window = random_window(B, c->seq_len, c->vocab_size);
+    for (int run = 0; run < 3; run++) {
+        GPT m;
+        gpt_create(&m, c, B, c->seq_len, recompute_layers[run], 128, &ONE_GPU, OPTIMIZER_ADAMW);
+        gpt_enable_fp8(&m, FP8_CURRENT, true, false);
+        EXPECT(!fp8_fused(&m), "current scaling runs the fused path");
+        Uploader up;
+        uploader_create(&up, m.N, c->vocab_size);
+        grads[run] = (double*)calloc(n, 8);
+        loss[run] = gpu_forward_backward(&m, &up, p, window, grads[run], 1);
+        scales[run] = (Fp8Scale*)malloc(n_scales * sizeof(Fp8Scale));
+        CUDA_CHECK(cudaMemcpy(scales[run], m.fp8.scales, n_scales * sizeof(Fp8Scale), cudaMemcpyDeviceToHost));
+        uploader_free(&up);
+        gpt_free(&m);
+    }
+    for (int run = 1; run < 3; run++) {
+        int k = recompute_layers[run];
+        EXPECT(loss[run] == loss[0], "FP8, %d of %d layers recomputed: loss %.9g, not %.9g", k, c->n_layer, loss[run],
+               loss[0]);
+        for (int i = 0; i < table.n_tensors; i++) {
+            const ParamTensor* t = &table.tensors[i];
+            EXPECT(!memcmp(grads[run] + t->offset, grads[0] + t->offset, (size_t)(t->rows * t->cols) * 8),
+                   "FP8, %d of %d layers recomputed: the gradient of %s differs", k, c->n_layer, t->name);
+        }
+        EXPECT(!memcmp(scales[run], scales[0], n_scales * sizeof(Fp8Scale)),
+               "FP8, %d of %d layers recomputed: the scales (their amaxes) differ", k, c->n_layer);
+    }
+    printf("    loss %.6f with 0, 1 and 2 of 2 layers recomputed\n", loss[0]);
+    for (int run = 0; run < 3; run++) free(grads[run]), free(scales[run]);
+    free(p);
+    free(window);
+    param_table_free(&table);
+    return TEST_RESULT;
+}
+
 static const TestCase fp8_tests[] = {
     {"fp8_rounding_every_code", test_fp8_rounding_every_code},
     {"fp8_scale_exponent", test_fp8_scale_exponent},
@@ -687,6 +738,7 @@ static const TestCase fp8_tests[] = {
     {"gpu2_fp8_resume_is_bit_exact", test_fp8_two_gpus_resume_is_bit_exact},
     {"gpu_fp8_fused_casts", test_fp8_gpu_fused_casts},
     {"gpu_fp8_fused_step_is_bit_exact", test_fp8_gpu_fused_step_is_bit_exact},
+    {"gpu_fp8_recompute_changes_nothing", test_fp8_gpu_recompute_changes_nothing},
 };
 static const int n_fp8_tests = sizeof(fp8_tests) / sizeof(fp8_tests[0]);
 

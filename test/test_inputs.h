@@ -54,7 +54,8 @@ static bool ti_have(const char* program) {
 static int test_train_flag_domains(void) {
     if (!ti_have("./train_gpt")) return TEST_FAIL;
     const BadInput cases[] = {
-        {"--recompute 2", 2, "--recompute"},
+        {"--recompute 2", 2, "--recompute must be 0, 1 or auto"},
+        {"--recompute Auto", 2, "--recompute must be 0, 1 or auto"},
         {"--deterministic yes", 2, "--deterministic"},
         {"--wsd -1", 2, "--wsd"},
         {"--ckpt-keep-going 3", 2, "--ckpt-keep-going"},
@@ -126,8 +127,9 @@ static int test_train_missing_inputs(void) {
     };
     failed |= ti_run_cases("./train_gpt", cases, sizeof(cases) / sizeof(cases[0]), dir);
     if (!g_have_gpu) {
-        const BadInput no_gpu[] = {{TI_RUN "--out %s/out", 1, "no CUDA GPU found (no NVIDIA driver is loaded"}};
-        failed |= ti_run_cases("./train_gpt", no_gpu, 1, dir);
+        const BadInput no_gpu[] = {{TI_RUN "--out %s/out", 1, "no CUDA GPU found (no NVIDIA driver is loaded"},
+                                   {TI_RUN "--recompute auto --out %s/out", 1, "no CUDA GPU found"}};
+        failed |= ti_run_cases("./train_gpt", no_gpu, 2, dir);
     }
     remove_test_dir(dir);
     return TEST_RESULT;
