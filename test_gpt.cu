@@ -1415,6 +1415,53 @@ static int test_recompute_auto_trains_alike(void) {
     return TEST_RESULT;
 }
 
+// --cuda-graph 1 against eager launches, 10 steps without accumulation (the mode graphs capture):
+// the same losses and gradient norms to the bit, in BF16 with recomputation on and off, in FP8
+// with delayed scaling (the graph holds the fused path of a calibrated step) and with current
+// scaling, the head in FP8 too, and with Muon and 8-bit AdamW; validating every 3 steps (one batch
+// each, so a slot's graph runs both after a step and after a validation) and checkpointing every
+// 3 (the graph waits for the snapshot). A graph run stopped at step 5 and resumed with graphs must
+// match too. With accumulation the run must say in one line that its steps run eagerly.
+static int test_cuda_graph_matches_eager(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    char dir[64], cmd[2048], run[1024], path[256], path_b[256], line[512];
+    EXPECT(make_shard_dir(dir, 60000, 512), "shard");
+    const char* modes[] = {"bf16", "bf16_no_recompute", "fp8", "fp8_head_no_recompute", "fp8_current", "muon",
+                           "adamw8bit"};
+    const char* mode_flags[] = {"", "--recompute 0", "--fp8 1", "--fp8 1 --fp8-head 1 --recompute 0",
+                                "--fp8 1 --fp8-scaling current", "--optimizer muon", "--optimizer adamw8bit"};
+    for (int k = 0; k < 7; k++) {
+        snprintf(run, sizeof(run), SMALL_RUN "%s --total-batch 0 --steps 10 --train-data '%s/train_*.bin' "
+                 "--val-data '%s/train_*.bin' --val-every 3 --val-batches 1", mode_flags[k], dir, dir);
+        const char* variants[][2] = {{"eager", "--ckpt-every 0"},
+                                     {"graph", "--cuda-graph 1 --ckpt-every 3"},
+                                     {"split", "--cuda-graph 1 --ckpt-every 3 --stop-at 5"},
+                                     {"split", "--cuda-graph 1 --ckpt-every 3 --resume latest"}};
+        for (int v = 0; v < 4; v++) {
+            snprintf(cmd, sizeof(cmd), "%s %s --out %s/%s_%s > %s/%s_%s%d.txt", run, variants[v][1], dir, modes[k],
+                     variants[v][0], dir, modes[k], variants[v][0], v);
+            EXPECT(system(cmd) == 0, "run failed: %s", cmd);
+        }
+        snprintf(cmd, sizeof(cmd), "grep -q 'cuda graph: step 3 captured' %s/%s_graph1.txt && "
+                 "grep -q 'cuda graph: step 8 captured' %s/%s_split3.txt", dir, modes[k], dir, modes[k]);
+        EXPECT(system(cmd) == 0, "%s: the graph runs did not capture after their warm-up (%s)", modes[k], cmd);
+        snprintf(path, sizeof(path), "%s/%s_eager/log.jsonl", dir, modes[k]);
+        for (int v = 1; v < 3; v++) {
+            snprintf(path_b, sizeof(path_b), "%s/%s_%s/log.jsonl", dir, modes[k], variants[v][0]);
+            failed |= compare_logged_steps(path, path_b, 1, 10);
+        }
+    }
+    snprintf(cmd, sizeof(cmd), SMALL_RUN "--cuda-graph 1 --steps 2 --ckpt-every 0 --train-data '%s/train_*.bin' "
+             "--out %s/accum | grep 'cuda graph' 1>&2", dir, dir);
+    run_command(cmd, line, sizeof(line));
+    EXPECT(strstr(line, "cuda graph: off, every step runs eagerly: gradient accumulation") && !strstr(line, "captured"),
+           "with accumulation: '%s'", line);
+    snprintf(cmd, sizeof(cmd), "rm -rf %s", dir);
+    EXPECT(system(cmd) == 0, "cleanup");
+    return TEST_RESULT;
+}
+
 // kill -9 at an arbitrary moment while checkpoints are being written asynchronously every step:
 // the run resumes from `latest`, which must be complete and verify.
 static int test_kill_during_checkpoint_then_resume(void) {
@@ -1713,6 +1760,7 @@ static const TestCase model_tests[] = {
     {"gpu_model_trains", test_model_trains},
     {"gpu_resume_is_bit_exact", test_resume_is_bit_exact},
     {"gpu_recompute_auto_trains_alike", test_recompute_auto_trains_alike},
+    {"gpu_cuda_graph_matches_eager", test_cuda_graph_matches_eager},
     {"gpu_kill_during_checkpoint_then_resume", test_kill_during_checkpoint_then_resume},
     {"gpu_checkpoint_on_full_disk", test_checkpoint_on_full_disk},
     {"gpu_export_then_init_from", test_export_then_init_from},

@@ -2108,6 +2108,7 @@ typedef struct {
     int fp8_fast_accum;      // 1: the FP8 forward products with cuBLASLt's fast accumulation
     int fp8_log_scales;      // 1: every logged step also logs the scales
     const char* optimizer;   // "adamw", "muon" or "adamw8bit" (OPTIMIZER_NAMES)
+    int cuda_graph;          // 1: each step replays one captured CUDA graph (StepGraph), where it can
 } Options;
 
 typedef enum { OPT_INT, OPT_BOOL, OPT_FLOAT, OPT_STR, OPT_U64, OPT_FLAG } OptType;  // OPT_BOOL: 0 or 1
@@ -2193,6 +2194,8 @@ static int option_specs(Options* o, OptionSpec* specs) {
          "1: FP8 forward matmuls accumulate without promotion to fp32 (faster, less exact; needs --fp8 1)"},
         {"--fp8-log-scales", OPT_BOOL, &o->fp8_log_scales,
          "1: each step's log also gives the FP8 scales (exponent ranges, largest amax; needs --fp8 1)"},
+        {"--cuda-graph", OPT_BOOL, &o->cuda_graph,
+         "1: capture a step's launches once as a CUDA graph and replay it (modes it cannot capture say so and run eagerly)"},
     };
     int n = (int)(sizeof(all) / sizeof(all[0]));
     if (specs) memcpy(specs, all, sizeof(all));
@@ -2244,6 +2247,7 @@ static void options_default(Options* o) {
     o->fp8_head = 0;
     o->fp8_fast_accum = 0;
     o->fp8_log_scales = 0;
+    o->cuda_graph = 0;
 }
 
 static void print_help(void) {
@@ -2686,6 +2690,37 @@ static void resume_from(GPT* m, const char* which, const char* out_dir, TrainerS
 
 #define STEPS_IN_FLIGHT 3  // read-back slots: the step being logged, the one running, the next
 
+// --cuda-graph 1: a step's launches (zero the gradients, forward, backward, the optimizer) captured
+// once and replayed, one cudaGraphLaunch in place of ~560 kernel launches (doc/perf.md). A replay
+// runs exactly the kernels of the capture with exactly their arguments, so it equals an eager
+// step only where everything the host decides was the same then as now:
+//   - every pointer: the batch lies in the upload slot the capture saw, so there is a graph per
+//     slot; the pinned buffers, the copy and the read-backs stay outside the graph, eager, as do
+//     the events that time the step;
+//   - the host's FP8 state: the capture is keyed by fp8.calibrated and fp8.weights_stale at the
+//     step's start (the first delayed step measures, later ones use the history and fuse), and a
+//     replay leaves them as the captured step left them;
+//   - nothing in the step reads the device on the host, waits for it, or allocates (the learning
+//     rate and bias corrections are computed on the device, cuBLASLt's workspace is allocated once);
+//   - everything made on first use is made before: the first CUDA_GRAPH_WARMUP steps of a run are
+//     eager, so that cuBLASLt's plans, the attention's TMA maps and kernel attributes exist.
+// A checkpoint's snapshot is waited for inside the graph (an external event wait node, which waits
+// for the event's latest record at each replay).
+#define CUDA_GRAPH_WARMUP 2
+
+typedef struct {
+    cudaGraphExec_t exec;                  // NULL: not captured yet
+    bool calibrated, weights_stale;        // the FP8 host state the captured step began from
+    bool calibrated_after, stale_after;    // and the state it left
+} StepGraph;
+
+// Why this run's steps cannot be captured (NULL: they can), for the one line the run prints.
+static const char* cuda_graph_blocker(bool parallel, int accum) {
+    if (parallel) return "data parallelism: the NCCL collectives and the comm stream's events are not captured";
+    if (accum > 1) return "gradient accumulation: each micro-batch's upload is prepared on the host between micro-batches";
+    return NULL;
+}
+
 typedef struct {
     Options o;
     CommEnv env;                // this process's rank among the run's (rank 0 of 1 on one GPU)
@@ -2709,6 +2744,8 @@ typedef struct {
     Fp8Scale* scales_readback;  // --fp8-log-scales: pinned [STEPS_IN_FLIGHT][ranks][fp8_n_scales]
     Fp8Scale* scales_gathered;  // and on several GPUs, every rank's scales on the device [ranks][...]
     cudaEvent_t step_start[STEPS_IN_FLIGHT], step_end[STEPS_IN_FLIGHT];  // a step's time is between them
+    bool graphs_on;             // --cuda-graph 1 and nothing in this run stops a capture (cuda_graph_blocker)
+    StepGraph graphs[2];        // by the upload slot the step's batch lies in
     cudaDeviceProp prop;
     double t_start, t_first_step, t_loop;  // wall clock: launch, first step done, loop entered
     double bench_ms;            // --bench: GPU time of the timed steps
@@ -2886,6 +2923,7 @@ static void trainer_open(Trainer* t, const Options* o, const CommEnv* env) {
         CUDA_CHECK(cudaEventCreate(&t->step_start[i]));
         CUDA_CHECK(cudaEventCreate(&t->step_end[i]));
     }
+    t->graphs_on = o->cuda_graph && !cuda_graph_blocker(t->parallel, t->accum);
 }
 
 static void print_run_header(const Trainer* t) {
@@ -2902,6 +2940,11 @@ static void print_run_header(const Trainer* t) {
     if (t->parallel)
         printf("data parallel: %d ranks (launched by %s), ZeRO-%d; the memory plan above is per GPU\n",
                m->dp.world, t->env.launcher, m->dp.zero);
+    if (t->o.cuda_graph && !t->graphs_on)
+        printf("cuda graph: off, every step runs eagerly: %s\n", cuda_graph_blocker(t->parallel, t->accum));
+    else if (t->graphs_on)
+        printf("cuda graph: on after %d eager warm-up steps; validation, samples and checkpoint snapshots run "
+               "eagerly between steps\n", CUDA_GRAPH_WARMUP);
 }
 
 // The next micro-batch's B rows of T+1 tokens.
@@ -2933,21 +2976,68 @@ static void fp8_scales_readback(Trainer* t, int slot) {
                                cudaMemcpyDeviceToHost, m->stream));
 }
 
+// Micro-batch `micro` of the step, its batch uploaded: the first zeroes the gradients, the last
+// runs the optimizer once the gradients are complete. `capturing`: inside a graph's capture, where
+// the wait for the checkpoint's snapshot becomes a node that waits at each replay.
+static void step_compute(Trainer* t, const Batch* batch, int micro, bool capturing) {
+    GPT* m = &t->model;
+    if (micro == 0) zero_grads(m);
+    forward_backward(m, batch, micro, t->accum);
+    if (micro < t->accum - 1) return;
+    // The gradients are complete here; the optimizer may overwrite what the last snapshot copies.
+    if (t->checkpointing)
+        CUDA_CHECK(cudaStreamWaitEvent(m->stream, t->ckpt.copied, capturing ? cudaEventWaitExternal : cudaEventWaitDefault));
+    optimizer_step(m, &t->o.optim);
+}
+
+// Captures step_compute for `batch` into g (nothing runs: the GPU sees the work at the launch).
+// The host's side of the step runs as usual, so its FP8 state ends as the step leaves it.
+static void step_graph_capture(Trainer* t, const Batch* batch, StepGraph* g) {
+    GPT* m = &t->model;
+    if (g->exec) CUDA_CHECK(cudaGraphExecDestroy(g->exec));
+    g->calibrated = m->fp8.calibrated;
+    g->weights_stale = m->fp8.weights_stale;
+    cudaGraph_t graph;
+    // thread-local: the checkpoint thread's event waits go on while this thread captures
+    CUDA_CHECK(cudaStreamBeginCapture(m->stream, cudaStreamCaptureModeThreadLocal));
+    step_compute(t, batch, 0, true);
+    CUDA_CHECK(cudaStreamEndCapture(m->stream, &graph));
+    size_t n_nodes = 0;
+    CUDA_CHECK(cudaGraphGetNodes(graph, NULL, &n_nodes));
+    CUDA_CHECK(cudaGraphInstantiate(&g->exec, graph, 0));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    g->calibrated_after = m->fp8.calibrated;
+    g->stale_after = m->fp8.weights_stale;
+    printf("cuda graph: step %d captured, %zu nodes (upload slot %d%s)\n", t->step + 1, n_nodes, (int)(g - t->graphs),
+           !m->fp8.on ? "" : g->calibrated ? ", fp8 calibrated" : ", fp8 measuring");
+}
+
+// The step by its graph (one micro-batch: graphs run without accumulation): captured now if there
+// is none for the batch's slot or the host's FP8 state differs from the one it was captured from,
+// then launched.
+static void step_graph_replay(Trainer* t, const Batch* batch) {
+    GPT* m = &t->model;
+    StepGraph* g = &t->graphs[t->up.next ^ 1];  // the slot upload_batch just filled
+    if (!g->exec || g->calibrated != m->fp8.calibrated || g->weights_stale != m->fp8.weights_stale)
+        step_graph_capture(t, batch, g);
+    CUDA_CHECK(cudaGraphLaunch(g->exec, m->stream));
+    m->fp8.calibrated = g->calibrated_after;
+    m->fp8.weights_stale = g->stale_after;
+}
+
 // One optimizer step: every micro-batch's forward and backward (gradients accumulate), then the
-// optimizer, then the read-back of the step's scalars. Only enqueues work: nothing here waits
-// for the GPU.
+// optimizer, then the read-back of the step's scalars; with --cuda-graph 1 after the warm-up,
+// one graph launch does the compute. Only enqueues work: nothing here waits for the GPU.
 static void train_step(Trainer* t) {
     GPT* m = &t->model;
     int slot = t->step % STEPS_IN_FLIGHT;
+    bool replay = t->graphs_on && t->step - t->start_step >= CUDA_GRAPH_WARMUP;
     CUDA_CHECK(cudaEventRecord(t->step_start[slot], m->stream));
-    zero_grads(m);
     for (int micro = 0; micro < t->accum; micro++) {
         Batch batch = upload_batch(&t->up, m, next_window(t));
-        forward_backward(m, &batch, micro, t->accum);
+        if (replay) step_graph_replay(t, &batch);
+        else step_compute(t, &batch, micro, false);
     }
-    // The gradients are complete here.
-    if (t->checkpointing) CUDA_CHECK(cudaStreamWaitEvent(m->stream, t->ckpt.copied, 0));  // last snapshot taken
-    optimizer_step(m, &t->o.optim);
     CUDA_CHECK(cudaMemcpyAsync(&t->readback[slot], m->scalars, sizeof(OptimScalars), cudaMemcpyDeviceToHost,
                                m->stream));
     fp8_scales_readback(t, slot);
@@ -3183,6 +3273,8 @@ static void trainer_close(Trainer* t) {
     CUDA_CHECK(cudaFreeHost(t->scales_readback));
     CUDA_CHECK(cudaFree(t->scales_gathered));
     free(t->synthetic);
+    for (int i = 0; i < 2; i++)
+        if (t->graphs[i].exec) CUDA_CHECK(cudaGraphExecDestroy(t->graphs[i].exec));
     uploader_free(&t->up);
     gpt_free(&t->model);
     if (t->parallel) comm_close(&t->comm);

@@ -3,7 +3,7 @@
 # PyTorch (torch_baseline.py: not in this repository; put it in the ignored .bench/), and compare
 # an export against transformers.
 # Usage (on the device machine, from the repo root): bash scripts/device_run.sh [steps...]
-#   steps: any of build test dev bench before same plot torch train ckpt hf (default: build test bench torch hf).
+#   steps: any of build test dev bench before same plot torch train ckpt graph hf (default: build test bench torch hf).
 #   Logs go to $OUT (or /tmp/out). `before` and `same` need an older build carried as .bench/train_gpt_before.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -66,6 +66,21 @@ for step in $steps; do
         | tee "$OUT/torch_1b.log" | tail -2 | head -1
       ./train_gpt --bench --d-model 2048 --layers 16 --heads 32 --kv-heads 8 --head-dim 64 --ffn 8192 --batch 512 \
         --recompute 0; echo "exit code $?" ;;
+    graph)
+      # --cuda-graph 1 (doc/perf.md): its test, then --bench eagerly and with graphs, back to back, in
+      # BF16 and FP8 at the default config and at 1b; the JSON lines give ms/step and tokens/s.
+      ./test_gpt cuda_graph 2>&1 | tee "$OUT/graph_test.log" | tail -2
+      one_b="--d-model 2048 --layers 16 --heads 32 --kv-heads 8 --head-dim 64 --ffn 8192 --batch 8 --rope-theta 1e6"
+      for size in default 1b; do
+        args=""; [ $size = 1b ] && args=$one_b
+        for fp8 in 0 1; do
+          for graph in 0 1; do
+            echo "--- $size --fp8 $fp8 --cuda-graph $graph" | tee -a "$OUT/graph_bench.log"
+            ./train_gpt --bench $args --fp8 $fp8 --cuda-graph $graph --out /tmp/graph_out 2>&1 \
+              | tee -a "$OUT/graph_bench.log" | grep -aE "^\{|error|cuda graph"
+          done
+        done
+      done ;;
     hf)
       rm -rf /tmp/hf && ./train_gpt --bench --bench-steps 20 --batch 4 --seq 256 --out /tmp/hf_out --dump-grads /tmp/hf \
         > "$OUT/hf_dump.log" 2>&1; tail -1 "$OUT/hf_dump.log"

@@ -66,6 +66,8 @@ static int test_train_flag_domains(void) {
         {"--fp8-fast-accum 1", 2, "need --fp8 1"},
         {"--fp8-log-scales 1 --fp8 0", 2, "need --fp8 1"},
         {"--fp8 1 --fp8-fast-accum yes", 2, "--fp8-fast-accum"},
+        {"--cuda-graph 2", 2, "--cuda-graph"},
+        {"--cuda-graph on", 2, "--cuda-graph"},
         {"--fp8 1 --fp8-head 1 --loss-chunk 1000", 2, "--loss-chunk to be multiples of 16"},
         {"--fp8 1 --fp8-head 1 --vocab 50264", 2, "--fp8-head 1 needs the vocabulary size"},
         {"--seed -1", 2, "--seed"},
