@@ -972,7 +972,7 @@ static int comm_max_int(Comm* c, int x) {
     float value = (float)x, *device;
     CUDA_CHECK(cudaMalloc(&device, sizeof(float)));
     CUDA_CHECK(cudaMemcpy(device, &value, sizeof(float), cudaMemcpyHostToDevice));
-    comm_all_reduce_max(c, device, 1);
+    comm_all_reduce(c, device, 1, ncclMax);
     CUDA_CHECK(cudaStreamSynchronize(c->stream));
     CUDA_CHECK(cudaMemcpy(&value, device, sizeof(float), cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaFree(device));
