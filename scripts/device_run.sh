@@ -14,10 +14,12 @@ for step in $steps; do
   echo "=== $step"
   case $step in
     build) make -j16 all 2>&1 | grep -E "error|warning" | head -30; ls -la train_gpt test_gpt ;;
-    dev) ./dev/attention 2>&1 | tee "$OUT/attention.log" | grep -vE "^ok " | tail -40 ;;
+    dev)
+      ./dev/attention 2>&1 | tee "$OUT/attention.log" | grep -vE "^ok " | tail -40
+      ./dev/matmul 2>&1 | tee "$OUT/matmul.log" | grep -vE "^ok " | tail -60 ;;
     test) ./test_gpt 2>&1 | tee "$OUT/test.log" | grep -vE "^\S+ +ok \(" ;;
     bench)
-      for rc in 1 0; do
+      for rc in 1 0 auto; do
         ./train_gpt --bench --recompute $rc --out /tmp/bench_out 2>&1 | tee "$OUT/bench_rc$rc.log" | grep -E "memory plan|^\{|error" ;
       done ;;
     before)
