@@ -1170,16 +1170,24 @@ static void ckpt_abort(CkptWriter* w) {
     w->active = 0;
 }
 
-/* Starts checkpoint `step` in out_dir (created if missing); a stale ckpt_<step>.tmp is replaced. */
-static int ckpt_begin(CkptWriter* w, const char* out_dir, int64_t step, char* err, size_t err_len) {
+/* What ckpt_begin and ckpt_join both set up: a writer of checkpoint `step` of out_dir, whose files
+ * go into out_dir/ckpt_<step>.tmp/, not active yet. */
+static int ckpt_writer_init(CkptWriter* w, const char* out_dir, int64_t step, char* err, size_t err_len) {
     memset(w, 0, sizeof *w);
     if (step < 0) return fail(err, err_len, "checkpoint step %" PRId64 " is negative", step);
     if (snprintf(w->out_dir, sizeof w->out_dir, "%s", out_dir) >= (int)sizeof w->out_dir ||
         snprintf(w->tmp_dir, sizeof w->tmp_dir, "%s/ckpt_%" PRId64 ".tmp", out_dir, step) >= (int)sizeof w->tmp_dir)
         return fail(err, err_len, "%s: path too long", out_dir);
-    if (ck_mkdir_p(out_dir, err, err_len) || ck_rmtree(w->tmp_dir, err, err_len)) return -1;
-    if (mkdir(w->tmp_dir, 0755) != 0) return fail_errno(err, err_len, errno, "create directory %s", w->tmp_dir);
     w->step = step;
+    return 0;
+}
+
+/* Starts checkpoint `step` in out_dir (created if missing); a stale ckpt_<step>.tmp is replaced. */
+static int ckpt_begin(CkptWriter* w, const char* out_dir, int64_t step, char* err, size_t err_len) {
+    if (ckpt_writer_init(w, out_dir, step, err, err_len) || ck_mkdir_p(out_dir, err, err_len) ||
+        ck_rmtree(w->tmp_dir, err, err_len))
+        return -1;
+    if (mkdir(w->tmp_dir, 0755) != 0) return fail_errno(err, err_len, errno, "create directory %s", w->tmp_dir);
     w->active = 1;
     return 0;
 }
@@ -1390,14 +1398,10 @@ static int ck_wait_for(const char* path, int want_dir, double timeout_s) {
 
 /* Joins checkpoint `step` of out_dir, begun by its owner: waits up to timeout_s for the directory. */
 static int ckpt_join(CkptWriter* w, const char* out_dir, int64_t step, double timeout_s, char* err, size_t err_len) {
-    memset(w, 0, sizeof *w);
-    if (snprintf(w->out_dir, sizeof w->out_dir, "%s", out_dir) >= (int)sizeof w->out_dir ||
-        snprintf(w->tmp_dir, sizeof w->tmp_dir, "%s/ckpt_%" PRId64 ".tmp", out_dir, step) >= (int)sizeof w->tmp_dir)
-        return fail(err, err_len, "%s: path too long", out_dir);
+    if (ckpt_writer_init(w, out_dir, step, err, err_len)) return -1;
     if (ck_wait_for(w->tmp_dir, 1, timeout_s))
         return fail(err, err_len, "%s: not created within %.0f s by the writer that owns the checkpoint", w->tmp_dir,
                     timeout_s);
-    w->step = step;
     w->active = 1;
     w->joined = 1;
     return 0;

@@ -775,7 +775,7 @@ static int test_ckpt_write_errors(void) {
  * would, each starting before the owner has made the directory; the owner commits once their
  * receipts are in. Then: a writer that fails sends its reason and the owner's commit fails with it,
  * leaving the previous checkpoint as `latest`; a receipt that never comes is a timeout naming it; a
- * receipt that lies about a file's size is refused. */
+ * receipt that lies about a file's size is refused; a joiner with nothing to join times out. */
 #define CKT_WRITERS 4
 
 typedef struct {
@@ -874,6 +874,19 @@ static int test_ckpt_several_writers(void) {
     EXPECT(ckpt_take_receipt(&w, "receipt.1", 1, err, sizeof err) == -1 && ckt_has(err, "not a receipt line"),
            "a garbled receipt: %s", err);
     ckpt_abort(&w);
+
+    /* ckpt_join shares ckpt_begin's checks, and waits for the owner only so long */
+    EXPECT(ckpt_join(&w, out, -1, 1, err, sizeof err) == -1 && ckt_has(err, "negative"), "%s", err);
+    t0 = now_seconds();
+    EXPECT(ckpt_join(&w, out, 7, 0.2, err, sizeof err) == -1 && ckt_has(err, "ckpt_7.tmp") &&
+           ckt_has(err, "not created within") && now_seconds() - t0 < 2, "no owner: %s", err);
+    char deep[CK_PATH_MAX], deep_err[CK_PATH_MAX + 64];  /* the error names the whole path */
+    memset(deep, 'd', sizeof deep - 8);
+    deep[sizeof deep - 8] = '\0';
+    EXPECT(ckpt_join(&w, deep, 7, 1, deep_err, sizeof deep_err) == -1 && ckt_has(deep_err, "path too long"),
+           "%s", deep_err + (strlen(deep_err) > 60 ? strlen(deep_err) - 60 : 0));
+    EXPECT(ckpt_begin(&w, deep, 7, deep_err, sizeof deep_err) == -1 && ckt_has(deep_err, "path too long"),
+           "%s", deep_err + (strlen(deep_err) > 60 ? strlen(deep_err) - 60 : 0));
     ck_rmtree(dir, NULL, 0);
     return TEST_RESULT;
 }
