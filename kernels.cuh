@@ -45,6 +45,11 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
+__device__ __forceinline__ float warp_max(float x) {
+    for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+
 // Sum over a whole block (blockDim.x a multiple of 32, at most 1024). Every thread gets the result.
 __device__ float block_sum(float x) {
     __shared__ float warp_totals[32];
@@ -60,6 +65,21 @@ __device__ float block_sum(float x) {
     }
     __syncthreads();
     float result = total;
+    __syncthreads();  // so that a second call may reuse the shared slots
+    return result;
+}
+
+// Max over a whole block (blockDim.x a multiple of 32, at most 1024). Every thread gets the result.
+// A max is exact, so any order gives the same bits: every thread reads the warps' maxima itself,
+// which saves block_sum's second barrier.
+__device__ float block_max(float x) {
+    __shared__ float warp_maxima[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+    x = warp_max(x);
+    if (lane == 0) warp_maxima[warp] = x;
+    __syncthreads();
+    float result = warp_maxima[0];
+    for (int w = 1; w < n_warps; w++) result = fmaxf(result, warp_maxima[w]);
     __syncthreads();  // so that a second call may reuse the shared slots
     return result;
 }
@@ -547,20 +567,9 @@ __global__ void cross_entropy_kernel(bf16* logits, float* losses, const int* tar
         }
     }
     // Combine (m, sum) across the block: rescale every thread's sum to the block's max.
-    __shared__ float block_max;
-    float mx = m;
-    for (int offset = 16; offset > 0; offset >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
-    __shared__ float warp_max[32];
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = mx;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float b = -FLT_MAX;
-        for (int w = 0; w < blockDim.x / 32; w++) b = fmaxf(b, warp_max[w]);
-        block_max = b;
-    }
-    __syncthreads();
-    float total = block_sum(sum * __expf(m - block_max));
-    float lse = block_max + logf(total);
+    const float row_max = block_max(m);
+    float total = block_sum(sum * __expf(m - row_max));
+    float lse = row_max + logf(total);
     if (threadIdx.x == 0) losses[blockIdx.x] = lse - z_target;
     for (int i = threadIdx.x * 8; i < V; i += blockDim.x * 8) {
         bf16x8 v = load8(z + i);
@@ -797,17 +806,6 @@ __host__ __device__ static inline float q8_decode(uint8_t code, float absmax, co
     return map[code] * absmax;
 }
 
-// The largest of the 128 threads' x (Q8_BLOCK threads, four warps); every thread gets it. Max is
-// exact, so the order does not matter.
-__device__ float block128_max(float x, float* shared4) {
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, o));
-    if (threadIdx.x % 32 == 0) shared4[threadIdx.x / 32] = x;
-    __syncthreads();
-    float r = fmaxf(fmaxf(shared4[0], shared4[1]), fmaxf(shared4[2], shared4[3]));
-    __syncthreads();  // before a later call rewrites shared4
-    return r;
-}
-
 // One thread block of Q8_BLOCK threads per quantization block (grid-stride over the blocks):
 // each thread dequantizes its element's m and r = sqrt(v) (code value * the block's absmax), runs
 // AdamW's update in fp32 as adamw_kernel does, writes the master weight and its bf16 copy; then
@@ -817,7 +815,7 @@ __global__ void __launch_bounds__(Q8_BLOCK) adamw8bit_kernel(float* master, bf16
                                                              uint8_t* qm, uint8_t* qv, float* absmax_m,
                                                              float* absmax_v, const uint8_t* flags, size_t n_blocks,
                                                              OptimConfig o, const OptimScalars* s, Q8Maps maps) {
-    __shared__ float map_m[256], map_v[256], shared4[4];
+    __shared__ float map_m[256], map_v[256];
     for (int i = threadIdx.x; i < 256; i += Q8_BLOCK) map_m[i] = maps.m[i], map_v[i] = maps.v[i];
     __syncthreads();
     float clip_scale = clip_scale_of(o, s);
@@ -833,7 +831,7 @@ __global__ void __launch_bounds__(Q8_BLOCK) adamw8bit_kernel(float* master, bf16
         master[i] = p;
         params[i] = __float2bfloat16(p);
         ri = sqrtf(vi);
-        float am = block128_max(fabsf(mi), shared4), av = block128_max(ri, shared4);
+        float am = block_max(fabsf(mi)), av = block_max(ri);
         qm[i] = q8_encode(mi, am, map_m, true);
         qv[i] = q8_encode(ri, av, map_v, false);
         if (threadIdx.x == 0) absmax_m[b] = am, absmax_v[b] = av;
@@ -857,12 +855,12 @@ static void adamw8bit_step(float* master, bf16* params, const float* grads, uint
 // block's absmax, signed (m's map) or not (v's).
 __global__ void q8_quantize_kernel(uint8_t* codes, float* absmax, const float* x, size_t n_blocks, bool is_signed,
                                    Q8Maps maps) {
-    __shared__ float map[256], shared4[4];
+    __shared__ float map[256];
     for (int i = threadIdx.x; i < 256; i += Q8_BLOCK) map[i] = is_signed ? maps.m[i] : maps.v[i];
     __syncthreads();
     for (size_t b = blockIdx.x; b < n_blocks; b += gridDim.x) {
         size_t i = b * Q8_BLOCK + threadIdx.x;
-        float a = block128_max(fabsf(x[i]), shared4);
+        float a = block_max(fabsf(x[i]));
         codes[i] = q8_encode(x[i], a, map, is_signed);
         if (threadIdx.x == 0) absmax[b] = a;
     }
