@@ -92,12 +92,8 @@ __device__ static inline void fp8_record_amax(Fp8Scale* s, float amax) {
 __global__ static void fp8_amax_kernel(const bf16* x, size_t n, Fp8Scale* s) {
     float amax = 0.0f;
     for (size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 8; i < n; i += (size_t)gridDim.x * blockDim.x * 8) {
-        uint4 v = *(const uint4*)(x + i);
-        const __nv_bfloat162* p = (const __nv_bfloat162*)&v;
-        for (int j = 0; j < 4; j++) {
-            float2 f = __bfloat1622float2(p[j]);
-            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-        }
+        bf16x8 v = load8(x + i);
+        for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(__bfloat162float(v.v[j])));
     }
     fp8_record_amax(s, amax);
 }
