@@ -1017,12 +1017,14 @@ static MatmulPlan* matmul_plan(const MatmulKey* key, const MatmulOperand* a, con
     return &g_plans[g_n_plans++];
 }
 
-// Column-major D[m, n] = op(A)[m, k] op(B)[k, n] (+ beta C, of D's shape, when c is not NULL),
-// accumulated in fp32 (FP8 products: in the tensor cores' narrower accumulators, promoted to fp32
-// along k unless fast_accum). Scales (FP8): D = scale_d * (scale_a scale_b op(A) op(B) + beta C).
+// Column-major D[m, n] = alpha op(A)[m, k] op(B)[k, n] (+ beta C, of D's shape, when c is not
+// NULL), accumulated in fp32 (FP8 products: in the tensor cores' narrower accumulators, promoted to
+// fp32 along k unless fast_accum) and scaled by alpha in fp32 before the one rounding to D's type.
+// Scales (FP8): D = scale_d * (alpha scale_a scale_b op(A) op(B) + beta C), cuBLASLt's rule: alpha
+// and beta come from the host (the default pointer mode) and multiply with the device scales.
 // All pointers are 256-byte aligned and every leading dimension is the stored matrix's row count.
-static void matmul(MatmulOperand d, MatmulOperand a, MatmulOperand b, const void* c, float beta, int m, int n, int k,
-                   bool trans_a, bool trans_b, cudaStream_t stream, bool fast_accum = false) {
+static void matmul(MatmulOperand d, float alpha, MatmulOperand a, MatmulOperand b, const void* c, float beta, int m,
+                   int n, int k, bool trans_a, bool trans_b, cudaStream_t stream, bool fast_accum = false) {
     if ((is_fp8(a.type) || is_fp8(b.type)) && (!trans_a || trans_b)) {
         fprintf(stderr, "matmul: FP8 operands need the TN form (trans_a and not trans_b)\n");
         exit(1);
@@ -1045,7 +1047,6 @@ static void matmul(MatmulOperand d, MatmulOperand a, MatmulOperand b, const void
                            d.amax != NULL, fast_accum, a.type, b.type, d.type};
     MatmulPlan* plan = matmul_plan(&key, &a, &b, &d);
     matmul_set_scales(plan->desc, &a, &b, &d);
-    const float alpha = 1.0f;
     const float beta_used = c ? beta : 0.0f;
     // Without a C, D is passed as C (unread with beta 0), except for an FP8 D, whose C layout is
     // bf16: cuBLASLt refuses C == D with different layouts, and takes a null C there.
@@ -1059,17 +1060,17 @@ static void matmul(MatmulOperand d, MatmulOperand a, MatmulOperand b, const void
 // Column-major: D[m=O, n=N] = op_T(W, stored [I, O]) x^T (stored [I, N]), D stored [O, N] = y.
 static void linear_forward(bf16* y, const bf16* x, const bf16* W, const bf16* residual, int N, int I, int O,
                            cudaStream_t s) {
-    matmul(mm_bf16(y), mm_bf16(W), mm_bf16(x), residual, 1.0f, O, N, I, true, false, s);
+    matmul(mm_bf16(y), 1.0f, mm_bf16(W), mm_bf16(x), residual, 1.0f, O, N, I, true, false, s);
 }
 
 // dx[N, I] = dy[N, O] W[O, I].   Column-major: D[m=I, n=N] = W(stored [I, O]) dy^T(stored [O, N]).
 static void linear_backward_input(bf16* dx, const bf16* dy, const bf16* W, int N, int I, int O, cudaStream_t s) {
-    matmul(mm_bf16(dx), mm_bf16(W), mm_bf16(dy), NULL, 0.0f, I, N, O, false, false, s);
+    matmul(mm_bf16(dx), 1.0f, mm_bf16(W), mm_bf16(dy), NULL, 0.0f, I, N, O, false, false, s);
 }
 
 // dW[O, I] += dy[N, O]^T x[N, I].   Column-major: D[m=I, n=O] = x^T(stored [I, N]) op_T(dy stored [O, N]).
 static void linear_backward_weight(float* dW, const bf16* dy, const bf16* x, int N, int I, int O, cudaStream_t s) {
-    matmul(mm_f32(dW), mm_bf16(x), mm_bf16(dy), dW, 1.0f, I, O, N, false, true, s);
+    matmul(mm_f32(dW), 1.0f, mm_bf16(x), mm_bf16(dy), dW, 1.0f, I, O, N, false, true, s);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1097,7 +1098,7 @@ static const float MUON_NS_A = 3.4445f, MUON_NS_B = -4.7750f, MUON_NS_C = 2.0315
 typedef struct {
     float* u;         // [elements] the Nesterov update in fp32
     bf16 *x, *y;      // [elements] the iterate and the next one
-    bf16 *a, *ac, *b; // [short side^2] A, c A, B
+    bf16 *a, *b;      // [short side^2] A, B
     float* norm_sq;   // one float: ||u||^2
 } MuonScratch;
 
@@ -1120,12 +1121,6 @@ __global__ void muon_normalize_kernel(bf16* x, const float* u, size_t n, const f
         x[i] = __float2bfloat16(u[i] * inv);
 }
 
-// y = c x (bf16)
-__global__ void scale_bf16_kernel(bf16* y, const bf16* x, size_t n, float c) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        y[i] = __float2bfloat16(c * __bfloat162float(x[i]));
-}
-
 // p -= lr_muon * scale * x, the master weight and its bf16 copy.
 __global__ void muon_update_kernel(float* master, bf16* params, const bf16* x, size_t n, float scale,
                                    const OptimScalars* s) {
@@ -1146,15 +1141,12 @@ static bf16* newton_schulz5(const MuonScratch* w, int R, int C, cudaStream_t str
     bf16 *x = w->x, *y = w->y;
     bool wide = R <= C;
     int r = wide ? R : C;
-    size_t rr = (size_t)r * r;
     for (int step = 0; step < MUON_NS_STEPS; step++) {
-        if (wide) matmul(mm_bf16(w->a), mm_bf16(x), mm_bf16(x), NULL, 0.0f, R, R, C, true, false, stream);
-        else matmul(mm_bf16(w->a), mm_bf16(x), mm_bf16(x), NULL, 0.0f, C, C, R, false, true, stream);
-        scale_bf16_kernel<<<256, 256, 0, stream>>>(w->ac, w->a, rr, MUON_NS_C);
-        LAUNCH_CHECK();
-        matmul(mm_bf16(w->b), mm_bf16(w->ac), mm_bf16(w->a), w->a, MUON_NS_B, r, r, r, false, false, stream);
-        if (wide) matmul(mm_bf16(y), mm_bf16(x), mm_bf16(w->b), x, MUON_NS_A, C, R, R, false, true, stream);
-        else matmul(mm_bf16(y), mm_bf16(w->b), mm_bf16(x), x, MUON_NS_A, C, R, C, false, false, stream);
+        if (wide) matmul(mm_bf16(w->a), 1.0f, mm_bf16(x), mm_bf16(x), NULL, 0.0f, R, R, C, true, false, stream);
+        else matmul(mm_bf16(w->a), 1.0f, mm_bf16(x), mm_bf16(x), NULL, 0.0f, C, C, R, false, true, stream);
+        matmul(mm_bf16(w->b), MUON_NS_C, mm_bf16(w->a), mm_bf16(w->a), w->a, MUON_NS_B, r, r, r, false, false, stream);
+        if (wide) matmul(mm_bf16(y), 1.0f, mm_bf16(x), mm_bf16(w->b), x, MUON_NS_A, C, R, R, false, true, stream);
+        else matmul(mm_bf16(y), 1.0f, mm_bf16(w->b), mm_bf16(x), x, MUON_NS_A, C, R, C, false, false, stream);
         bf16* t = x;
         x = y;
         y = t;

@@ -609,7 +609,6 @@ static void muon_scratch_layout(MuonScratch* w, Arena* a, const GPT* m) {
     w->x = (bf16*)arena_take(a, most * 2);
     w->y = (bf16*)arena_take(a, most * 2);
     w->a = (bf16*)arena_take(a, side * side * 2);
-    w->ac = (bf16*)arena_take(a, side * side * 2);
     w->b = (bf16*)arena_take(a, side * side * 2);
     w->norm_sq = (float*)arena_take(a, 4);
 }
@@ -1166,8 +1165,8 @@ static void layer_forward(GPT* m, ParamKind kind, int l, int N, bf16* y, const b
     Fp8Scale *sw = fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), *sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
     if (fp8_fused(m) && kind != P_EMBED) fp8_input(m, kind, l, false);
     else fp8_cast(f->x, NULL, x, N, I, false, sx, fp8_how(m), m->stream);
-    matmul(mm_bf16(y), fp8_operand(f->weights + t->offset, false, sw), fp8_operand(f->x, false, sx), residual, 1.0f,
-           O, N, I, true, false, m->stream, f->fast_accum);
+    matmul(mm_bf16(y), 1.0f, fp8_operand(f->weights + t->offset, false, sw), fp8_operand(f->x, false, sx), residual,
+           1.0f, O, N, I, true, false, m->stream, f->fast_accum);
 }
 
 // dW += dy^T x and dx = dy W, for dy [N, O] and the matrix's input x [N, I] (as the forward saw it).
@@ -1196,11 +1195,11 @@ static void layer_backward(GPT* m, ParamKind kind, int l, int N, bf16* dx, const
     }
     // dW [O, I] is column-major D[m = I, n = O] = op_T(A) B over k = N, with A = x^T (row-major
     // [I, N]) and B = dy^T (row-major [O, N]); beta 1 accumulates into dW
-    matmul(mm_f32(dW), fp8_operand(f->x_t, false, sx), fp8_operand(f->dy_t, true, sg), dW, 1.0f, I, O, N, true, false,
-           m->stream);
+    matmul(mm_f32(dW), 1.0f, fp8_operand(f->x_t, false, sx), fp8_operand(f->dy_t, true, sg), dW, 1.0f, I, O, N, true,
+           false, m->stream);
     // dx [N, I] is column-major D[m = I, n = N] = op_T(A) B over k = O, with A = W^T (row-major
     // [I, O]) and B = dy (row-major [N, O])
-    matmul(mm_bf16(dx), fp8_operand(f->weights_t + t->offset, false, sw), fp8_operand(f->dy, true, sg), NULL, 0.0f,
+    matmul(mm_bf16(dx), 1.0f, fp8_operand(f->weights_t + t->offset, false, sw), fp8_operand(f->dy, true, sg), NULL, 0.0f,
            I, N, O, true, false, m->stream);
 }
 
