@@ -166,15 +166,15 @@ static int test_config_rejects_bad_configs(void) {
 }
 
 // The layout: aligned, disjoint tensors; each layer's tensors inside its bucket and the buckets
-// tiling the buffer in order; the decay flags AdamW reads matching each tensor's kind; and the
-// parameter count against an independent formula.
+// tiling the buffer in order; the flags the optimizer reads (decay; with Muon, Muon's matrices)
+// matching each tensor's kind; and the parameter count against an independent formula.
 static int test_param_table_layout(void) {
     int failed = 0;
     for (size_t ci = 0; ci < sizeof(SANE_CONFIGS) / sizeof(SANE_CONFIGS[0]); ci++) {
         const ModelConfig* c = &SANE_CONFIGS[ci];
         ParamTable pt;
         param_table_build(&pt, c, 1);
-        uint8_t* flags = param_decay_flags(&pt);
+        uint8_t *flags = param_flags(&pt, c, false), *muon_flags = param_flags(&pt, c, true);
         size_t end = 0, count = 0;
         for (int i = 0; i < pt.n_tensors; i++) {
             const ParamTensor* t = &pt.tensors[i];
@@ -184,11 +184,13 @@ static int test_param_table_layout(void) {
             EXPECT(t->offset >= end, "%s overlaps its predecessor", t->name);
             EXPECT(t->offset >= pt.bucket_offset[bucket] && t->offset + n <= pt.bucket_offset[bucket + 1],
                    "%s outside bucket %d", t->name, bucket);
-            EXPECT(t->decay == (t->kind == P_EMBED || t->kind == P_QKV || t->kind == P_ATTN_OUT ||
-                                t->kind == P_GATE_UP || t->kind == P_DOWN), "%s: wrong decay flag", t->name);
+            bool matrix = t->kind == P_QKV || t->kind == P_ATTN_OUT || t->kind == P_GATE_UP || t->kind == P_DOWN;
+            EXPECT(t->decay == (t->kind == P_EMBED || matrix), "%s: wrong decay flag", t->name);
+            int with_muon = (t->decay ? PARAM_FLAG_DECAY : 0) | (matrix ? PARAM_FLAG_MUON : 0);
             for (size_t j = 0; j < n; j += PARAM_ALIGN)
-                if (flags[(t->offset + j) / PARAM_ALIGN] != t->decay) {
-                    EXPECT(false, "%s: AdamW's decay flag at element %zu is wrong", t->name, j);
+                if (flags[(t->offset + j) / PARAM_ALIGN] != t->decay ||
+                    muon_flags[(t->offset + j) / PARAM_ALIGN] != with_muon) {
+                    EXPECT(false, "%s: the optimizer's flag at element %zu is wrong", t->name, j);
                     break;
                 }
             EXPECT(param(&pt, t->kind, t->layer) == t, "lookup of %s", t->name);
@@ -206,6 +208,7 @@ static int test_param_table_layout(void) {
         EXPECT(count == expect && param_count(&pt) == expect, "config %zu: %zu parameters, expected %zu", ci, count,
                expect);
         free(flags);
+        free(muon_flags);
         param_table_free(&pt);
     }
     return TEST_RESULT;

@@ -260,18 +260,6 @@ static size_t param_count(const ParamTable* pt) {  // without padding
     return n;
 }
 
-// The optimizer's view of "what decays": one flag per PARAM_ALIGN elements of the flat buffer (host array
-// of n_elements / PARAM_ALIGN bytes; padding never decays, and stays zero either way).
-static uint8_t* param_decay_flags(const ParamTable* pt) {
-    uint8_t* flags = (uint8_t*)calloc(pt->n_elements / PARAM_ALIGN, 1);
-    for (int i = 0; i < pt->n_tensors; i++) {
-        const ParamTensor* t = &pt->tensors[i];
-        size_t blocks = ((size_t)(t->rows * t->cols) + PARAM_ALIGN - 1) / PARAM_ALIGN;
-        memset(flags + t->offset / PARAM_ALIGN, t->decay ? 1 : 0, blocks);
-    }
-    return flags;
-}
-
 // Muon orthogonalizes each linear map on its own: the fused matrices are row blocks of separate
 // maps (qkv: q, k, v; gate_up: gate, up). Fills the blocks' row counts; returns how many (0: the
 // tensor is not a hidden matrix, AdamW updates it).
@@ -288,6 +276,22 @@ static int muon_blocks(const ModelConfig* c, const ParamTensor* t, int64_t rows[
     }
     rows[0] = t->rows;
     return 1;
+}
+
+// The optimizer's view of the tensors: one flag byte per PARAM_ALIGN elements of the flat buffer
+// (host array of n_elements / PARAM_ALIGN bytes): PARAM_FLAG_DECAY where weight decay applies, and
+// with `muon` PARAM_FLAG_MUON on the hidden matrices, which Muon updates instead of AdamW. Padding
+// has no flag.
+static uint8_t* param_flags(const ParamTable* pt, const ModelConfig* c, bool muon) {
+    uint8_t* flags = (uint8_t*)calloc(pt->n_elements / PARAM_ALIGN, 1);
+    for (int i = 0; i < pt->n_tensors; i++) {
+        const ParamTensor* t = &pt->tensors[i];
+        size_t blocks = ((size_t)(t->rows * t->cols) + PARAM_ALIGN - 1) / PARAM_ALIGN;
+        int64_t rows[3];
+        int flag = (t->decay ? PARAM_FLAG_DECAY : 0) | (muon && muon_blocks(c, t, rows) ? PARAM_FLAG_MUON : 0);
+        memset(flags + t->offset / PARAM_ALIGN, flag, blocks);
+    }
+    return flags;
 }
 
 // FLOPs per token of one training step (forward + backward), as the PyTorch baseline we measure
@@ -673,16 +677,10 @@ static void gpt_check_fits(const GPT* m, size_t allocated) {
     }
 }
 
-// The optimizer's flags for its buffers: the table's decay flags, and with Muon which elements are
-// Muon's (the hidden matrices, whole: Muon runs only with ZeRO 0), for the owned parts.
+// The optimizer's flags for its buffers: the table's (param_flags; Muon's matrices are whole here,
+// since Muon runs only with ZeRO 0), for the owned parts.
 static void gpt_upload_decay_flags(GPT* m) {
-    uint8_t* full = param_decay_flags(&m->table);
-    for (int i = 0; m->optimizer == OPTIMIZER_MUON && i < m->table.n_tensors; i++) {
-        const ParamTensor* t = &m->table.tensors[i];
-        int64_t rows[3];
-        if (!muon_blocks(&m->cfg, t, rows)) continue;
-        for (size_t j = 0; j < (size_t)(t->rows * t->cols); j += PARAM_ALIGN) full[(t->offset + j) / PARAM_ALIGN] |= PARAM_FLAG_MUON;
-    }
+    uint8_t* full = param_flags(&m->table, &m->cfg, m->optimizer == OPTIMIZER_MUON);
     uint8_t* owned = (uint8_t*)xcalloc(m->opt_len / PARAM_ALIGN, 1);
     for (int b = 0; b <= m->table.n_layers; b++) {
         size_t begin, end;
