@@ -478,14 +478,17 @@ typedef struct GPT {
     GptFp8 fp8;
 } GPT;
 
-// The elements of bucket b this rank's optimizer owns: all of it (ZeRO 0), or its piece. The bucket
-// is bucket_split's padded length, so len / world is that split's piece, padding included.
+// A rank's piece of bucket b (ZeRO 1, 2): the bucket is bucket_split's padded length, so len / world
+// is that split's piece, padding included.
+static size_t bucket_piece(const GPT* m, int b) { return bucket_len(&m->table, b) / m->dp.world; }
+
+// The elements of bucket b this rank's optimizer owns: all of it (ZeRO 0), or its piece.
 static void owned_part(const GPT* m, int b, size_t* begin, size_t* end) {
-    size_t start = m->table.bucket_offset[b], len = bucket_len(&m->table, b);
+    size_t start = m->table.bucket_offset[b];
     if (m->dp.zero == 0) {
-        *begin = start, *end = start + len;
+        *begin = start, *end = start + bucket_len(&m->table, b);
     } else {
-        size_t piece = len / m->dp.world;
+        size_t piece = bucket_piece(m, b);
         *begin = start + m->dp.rank * piece, *end = *begin + piece;
     }
 }
@@ -874,8 +877,7 @@ static bf16* owned_params(const GPT* m, int b) {
 static void send_params(GPT* m, int b) {
     Comm* c = m->dp.comm;
     comm_follow(c, m->stream);
-    comm_all_gather(c, owned_params(m, b), m->params + m->table.bucket_offset[b], bucket_len(&m->table, b) / m->dp.world,
-                    sizeof(bf16));
+    comm_all_gather(c, owned_params(m, b), m->params + m->table.bucket_offset[b], bucket_piece(m, b), sizeof(bf16));
     CUDA_CHECK(cudaEventRecord(m->params_ready[b], c->stream));
 }
 
@@ -892,8 +894,7 @@ static void publish_params(GPT* m) {
     }
     for (int i = 0; i <= m->table.n_layers; i++) {
         int b = forward_order(i, m->table.n_layers);
-        cast_to_bf16(owned_params(m, b), m->master + m->opt_offset[b], bucket_len(&m->table, b) / m->dp.world,
-                     m->stream);
+        cast_to_bf16(owned_params(m, b), m->master + m->opt_offset[b], bucket_piece(m, b), m->stream);
         send_params(m, b);
     }
 }
@@ -1315,7 +1316,7 @@ static void grads_ready(GPT* m, int b) {
     Comm* c = m->dp.comm;
     bool last = m->micro == m->accum - 1;
     if (!c || (m->dp.zero < 2 && !last)) return;
-    size_t len = bucket_len(&m->table, b), piece = len / m->dp.world;
+    size_t len = bucket_len(&m->table, b), piece = bucket_piece(m, b);
     float* owned = m->grad_shard + m->opt_offset[b];
     comm_follow(c, m->stream);
     if (m->dp.zero == 0) {
@@ -1454,7 +1455,7 @@ static void optimizer_step(GPT* m, const OptimConfig* o) {
     }
     for (int i = 0; i <= m->table.n_layers; i++) {  // piece by piece, each sent as soon as it is updated
         int b = forward_order(i, m->table.n_layers);
-        adamw_range(m, o, grads, m->opt_offset[b], owned_params(m, b), bucket_len(&m->table, b) / m->dp.world);
+        adamw_range(m, o, grads, m->opt_offset[b], owned_params(m, b), bucket_piece(m, b));
         send_params(m, b);
     }
 }
@@ -1976,7 +1977,7 @@ static void gpt_download_state(GPT* m, const float* state, float* host) {
     for (int b = 0; b <= pt->n_layers; b++) {
         float* whole = m->dp.zero == 1 ? m->grads + pt->bucket_offset[b]
                        : b == pt->n_layers ? m->grad_tail : m->grad_ring[0];
-        comm_all_gather(c, state + m->opt_offset[b], whole, bucket_len(pt, b) / m->dp.world, sizeof(float));
+        comm_all_gather(c, state + m->opt_offset[b], whole, bucket_piece(m, b), sizeof(float));
         if (host)
             CUDA_CHECK(cudaMemcpyAsync(host + pt->bucket_offset[b], whole, bucket_len(pt, b) * 4,
                                        cudaMemcpyDeviceToHost, c->stream));
