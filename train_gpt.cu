@@ -423,12 +423,24 @@ typedef struct {
 } OptStateTensor;
 #define MAX_OPT_STATE_TENSORS 4
 
+// Each layout's tensors by name (opt_part's i), in the order of its table below: AdamW's and
+// Muon's; 8-bit AdamW's, the codes and per-block absmax of m and of r = sqrt(v).
+enum { OPT_EXP_AVG, OPT_EXP_AVG_SQ, N_OPT_FP32 };
+enum { OPT_Q8_M, OPT_Q8_M_ABSMAX, OPT_Q8_R, OPT_Q8_R_ABSMAX, N_OPT_Q8 };
+
 static int optimizer_state_tensors(OptimizerKind kind, const OptStateTensor** out) {
     static const OptStateTensor fp32[] = {{"exp_avg", ST_F32, 4, 1}, {"exp_avg_sq", ST_F32, 4, 1}};
     static const OptStateTensor q8[] = {{"exp_avg_q8", ST_U8, 1, 1}, {"exp_avg_absmax", ST_F32, 4, Q8_BLOCK},
                                         {"exp_avg_sq_root_q8", ST_U8, 1, 1}, {"exp_avg_sq_root_absmax", ST_F32, 4, Q8_BLOCK}};
-    *out = kind == OPTIMIZER_ADAMW8BIT ? q8 : fp32;
-    return kind == OPTIMIZER_ADAMW8BIT ? 4 : 2;
+    static_assert(sizeof(fp32) / sizeof(fp32[0]) == N_OPT_FP32 && sizeof(q8) / sizeof(q8[0]) == N_OPT_Q8,
+                  "a state table and its names disagree");
+    static_assert(N_OPT_Q8 <= MAX_OPT_STATE_TENSORS, "");
+    if (kind == OPTIMIZER_ADAMW8BIT) {
+        *out = q8;
+        return N_OPT_Q8;
+    }
+    *out = fp32;
+    return N_OPT_FP32;
 }
 
 typedef struct GPT {
@@ -1415,12 +1427,12 @@ static void adamw_range(GPT* m, const OptimConfig* o, const float* grads, size_t
     const uint8_t* flags = m->decay_flags + at / PARAM_ALIGN;
     void* st = m->opt_state;
     if (m->optimizer == OPTIMIZER_ADAMW8BIT)
-        adamw8bit_step(m->master + at, params, grads + at, (uint8_t*)opt_part(m, st, 0, at),
-                       (uint8_t*)opt_part(m, st, 2, at), (float*)opt_part(m, st, 1, at), (float*)opt_part(m, st, 3, at),
-                       flags, n, o, m->scalars, m->stream);
+        adamw8bit_step(m->master + at, params, grads + at, (uint8_t*)opt_part(m, st, OPT_Q8_M, at),
+                       (uint8_t*)opt_part(m, st, OPT_Q8_R, at), (float*)opt_part(m, st, OPT_Q8_M_ABSMAX, at),
+                       (float*)opt_part(m, st, OPT_Q8_R_ABSMAX, at), flags, n, o, m->scalars, m->stream);
     else
-        adamw_step(m->master + at, params, grads + at, (float*)opt_part(m, st, 0, at), (float*)opt_part(m, st, 1, at),
-                   flags, n, o, m->scalars, m->stream);
+        adamw_step(m->master + at, params, grads + at, (float*)opt_part(m, st, OPT_EXP_AVG, at),
+                   (float*)opt_part(m, st, OPT_EXP_AVG_SQ, at), flags, n, o, m->scalars, m->stream);
 }
 
 // Muon over every hidden matrix block (ZeRO 0: this rank holds them whole); the momentum lives in
@@ -1432,7 +1444,8 @@ static void muon_matrices(GPT* m, const OptimConfig* o) {
         int n = muon_blocks(&m->cfg, t, rows);
         size_t at = t->offset;
         for (int k = 0; k < n; at += (size_t)rows[k] * t->cols, k++)
-            muon_matrix_step(m->master + at, m->params + at, m->grads + at, (float*)opt_part(m, m->opt_state, 0, at),
+            muon_matrix_step(m->master + at, m->params + at, m->grads + at,
+                             (float*)opt_part(m, m->opt_state, OPT_EXP_AVG, at),
                              (int)rows[k], (int)t->cols, &m->muon, m->act.partials, o, m->scalars, m->stream);
     }
 }
