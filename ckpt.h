@@ -1126,10 +1126,11 @@ typedef struct {
     int n_files;
 } CkptReader;
 
-/* File names inside a checkpoint: plain names, so a manifest cannot point outside its directory. */
+/* The names of the files a checkpoint lists: plain names, so that a manifest (or a receipt) cannot
+ * point outside its directory, and not the manifest's own. */
 static int ckpt_valid_name(const char* name) {
     size_t n = strlen(name);
-    if (n == 0 || n >= CKPT_NAME_MAX || name[0] == '.') return 0;
+    if (n == 0 || n >= CKPT_NAME_MAX || name[0] == '.' || strcmp(name, CKPT_MANIFEST) == 0) return 0;
     for (size_t i = 0; i < n; i++)
         if (!((name[i] >= 'a' && name[i] <= 'z') || (name[i] >= 'A' && name[i] <= 'Z') ||
               (name[i] >= '0' && name[i] <= '9') || strchr("._-", name[i])))
@@ -1170,36 +1171,41 @@ static void ckpt_abort(CkptWriter* w) {
     w->active = 0;
 }
 
-/* Starts checkpoint `step` in out_dir (created if missing); a stale ckpt_<step>.tmp is replaced. */
-static int ckpt_begin(CkptWriter* w, const char* out_dir, int64_t step, char* err, size_t err_len) {
+/* What ckpt_begin and ckpt_join both set up: a writer of checkpoint `step` of out_dir, whose files
+ * go into out_dir/ckpt_<step>.tmp/, not active yet. */
+static int ckpt_writer_init(CkptWriter* w, const char* out_dir, int64_t step, char* err, size_t err_len) {
     memset(w, 0, sizeof *w);
     if (step < 0) return fail(err, err_len, "checkpoint step %" PRId64 " is negative", step);
     if (snprintf(w->out_dir, sizeof w->out_dir, "%s", out_dir) >= (int)sizeof w->out_dir ||
         snprintf(w->tmp_dir, sizeof w->tmp_dir, "%s/ckpt_%" PRId64 ".tmp", out_dir, step) >= (int)sizeof w->tmp_dir)
         return fail(err, err_len, "%s: path too long", out_dir);
-    if (ck_mkdir_p(out_dir, err, err_len) || ck_rmtree(w->tmp_dir, err, err_len)) return -1;
-    if (mkdir(w->tmp_dir, 0755) != 0) return fail_errno(err, err_len, errno, "create directory %s", w->tmp_dir);
     w->step = step;
+    return 0;
+}
+
+/* Starts checkpoint `step` in out_dir (created if missing); a stale ckpt_<step>.tmp is replaced. */
+static int ckpt_begin(CkptWriter* w, const char* out_dir, int64_t step, char* err, size_t err_len) {
+    if (ckpt_writer_init(w, out_dir, step, err, err_len) || ck_mkdir_p(out_dir, err, err_len) ||
+        ck_rmtree(w->tmp_dir, err, err_len))
+        return -1;
+    if (mkdir(w->tmp_dir, 0755) != 0) return fail_errno(err, err_len, errno, "create directory %s", w->tmp_dir);
     w->active = 1;
     return 0;
 }
 
-/* Opens `name` in the unfinished checkpoint for writing; ckpt_file_end records it. */
-static int ckpt_file_begin(CkptWriter* w, const char* name, AtomicFile* f, char* err, size_t err_len) {
+/* The path of `name`, a new file of the unfinished checkpoint, after checking that it may be one (a
+ * valid name, not listed yet) and making room for its entry, so that ckpt_record_file cannot fail
+ * once the file is on disk. The one check of every listed file: the writer's own (ckpt_add_*) and
+ * those a receipt brings (ckpt_take_receipt). path has CK_PATH_MAX bytes. */
+static int ckpt_new_file(CkptWriter* w, const char* name, char* path, char* err, size_t err_len) {
     if (!w->active) return fail(err, err_len, "checkpoint file %s: no checkpoint in progress (call ckpt_begin)", name);
-    if (!ckpt_valid_name(name) || strcmp(name, CKPT_MANIFEST) == 0)
+    if (!ckpt_valid_name(name))
         return fail(err, err_len, "checkpoint file '%s': names are letters, digits, '.', '_' and '-' (not "
                     "starting with '.', at most %d characters), and not " CKPT_MANIFEST, name, CKPT_NAME_MAX - 1);
     for (int i = 0; i < w->n_files; i++)
         if (strcmp(w->files[i].name, name) == 0) return fail(err, err_len, "%s/%s: written twice", w->tmp_dir, name);
-    char path[CK_PATH_MAX];
-    if (snprintf(path, sizeof path, "%s/%s", w->tmp_dir, name) >= (int)sizeof path)
+    if (snprintf(path, CK_PATH_MAX, "%s/%s", w->tmp_dir, name) >= CK_PATH_MAX)
         return fail(err, err_len, "%s/%s: path too long", w->tmp_dir, name);
-    return af_open(f, path, err, err_len);
-}
-
-/* Room for one more entry in the writer's list of files. */
-static int ckpt_grow_files(CkptWriter* w, char* err, size_t err_len) {
     if (w->n_files < w->cap_files) return 0;
     int cap = w->cap_files ? 2 * w->cap_files : 8;
     CkptFileInfo* files = (CkptFileInfo*)realloc(w->files, (size_t)cap * sizeof(CkptFileInfo));
@@ -1209,13 +1215,24 @@ static int ckpt_grow_files(CkptWriter* w, char* err, size_t err_len) {
     return 0;
 }
 
-static int ckpt_file_end(CkptWriter* w, const char* name, AtomicFile* f, char* err, size_t err_len) {
-    if (ckpt_grow_files(w, err, err_len)) { af_abort(f); return -1; }
-    if (af_commit(f, err, err_len)) return -1;
+/* Lists a file that ckpt_new_file admitted, now on disk with these bytes and CRC32C. */
+static void ckpt_record_file(CkptWriter* w, const char* name, uint64_t bytes, uint32_t crc) {
     CkptFileInfo* info = &w->files[w->n_files++];
     snprintf(info->name, sizeof info->name, "%s", name);
-    info->bytes = f->bytes;
-    info->crc32c = f->crc;
+    info->bytes = bytes;
+    info->crc32c = crc;
+}
+
+/* Opens `name` in the unfinished checkpoint for writing; ckpt_file_end lists it. */
+static int ckpt_file_begin(CkptWriter* w, const char* name, AtomicFile* f, char* err, size_t err_len) {
+    char path[CK_PATH_MAX];
+    if (ckpt_new_file(w, name, path, err, err_len)) return -1;
+    return af_open(f, path, err, err_len);
+}
+
+static int ckpt_file_end(CkptWriter* w, const char* name, AtomicFile* f, char* err, size_t err_len) {
+    if (af_commit(f, err, err_len)) return -1;
+    ckpt_record_file(w, name, f->bytes, f->crc);
     return 0;
 }
 
@@ -1390,14 +1407,10 @@ static int ck_wait_for(const char* path, int want_dir, double timeout_s) {
 
 /* Joins checkpoint `step` of out_dir, begun by its owner: waits up to timeout_s for the directory. */
 static int ckpt_join(CkptWriter* w, const char* out_dir, int64_t step, double timeout_s, char* err, size_t err_len) {
-    memset(w, 0, sizeof *w);
-    if (snprintf(w->out_dir, sizeof w->out_dir, "%s", out_dir) >= (int)sizeof w->out_dir ||
-        snprintf(w->tmp_dir, sizeof w->tmp_dir, "%s/ckpt_%" PRId64 ".tmp", out_dir, step) >= (int)sizeof w->tmp_dir)
-        return fail(err, err_len, "%s: path too long", out_dir);
+    if (ckpt_writer_init(w, out_dir, step, err, err_len)) return -1;
     if (ck_wait_for(w->tmp_dir, 1, timeout_s))
         return fail(err, err_len, "%s: not created within %.0f s by the writer that owns the checkpoint", w->tmp_dir,
                     timeout_s);
-    w->step = step;
     w->active = 1;
     w->joined = 1;
     return 0;
@@ -1430,8 +1443,8 @@ static int ckpt_send_receipt(CkptWriter* w, const char* receipt, const char* why
     return rc;
 }
 
-/* One receipt line "<name> <bytes> <crc32c>" into the owner's list, after checking the file is
- * there with that size. */
+/* One receipt line "<name> <bytes> <crc32c>" into the owner's list, after the checks of the owner's
+ * own files (ckpt_new_file) and that the file is there with that size. */
 static int ckpt_receipt_line(CkptWriter* w, const char* rpath, const char* line, char* err, size_t err_len) {
     char name[CKPT_NAME_MAX], *digits_end = NULL;
     const char* bytes_text = strchr(line, ' ');
@@ -1444,22 +1457,13 @@ static int ckpt_receipt_line(CkptWriter* w, const char* rpath, const char* line,
         return fail(err, err_len, "%s: not a receipt line: '%.60s'", rpath, line);
     memcpy(name, line, name_len);
     name[name_len] = '\0';
-    if (!ckpt_valid_name(name) || strcmp(name, CKPT_MANIFEST) == 0)
-        return fail(err, err_len, "%s: invalid file name '%s'", rpath, name);
-    for (int i = 0; i < w->n_files; i++)
-        if (strcmp(w->files[i].name, name) == 0) return fail(err, err_len, "%s/%s: written twice", w->tmp_dir, name);
-    char path[CK_PATH_MAX];
+    char path[CK_PATH_MAX], why[CK_PATH_MAX + 256];
     struct stat st;
-    if (snprintf(path, sizeof path, "%s/%s", w->tmp_dir, name) >= (int)sizeof path)
-        return fail(err, err_len, "%s/%s: path too long", w->tmp_dir, name);
+    if (ckpt_new_file(w, name, path, why, sizeof why)) return fail(err, err_len, "%s: %s", rpath, why);
     if (stat(path, &st) != 0 || (uint64_t)st.st_size != bytes)
         return fail(err, err_len, "%s: listed in %s with %llu bytes, but it is missing or of another size", path,
                     rpath, bytes);
-    if (ckpt_grow_files(w, err, err_len)) return -1;
-    CkptFileInfo* info = &w->files[w->n_files++];
-    snprintf(info->name, sizeof info->name, "%s", name);
-    info->bytes = bytes;
-    info->crc32c = crc;
+    ckpt_record_file(w, name, bytes, crc);
     return 0;
 }
 
@@ -1582,8 +1586,7 @@ static int ckpt_parse_manifest(CkptReader* r, const char* mpath, const char* tex
         int64_t bytes;
         const char* crc;
         uint32_t crc_value;
-        if (!ckpt_valid_name(f->key) || strcmp(f->key, CKPT_MANIFEST) == 0)
-            return fail(err, err_len, "%s: invalid file name '%s'", mpath, f->key);
+        if (!ckpt_valid_name(f->key)) return fail(err, err_len, "%s: invalid file name '%s'", mpath, f->key);
         if (json_get_int(m, f, "bytes", &bytes) || bytes < 0 || json_get_string(m, f, "crc32c", &crc) ||
             ckpt_parse_crc(crc, &crc_value))
             return fail(err, err_len, "%s: file '%s' needs \"bytes\" (an integer) and \"crc32c\" (8 hex digits)",

@@ -45,6 +45,11 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
+__device__ __forceinline__ float warp_max(float x) {
+    for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+
 // Sum over a whole block (blockDim.x a multiple of 32, at most 1024). Every thread gets the result.
 __device__ float block_sum(float x) {
     __shared__ float warp_totals[32];
@@ -60,6 +65,21 @@ __device__ float block_sum(float x) {
     }
     __syncthreads();
     float result = total;
+    __syncthreads();  // so that a second call may reuse the shared slots
+    return result;
+}
+
+// Max over a whole block (blockDim.x a multiple of 32, at most 1024). Every thread gets the result.
+// A max is exact, so any order gives the same bits: every thread reads the warps' maxima itself,
+// which saves block_sum's second barrier.
+__device__ float block_max(float x) {
+    __shared__ float warp_maxima[32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
+    x = warp_max(x);
+    if (lane == 0) warp_maxima[warp] = x;
+    __syncthreads();
+    float result = warp_maxima[0];
+    for (int w = 1; w < n_warps; w++) result = fmaxf(result, warp_maxima[w]);
     __syncthreads();  // so that a second call may reuse the shared slots
     return result;
 }
@@ -547,20 +567,9 @@ __global__ void cross_entropy_kernel(bf16* logits, float* losses, const int* tar
         }
     }
     // Combine (m, sum) across the block: rescale every thread's sum to the block's max.
-    __shared__ float block_max;
-    float mx = m;
-    for (int offset = 16; offset > 0; offset >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, offset));
-    __shared__ float warp_max[32];
-    if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = mx;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float b = -FLT_MAX;
-        for (int w = 0; w < blockDim.x / 32; w++) b = fmaxf(b, warp_max[w]);
-        block_max = b;
-    }
-    __syncthreads();
-    float total = block_sum(sum * __expf(m - block_max));
-    float lse = block_max + logf(total);
+    const float row_max = block_max(m);
+    float total = block_sum(sum * __expf(m - row_max));
+    float lse = row_max + logf(total);
     if (threadIdx.x == 0) losses[blockIdx.x] = lse - z_target;
     for (int i = threadIdx.x * 8; i < V; i += blockDim.x * 8) {
         bf16x8 v = load8(z + i);
@@ -797,17 +806,6 @@ __host__ __device__ static inline float q8_decode(uint8_t code, float absmax, co
     return map[code] * absmax;
 }
 
-// The largest of the 128 threads' x (Q8_BLOCK threads, four warps); every thread gets it. Max is
-// exact, so the order does not matter.
-__device__ float block128_max(float x, float* shared4) {
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, o));
-    if (threadIdx.x % 32 == 0) shared4[threadIdx.x / 32] = x;
-    __syncthreads();
-    float r = fmaxf(fmaxf(shared4[0], shared4[1]), fmaxf(shared4[2], shared4[3]));
-    __syncthreads();  // before a later call rewrites shared4
-    return r;
-}
-
 // One thread block of Q8_BLOCK threads per quantization block (grid-stride over the blocks):
 // each thread dequantizes its element's m and r = sqrt(v) (code value * the block's absmax), runs
 // AdamW's update in fp32 as adamw_kernel does, writes the master weight and its bf16 copy; then
@@ -817,7 +815,7 @@ __global__ void __launch_bounds__(Q8_BLOCK) adamw8bit_kernel(float* master, bf16
                                                              uint8_t* qm, uint8_t* qv, float* absmax_m,
                                                              float* absmax_v, const uint8_t* flags, size_t n_blocks,
                                                              OptimConfig o, const OptimScalars* s, Q8Maps maps) {
-    __shared__ float map_m[256], map_v[256], shared4[4];
+    __shared__ float map_m[256], map_v[256];
     for (int i = threadIdx.x; i < 256; i += Q8_BLOCK) map_m[i] = maps.m[i], map_v[i] = maps.v[i];
     __syncthreads();
     float clip_scale = clip_scale_of(o, s);
@@ -833,7 +831,7 @@ __global__ void __launch_bounds__(Q8_BLOCK) adamw8bit_kernel(float* master, bf16
         master[i] = p;
         params[i] = __float2bfloat16(p);
         ri = sqrtf(vi);
-        float am = block128_max(fabsf(mi), shared4), av = block128_max(ri, shared4);
+        float am = block_max(fabsf(mi)), av = block_max(ri);
         qm[i] = q8_encode(mi, am, map_m, true);
         qv[i] = q8_encode(ri, av, map_v, false);
         if (threadIdx.x == 0) absmax_m[b] = am, absmax_v[b] = av;
@@ -857,12 +855,12 @@ static void adamw8bit_step(float* master, bf16* params, const float* grads, uint
 // block's absmax, signed (m's map) or not (v's).
 __global__ void q8_quantize_kernel(uint8_t* codes, float* absmax, const float* x, size_t n_blocks, bool is_signed,
                                    Q8Maps maps) {
-    __shared__ float map[256], shared4[4];
+    __shared__ float map[256];
     for (int i = threadIdx.x; i < 256; i += Q8_BLOCK) map[i] = is_signed ? maps.m[i] : maps.v[i];
     __syncthreads();
     for (size_t b = blockIdx.x; b < n_blocks; b += gridDim.x) {
         size_t i = b * Q8_BLOCK + threadIdx.x;
-        float a = block128_max(fabsf(x[i]), shared4);
+        float a = block_max(fabsf(x[i]));
         codes[i] = q8_encode(x[i], a, map, is_signed);
         if (threadIdx.x == 0) absmax[b] = a;
     }
@@ -1019,12 +1017,14 @@ static MatmulPlan* matmul_plan(const MatmulKey* key, const MatmulOperand* a, con
     return &g_plans[g_n_plans++];
 }
 
-// Column-major D[m, n] = op(A)[m, k] op(B)[k, n] (+ beta C, of D's shape, when c is not NULL),
-// accumulated in fp32 (FP8 products: in the tensor cores' narrower accumulators, promoted to fp32
-// along k unless fast_accum). Scales (FP8): D = scale_d * (scale_a scale_b op(A) op(B) + beta C).
+// Column-major D[m, n] = alpha op(A)[m, k] op(B)[k, n] (+ beta C, of D's shape, when c is not
+// NULL), accumulated in fp32 (FP8 products: in the tensor cores' narrower accumulators, promoted to
+// fp32 along k unless fast_accum) and scaled by alpha in fp32 before the one rounding to D's type.
+// Scales (FP8): D = scale_d * (alpha scale_a scale_b op(A) op(B) + beta C), cuBLASLt's rule: alpha
+// and beta come from the host (the default pointer mode) and multiply with the device scales.
 // All pointers are 256-byte aligned and every leading dimension is the stored matrix's row count.
-static void matmul(MatmulOperand d, MatmulOperand a, MatmulOperand b, const void* c, float beta, int m, int n, int k,
-                   bool trans_a, bool trans_b, cudaStream_t stream, bool fast_accum = false) {
+static void matmul(MatmulOperand d, float alpha, MatmulOperand a, MatmulOperand b, const void* c, float beta, int m,
+                   int n, int k, bool trans_a, bool trans_b, cudaStream_t stream, bool fast_accum = false) {
     if ((is_fp8(a.type) || is_fp8(b.type)) && (!trans_a || trans_b)) {
         fprintf(stderr, "matmul: FP8 operands need the TN form (trans_a and not trans_b)\n");
         exit(1);
@@ -1047,7 +1047,6 @@ static void matmul(MatmulOperand d, MatmulOperand a, MatmulOperand b, const void
                            d.amax != NULL, fast_accum, a.type, b.type, d.type};
     MatmulPlan* plan = matmul_plan(&key, &a, &b, &d);
     matmul_set_scales(plan->desc, &a, &b, &d);
-    const float alpha = 1.0f;
     const float beta_used = c ? beta : 0.0f;
     // Without a C, D is passed as C (unread with beta 0), except for an FP8 D, whose C layout is
     // bf16: cuBLASLt refuses C == D with different layouts, and takes a null C there.
@@ -1061,17 +1060,17 @@ static void matmul(MatmulOperand d, MatmulOperand a, MatmulOperand b, const void
 // Column-major: D[m=O, n=N] = op_T(W, stored [I, O]) x^T (stored [I, N]), D stored [O, N] = y.
 static void linear_forward(bf16* y, const bf16* x, const bf16* W, const bf16* residual, int N, int I, int O,
                            cudaStream_t s) {
-    matmul(mm_bf16(y), mm_bf16(W), mm_bf16(x), residual, 1.0f, O, N, I, true, false, s);
+    matmul(mm_bf16(y), 1.0f, mm_bf16(W), mm_bf16(x), residual, 1.0f, O, N, I, true, false, s);
 }
 
 // dx[N, I] = dy[N, O] W[O, I].   Column-major: D[m=I, n=N] = W(stored [I, O]) dy^T(stored [O, N]).
 static void linear_backward_input(bf16* dx, const bf16* dy, const bf16* W, int N, int I, int O, cudaStream_t s) {
-    matmul(mm_bf16(dx), mm_bf16(W), mm_bf16(dy), NULL, 0.0f, I, N, O, false, false, s);
+    matmul(mm_bf16(dx), 1.0f, mm_bf16(W), mm_bf16(dy), NULL, 0.0f, I, N, O, false, false, s);
 }
 
 // dW[O, I] += dy[N, O]^T x[N, I].   Column-major: D[m=I, n=O] = x^T(stored [I, N]) op_T(dy stored [O, N]).
 static void linear_backward_weight(float* dW, const bf16* dy, const bf16* x, int N, int I, int O, cudaStream_t s) {
-    matmul(mm_f32(dW), mm_bf16(x), mm_bf16(dy), dW, 1.0f, I, O, N, false, true, s);
+    matmul(mm_f32(dW), 1.0f, mm_bf16(x), mm_bf16(dy), dW, 1.0f, I, O, N, false, true, s);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -1099,7 +1098,7 @@ static const float MUON_NS_A = 3.4445f, MUON_NS_B = -4.7750f, MUON_NS_C = 2.0315
 typedef struct {
     float* u;         // [elements] the Nesterov update in fp32
     bf16 *x, *y;      // [elements] the iterate and the next one
-    bf16 *a, *ac, *b; // [short side^2] A, c A, B
+    bf16 *a, *b;      // [short side^2] A, B
     float* norm_sq;   // one float: ||u||^2
 } MuonScratch;
 
@@ -1122,12 +1121,6 @@ __global__ void muon_normalize_kernel(bf16* x, const float* u, size_t n, const f
         x[i] = __float2bfloat16(u[i] * inv);
 }
 
-// y = c x (bf16)
-__global__ void scale_bf16_kernel(bf16* y, const bf16* x, size_t n, float c) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        y[i] = __float2bfloat16(c * __bfloat162float(x[i]));
-}
-
 // p -= lr_muon * scale * x, the master weight and its bf16 copy.
 __global__ void muon_update_kernel(float* master, bf16* params, const bf16* x, size_t n, float scale,
                                    const OptimScalars* s) {
@@ -1148,15 +1141,12 @@ static bf16* newton_schulz5(const MuonScratch* w, int R, int C, cudaStream_t str
     bf16 *x = w->x, *y = w->y;
     bool wide = R <= C;
     int r = wide ? R : C;
-    size_t rr = (size_t)r * r;
     for (int step = 0; step < MUON_NS_STEPS; step++) {
-        if (wide) matmul(mm_bf16(w->a), mm_bf16(x), mm_bf16(x), NULL, 0.0f, R, R, C, true, false, stream);
-        else matmul(mm_bf16(w->a), mm_bf16(x), mm_bf16(x), NULL, 0.0f, C, C, R, false, true, stream);
-        scale_bf16_kernel<<<256, 256, 0, stream>>>(w->ac, w->a, rr, MUON_NS_C);
-        LAUNCH_CHECK();
-        matmul(mm_bf16(w->b), mm_bf16(w->ac), mm_bf16(w->a), w->a, MUON_NS_B, r, r, r, false, false, stream);
-        if (wide) matmul(mm_bf16(y), mm_bf16(x), mm_bf16(w->b), x, MUON_NS_A, C, R, R, false, true, stream);
-        else matmul(mm_bf16(y), mm_bf16(w->b), mm_bf16(x), x, MUON_NS_A, C, R, C, false, false, stream);
+        if (wide) matmul(mm_bf16(w->a), 1.0f, mm_bf16(x), mm_bf16(x), NULL, 0.0f, R, R, C, true, false, stream);
+        else matmul(mm_bf16(w->a), 1.0f, mm_bf16(x), mm_bf16(x), NULL, 0.0f, C, C, R, false, true, stream);
+        matmul(mm_bf16(w->b), MUON_NS_C, mm_bf16(w->a), mm_bf16(w->a), w->a, MUON_NS_B, r, r, r, false, false, stream);
+        if (wide) matmul(mm_bf16(y), 1.0f, mm_bf16(x), mm_bf16(w->b), x, MUON_NS_A, C, R, R, false, true, stream);
+        else matmul(mm_bf16(y), 1.0f, mm_bf16(w->b), mm_bf16(x), x, MUON_NS_A, C, R, C, false, false, stream);
         bf16* t = x;
         x = y;
         y = t;

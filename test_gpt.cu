@@ -175,15 +175,15 @@ static int test_config_rejects_bad_configs(void) {
 }
 
 // The layout: aligned, disjoint tensors; each layer's tensors inside its bucket and the buckets
-// tiling the buffer in order; the decay flags AdamW reads matching each tensor's kind; and the
-// parameter count against an independent formula.
+// tiling the buffer in order; the flags the optimizer reads (decay; with Muon, Muon's matrices)
+// matching each tensor's kind; and the parameter count against an independent formula.
 static int test_param_table_layout(void) {
     int failed = 0;
     for (size_t ci = 0; ci < sizeof(SANE_CONFIGS) / sizeof(SANE_CONFIGS[0]); ci++) {
         const ModelConfig* c = &SANE_CONFIGS[ci];
         ParamTable pt;
         param_table_build(&pt, c, 1);
-        uint8_t* flags = param_decay_flags(&pt);
+        uint8_t *flags = param_flags(&pt, c, false), *muon_flags = param_flags(&pt, c, true);
         size_t end = 0, count = 0;
         for (int i = 0; i < pt.n_tensors; i++) {
             const ParamTensor* t = &pt.tensors[i];
@@ -193,11 +193,13 @@ static int test_param_table_layout(void) {
             EXPECT(t->offset >= end, "%s overlaps its predecessor", t->name);
             EXPECT(t->offset >= pt.bucket_offset[bucket] && t->offset + n <= pt.bucket_offset[bucket + 1],
                    "%s outside bucket %d", t->name, bucket);
-            EXPECT(t->decay == (t->kind == P_EMBED || t->kind == P_QKV || t->kind == P_ATTN_OUT ||
-                                t->kind == P_GATE_UP || t->kind == P_DOWN), "%s: wrong decay flag", t->name);
+            bool matrix = t->kind == P_QKV || t->kind == P_ATTN_OUT || t->kind == P_GATE_UP || t->kind == P_DOWN;
+            EXPECT(t->decay == (t->kind == P_EMBED || matrix), "%s: wrong decay flag", t->name);
+            int with_muon = (t->decay ? PARAM_FLAG_DECAY : 0) | (matrix ? PARAM_FLAG_MUON : 0);
             for (size_t j = 0; j < n; j += PARAM_ALIGN)
-                if (flags[(t->offset + j) / PARAM_ALIGN] != t->decay) {
-                    EXPECT(false, "%s: AdamW's decay flag at element %zu is wrong", t->name, j);
+                if (flags[(t->offset + j) / PARAM_ALIGN] != t->decay ||
+                    muon_flags[(t->offset + j) / PARAM_ALIGN] != with_muon) {
+                    EXPECT(false, "%s: the optimizer's flag at element %zu is wrong", t->name, j);
                     break;
                 }
             EXPECT(param(&pt, t->kind, t->layer) == t, "lookup of %s", t->name);
@@ -215,6 +217,7 @@ static int test_param_table_layout(void) {
         EXPECT(count == expect && param_count(&pt) == expect, "config %zu: %zu parameters, expected %zu", ci, count,
                expect);
         free(flags);
+        free(muon_flags);
         param_table_free(&pt);
     }
     return TEST_RESULT;
@@ -796,7 +799,8 @@ static int test_kernel_matmuls(void) {
 
 // FP8 through the same matmul wrapper: operands whose values are exact in E4M3 / E5M2 (so only
 // the product's accumulation and the output's rounding differ from fp64), per-tensor scales as
-// device pointers, a bf16 result, and an E4M3 result with its own scale and amax.
+// device pointers, a bf16 result (also with an alpha, which multiplies with the scales), and an
+// E4M3 result with its own scale and amax.
 static double fp8_round(double x, bool e5m2) {  // the value the GPU stores (round to nearest even)
     return e5m2 ? (double)(float)__nv_fp8_e5m2((float)x) : (double)(float)__nv_fp8_e4m3((float)x);
 }
@@ -828,9 +832,9 @@ static int test_kernel_matmul_fp8(void) {
     bf16* d_y = (bf16*)device_alloc_poisoned((size_t)N * O * 2);
     uint8_t* d_y8 = (uint8_t*)device_alloc_poisoned((size_t)N * O);
     MatmulOperand x_op = {d_x, CUDA_R_8F_E5M2, d_scales, NULL}, W_op = {d_W, CUDA_R_8F_E4M3, d_scales + 4, NULL};
-    matmul(mm_bf16(d_y), W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0);
+    matmul(mm_bf16(d_y), 1.0f, W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0);
     MatmulOperand y8_op = {d_y8, CUDA_R_8F_E4M3, d_scales + 8, d_scales + 12};
-    matmul(y8_op, W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0);
+    matmul(y8_op, 1.0f, W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0);
     double* y = (double*)malloc((size_t)N * O * 8);
     ref_linear_forward(y, x, W, N, I, O);
     double amax = 0;
@@ -840,6 +844,16 @@ static int test_kernel_matmul_fp8(void) {
     }
     double* gy = from_device_bf16(d_y, (size_t)N * O);
     CHECK_CLOSE("fp8 x fp8 -> bf16", gy, y, (size_t)N * O, 4e-3);
+    // alpha multiplies with the operands' scales (D = alpha scale_a scale_b op(A) op(B)), through the
+    // same plan: alpha is no part of its key
+    int plans = g_n_plans;
+    matmul(mm_bf16(d_y), 3.0f, W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0);
+    EXPECT(g_n_plans == plans, "another alpha made %d new plans, want 0", g_n_plans - plans);
+    double *gy_alpha = from_device_bf16(d_y, (size_t)N * O), *y_alpha = (double*)malloc((size_t)N * O * 8);
+    for (size_t i = 0; i < (size_t)N * O; i++) y_alpha[i] = 3.0 * y[i];
+    CHECK_CLOSE("fp8 x fp8 -> bf16, alpha 3", gy_alpha, y_alpha, (size_t)N * O, 4e-3);
+    free(gy_alpha);
+    free(y_alpha);
     uint8_t* y8 = (uint8_t*)malloc((size_t)N * O);
     CUDA_CHECK(cudaMemcpy(y8, d_y8, (size_t)N * O, cudaMemcpyDeviceToHost));
     double *gy8 = (double*)malloc((size_t)N * O * 8), *want8 = (double*)malloc((size_t)N * O * 8);
@@ -852,8 +866,8 @@ static int test_kernel_matmul_fp8(void) {
     CHECK_CLOSE("fp8 x fp8 -> e4m3 (scaled)", gy8, want8, (size_t)N * O, 4e-2);
     // fast accumulation: a plan of its own (the key holds it), and the same product, less exactly:
     // the accumulators keep about 14 bits (2^-14 per addition, ~sqrt(K) of them: ~1e-3 here)
-    int plans = g_n_plans;
-    matmul(mm_bf16(d_y), W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0, true);
+    plans = g_n_plans;
+    matmul(mm_bf16(d_y), 1.0f, W_op, x_op, NULL, 0.0f, O, N, I, true, false, 0, true);
     EXPECT(g_n_plans == plans + 1, "fast accumulation made %d new plans, want 1", g_n_plans - plans);
     double* gy_fast = from_device_bf16(d_y, (size_t)N * O);
     CHECK_CLOSE("fp8 x fp8 -> bf16, fast accumulation", gy_fast, y, (size_t)N * O, 1e-2);

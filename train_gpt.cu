@@ -260,18 +260,6 @@ static size_t param_count(const ParamTable* pt) {  // without padding
     return n;
 }
 
-// The optimizer's view of "what decays": one flag per PARAM_ALIGN elements of the flat buffer (host array
-// of n_elements / PARAM_ALIGN bytes; padding never decays, and stays zero either way).
-static uint8_t* param_decay_flags(const ParamTable* pt) {
-    uint8_t* flags = (uint8_t*)calloc(pt->n_elements / PARAM_ALIGN, 1);
-    for (int i = 0; i < pt->n_tensors; i++) {
-        const ParamTensor* t = &pt->tensors[i];
-        size_t blocks = ((size_t)(t->rows * t->cols) + PARAM_ALIGN - 1) / PARAM_ALIGN;
-        memset(flags + t->offset / PARAM_ALIGN, t->decay ? 1 : 0, blocks);
-    }
-    return flags;
-}
-
 // Muon orthogonalizes each linear map on its own: the fused matrices are row blocks of separate
 // maps (qkv: q, k, v; gate_up: gate, up). Fills the blocks' row counts; returns how many (0: the
 // tensor is not a hidden matrix, AdamW updates it).
@@ -288,6 +276,22 @@ static int muon_blocks(const ModelConfig* c, const ParamTensor* t, int64_t rows[
     }
     rows[0] = t->rows;
     return 1;
+}
+
+// The optimizer's view of the tensors: one flag byte per PARAM_ALIGN elements of the flat buffer
+// (host array of n_elements / PARAM_ALIGN bytes): PARAM_FLAG_DECAY where weight decay applies, and
+// with `muon` PARAM_FLAG_MUON on the hidden matrices, which Muon updates instead of AdamW. Padding
+// has no flag.
+static uint8_t* param_flags(const ParamTable* pt, const ModelConfig* c, bool muon) {
+    uint8_t* flags = (uint8_t*)calloc(pt->n_elements / PARAM_ALIGN, 1);
+    for (int i = 0; i < pt->n_tensors; i++) {
+        const ParamTensor* t = &pt->tensors[i];
+        size_t blocks = ((size_t)(t->rows * t->cols) + PARAM_ALIGN - 1) / PARAM_ALIGN;
+        int64_t rows[3];
+        int flag = (t->decay ? PARAM_FLAG_DECAY : 0) | (muon && muon_blocks(c, t, rows) ? PARAM_FLAG_MUON : 0);
+        memset(flags + t->offset / PARAM_ALIGN, flag, blocks);
+    }
+    return flags;
 }
 
 // FLOPs per token of one training step (forward + backward), as the PyTorch baseline we measure
@@ -422,12 +426,24 @@ typedef struct {
 } OptStateTensor;
 #define MAX_OPT_STATE_TENSORS 4
 
+// Each layout's tensors by name (opt_part's i), in the order of its table below: AdamW's and
+// Muon's; 8-bit AdamW's, the codes and per-block absmax of m and of r = sqrt(v).
+enum { OPT_EXP_AVG, OPT_EXP_AVG_SQ, N_OPT_FP32 };
+enum { OPT_Q8_M, OPT_Q8_M_ABSMAX, OPT_Q8_R, OPT_Q8_R_ABSMAX, N_OPT_Q8 };
+
 static int optimizer_state_tensors(OptimizerKind kind, const OptStateTensor** out) {
     static const OptStateTensor fp32[] = {{"exp_avg", ST_F32, 4, 1}, {"exp_avg_sq", ST_F32, 4, 1}};
     static const OptStateTensor q8[] = {{"exp_avg_q8", ST_U8, 1, 1}, {"exp_avg_absmax", ST_F32, 4, Q8_BLOCK},
                                         {"exp_avg_sq_root_q8", ST_U8, 1, 1}, {"exp_avg_sq_root_absmax", ST_F32, 4, Q8_BLOCK}};
-    *out = kind == OPTIMIZER_ADAMW8BIT ? q8 : fp32;
-    return kind == OPTIMIZER_ADAMW8BIT ? 4 : 2;
+    static_assert(sizeof(fp32) / sizeof(fp32[0]) == N_OPT_FP32 && sizeof(q8) / sizeof(q8[0]) == N_OPT_Q8,
+                  "a state table and its names disagree");
+    static_assert(N_OPT_Q8 <= MAX_OPT_STATE_TENSORS, "");
+    if (kind == OPTIMIZER_ADAMW8BIT) {
+        *out = q8;
+        return N_OPT_Q8;
+    }
+    *out = fp32;
+    return N_OPT_FP32;
 }
 
 typedef struct GPT {
@@ -477,14 +493,17 @@ typedef struct GPT {
     GptFp8 fp8;
 } GPT;
 
-// The elements of bucket b this rank's optimizer owns: all of it (ZeRO 0), or its piece. The bucket
-// is bucket_split's padded length, so len / world is that split's piece, padding included.
+// A rank's piece of bucket b (ZeRO 1, 2): the bucket is bucket_split's padded length, so len / world
+// is that split's piece, padding included.
+static size_t bucket_piece(const GPT* m, int b) { return bucket_len(&m->table, b) / m->dp.world; }
+
+// The elements of bucket b this rank's optimizer owns: all of it (ZeRO 0), or its piece.
 static void owned_part(const GPT* m, int b, size_t* begin, size_t* end) {
-    size_t start = m->table.bucket_offset[b], len = bucket_len(&m->table, b);
+    size_t start = m->table.bucket_offset[b];
     if (m->dp.zero == 0) {
-        *begin = start, *end = start + len;
+        *begin = start, *end = start + bucket_len(&m->table, b);
     } else {
-        size_t piece = len / m->dp.world;
+        size_t piece = bucket_piece(m, b);
         *begin = start + m->dp.rank * piece, *end = *begin + piece;
     }
 }
@@ -614,7 +633,6 @@ static void muon_scratch_layout(MuonScratch* w, Arena* a, const GPT* m) {
     w->x = (bf16*)arena_take(a, most * 2);
     w->y = (bf16*)arena_take(a, most * 2);
     w->a = (bf16*)arena_take(a, side * side * 2);
-    w->ac = (bf16*)arena_take(a, side * side * 2);
     w->b = (bf16*)arena_take(a, side * side * 2);
     w->norm_sq = (float*)arena_take(a, 4);
 }
@@ -706,16 +724,10 @@ static int recompute_layers_that_fit(GPT* m, size_t free_bytes, size_t headroom,
     return -1;
 }
 
-// The optimizer's flags for its buffers: the table's decay flags, and with Muon which elements are
-// Muon's (the hidden matrices, whole: Muon runs only with ZeRO 0), for the owned parts.
+// The optimizer's flags for its buffers: the table's (param_flags; Muon's matrices are whole here,
+// since Muon runs only with ZeRO 0), for the owned parts.
 static void gpt_upload_decay_flags(GPT* m) {
-    uint8_t* full = param_decay_flags(&m->table);
-    for (int i = 0; m->optimizer == OPTIMIZER_MUON && i < m->table.n_tensors; i++) {
-        const ParamTensor* t = &m->table.tensors[i];
-        int64_t rows[3];
-        if (!muon_blocks(&m->cfg, t, rows)) continue;
-        for (size_t j = 0; j < (size_t)(t->rows * t->cols); j += PARAM_ALIGN) full[(t->offset + j) / PARAM_ALIGN] |= PARAM_FLAG_MUON;
-    }
+    uint8_t* full = param_flags(&m->table, &m->cfg, m->optimizer == OPTIMIZER_MUON);
     uint8_t* owned = (uint8_t*)xcalloc(m->opt_len / PARAM_ALIGN, 1);
     for (int b = 0; b <= m->table.n_layers; b++) {
         size_t begin, end;
@@ -954,8 +966,7 @@ static bf16* owned_params(const GPT* m, int b) {
 static void send_params(GPT* m, int b) {
     Comm* c = m->dp.comm;
     comm_follow(c, m->stream);
-    comm_all_gather(c, owned_params(m, b), m->params + m->table.bucket_offset[b], bucket_len(&m->table, b) / m->dp.world,
-                    sizeof(bf16));
+    comm_all_gather(c, owned_params(m, b), m->params + m->table.bucket_offset[b], bucket_piece(m, b), sizeof(bf16));
     CUDA_CHECK(cudaEventRecord(m->params_ready[b], c->stream));
 }
 
@@ -972,8 +983,7 @@ static void publish_params(GPT* m) {
     }
     for (int i = 0; i <= m->table.n_layers; i++) {
         int b = forward_order(i, m->table.n_layers);
-        cast_to_bf16(owned_params(m, b), m->master + m->opt_offset[b], bucket_len(&m->table, b) / m->dp.world,
-                     m->stream);
+        cast_to_bf16(owned_params(m, b), m->master + m->opt_offset[b], bucket_piece(m, b), m->stream);
         send_params(m, b);
     }
 }
@@ -1247,8 +1257,8 @@ static void layer_forward(GPT* m, ParamKind kind, int l, int N, bf16* y, const b
     Fp8Scale *sw = fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), *sx = fp8_scale(m, FP8_ROLE_INPUT, kind, l);
     if (fp8_fused(m) && kind != P_EMBED) fp8_input(m, kind, l, false);
     else fp8_cast(f->x, NULL, x, N, I, false, sx, fp8_how(m), m->stream);
-    matmul(mm_bf16(y), fp8_operand(f->weights + t->offset, false, sw), fp8_operand(f->x, false, sx), residual, 1.0f,
-           O, N, I, true, false, m->stream, f->fast_accum);
+    matmul(mm_bf16(y), 1.0f, fp8_operand(f->weights + t->offset, false, sw), fp8_operand(f->x, false, sx), residual,
+           1.0f, O, N, I, true, false, m->stream, f->fast_accum);
 }
 
 // dW += dy^T x and dx = dy W, for dy [N, O] and the matrix's input x [N, I] (as the forward saw it).
@@ -1277,11 +1287,11 @@ static void layer_backward(GPT* m, ParamKind kind, int l, int N, bf16* dx, const
     }
     // dW [O, I] is column-major D[m = I, n = O] = op_T(A) B over k = N, with A = x^T (row-major
     // [I, N]) and B = dy^T (row-major [O, N]); beta 1 accumulates into dW
-    matmul(mm_f32(dW), fp8_operand(f->x_t, false, sx), fp8_operand(f->dy_t, true, sg), dW, 1.0f, I, O, N, true, false,
-           m->stream);
+    matmul(mm_f32(dW), 1.0f, fp8_operand(f->x_t, false, sx), fp8_operand(f->dy_t, true, sg), dW, 1.0f, I, O, N, true,
+           false, m->stream);
     // dx [N, I] is column-major D[m = I, n = N] = op_T(A) B over k = O, with A = W^T (row-major
     // [I, O]) and B = dy (row-major [N, O])
-    matmul(mm_bf16(dx), fp8_operand(f->weights_t + t->offset, false, sw), fp8_operand(f->dy, true, sg), NULL, 0.0f,
+    matmul(mm_bf16(dx), 1.0f, fp8_operand(f->weights_t + t->offset, false, sw), fp8_operand(f->dy, true, sg), NULL, 0.0f,
            I, N, O, true, false, m->stream);
 }
 
@@ -1399,7 +1409,7 @@ static void grads_ready(GPT* m, int b) {
     Comm* c = m->dp.comm;
     bool last = m->micro == m->accum - 1;
     if (!c || (m->dp.zero < 2 && !last)) return;
-    size_t len = bucket_len(&m->table, b), piece = len / m->dp.world;
+    size_t len = bucket_len(&m->table, b), piece = bucket_piece(m, b);
     float* owned = m->grad_shard + m->opt_offset[b];
     comm_follow(c, m->stream);
     if (m->dp.zero == 0) {
@@ -1498,12 +1508,12 @@ static void adamw_range(GPT* m, const OptimConfig* o, const float* grads, size_t
     const uint8_t* flags = m->decay_flags + at / PARAM_ALIGN;
     void* st = m->opt_state;
     if (m->optimizer == OPTIMIZER_ADAMW8BIT)
-        adamw8bit_step(m->master + at, params, grads + at, (uint8_t*)opt_part(m, st, 0, at),
-                       (uint8_t*)opt_part(m, st, 2, at), (float*)opt_part(m, st, 1, at), (float*)opt_part(m, st, 3, at),
-                       flags, n, o, m->scalars, m->stream);
+        adamw8bit_step(m->master + at, params, grads + at, (uint8_t*)opt_part(m, st, OPT_Q8_M, at),
+                       (uint8_t*)opt_part(m, st, OPT_Q8_R, at), (float*)opt_part(m, st, OPT_Q8_M_ABSMAX, at),
+                       (float*)opt_part(m, st, OPT_Q8_R_ABSMAX, at), flags, n, o, m->scalars, m->stream);
     else
-        adamw_step(m->master + at, params, grads + at, (float*)opt_part(m, st, 0, at), (float*)opt_part(m, st, 1, at),
-                   flags, n, o, m->scalars, m->stream);
+        adamw_step(m->master + at, params, grads + at, (float*)opt_part(m, st, OPT_EXP_AVG, at),
+                   (float*)opt_part(m, st, OPT_EXP_AVG_SQ, at), flags, n, o, m->scalars, m->stream);
 }
 
 // Muon over every hidden matrix block (ZeRO 0: this rank holds them whole); the momentum lives in
@@ -1515,7 +1525,8 @@ static void muon_matrices(GPT* m, const OptimConfig* o) {
         int n = muon_blocks(&m->cfg, t, rows);
         size_t at = t->offset;
         for (int k = 0; k < n; at += (size_t)rows[k] * t->cols, k++)
-            muon_matrix_step(m->master + at, m->params + at, m->grads + at, (float*)opt_part(m, m->opt_state, 0, at),
+            muon_matrix_step(m->master + at, m->params + at, m->grads + at,
+                             (float*)opt_part(m, m->opt_state, OPT_EXP_AVG, at),
                              (int)rows[k], (int)t->cols, &m->muon, m->act.partials, o, m->scalars, m->stream);
     }
 }
@@ -1538,7 +1549,7 @@ static void optimizer_step(GPT* m, const OptimConfig* o) {
     }
     for (int i = 0; i <= m->table.n_layers; i++) {  // piece by piece, each sent as soon as it is updated
         int b = forward_order(i, m->table.n_layers);
-        adamw_range(m, o, grads, m->opt_offset[b], owned_params(m, b), bucket_len(&m->table, b) / m->dp.world);
+        adamw_range(m, o, grads, m->opt_offset[b], owned_params(m, b), bucket_piece(m, b));
         send_params(m, b);
     }
 }
@@ -2060,7 +2071,7 @@ static void gpt_download_state(GPT* m, const float* state, float* host) {
     for (int b = 0; b <= pt->n_layers; b++) {
         float* whole = m->dp.zero == 1 ? m->grads + pt->bucket_offset[b]
                        : b == pt->n_layers ? m->grad_tail : m->grad_ring[0];
-        comm_all_gather(c, state + m->opt_offset[b], whole, bucket_len(pt, b) / m->dp.world, sizeof(float));
+        comm_all_gather(c, state + m->opt_offset[b], whole, bucket_piece(m, b), sizeof(float));
         if (host)
             CUDA_CHECK(cudaMemcpyAsync(host + pt->bucket_offset[b], whole, bucket_len(pt, b) * 4,
                                        cudaMemcpyDeviceToHost, c->stream));

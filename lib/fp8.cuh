@@ -77,31 +77,23 @@ __device__ static inline void fp8_set_scale(Fp8Scale* s, float amax) {
     s->scale_inv = ldexpf(1.0f, -k);
 }
 
-// max over the block (of 256 threads, every one calling), then one atomicMax per block, and only
+// max over the block (block_max: every thread calling), then one atomicMax per block, and only
 // when the block's max exceeds what s->amax already holds: thousands of blocks updating one
 // address one warp at a time cost more than the cast itself (measured: 9 ms of a 71 ms step).
 // Non-negative floats order as their bits, and a max does not depend on the order, so the result
 // is deterministic.
 __device__ static inline void fp8_record_amax(Fp8Scale* s, float amax) {
-    __shared__ float warp_max[8];
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
-    if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x / 32] = amax;
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    for (int w = 1; w < 8; w++) amax = fmaxf(amax, warp_max[w]);
-    if (amax > *(volatile float*)&s->amax) atomicMax((unsigned int*)&s->amax, __float_as_uint(amax));
+    amax = block_max(amax);
+    if (threadIdx.x == 0 && amax > *(volatile float*)&s->amax)
+        atomicMax((unsigned int*)&s->amax, __float_as_uint(amax));
 }
 
 // s->amax = max |x| over n elements (n a multiple of 8; s->amax zeroed before); 256 threads a block.
 __global__ static void fp8_amax_kernel(const bf16* x, size_t n, Fp8Scale* s) {
     float amax = 0.0f;
     for (size_t i = ((size_t)blockIdx.x * blockDim.x + threadIdx.x) * 8; i < n; i += (size_t)gridDim.x * blockDim.x * 8) {
-        uint4 v = *(const uint4*)(x + i);
-        const __nv_bfloat162* p = (const __nv_bfloat162*)&v;
-        for (int j = 0; j < 4; j++) {
-            float2 f = __bfloat1622float2(p[j]);
-            amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-        }
+        bf16x8 v = load8(x + i);
+        for (int j = 0; j < 8; j++) amax = fmaxf(amax, fabsf(__bfloat162float(v.v[j])));
     }
     fp8_record_amax(s, amax);
 }

@@ -599,6 +599,8 @@ static int test_ckpt_detects_damage(void) {
         {"{\"format\": \"train_gpt checkpoint\", \"version\": 1, \"step\": 5, \"config\": {}, "
          "\"files\": {\"../x\": {\"bytes\": 1, \"crc32c\": \"00000000\"}}}", "invalid file name '../x'"},
         {"{\"format\": \"train_gpt checkpoint\", \"version\": 1, \"step\": 5, \"config\": {}, "
+         "\"files\": {\"manifest.json\": {\"bytes\": 1, \"crc32c\": \"00000000\"}}}", "invalid file name 'manifest.json'"},
+        {"{\"format\": \"train_gpt checkpoint\", \"version\": 1, \"step\": 5, \"config\": {}, "
          "\"files\": {\"model.safetensors\": {\"bytes\": 1}}}", "crc32c"},
         {"{\"format\": \"train_gpt checkpoint\", \"version\": 1, \"step\": 5, \"config\": {}, "
          "\"files\": {\"model.safetensors\": {\"bytes\": 1, \"crc32c\": \"xyz00000\"}}}", "crc32c"},
@@ -775,7 +777,8 @@ static int test_ckpt_write_errors(void) {
  * would, each starting before the owner has made the directory; the owner commits once their
  * receipts are in. Then: a writer that fails sends its reason and the owner's commit fails with it,
  * leaving the previous checkpoint as `latest`; a receipt that never comes is a timeout naming it; a
- * receipt that lies about a file's size is refused. */
+ * receipt that lies about a file's size is refused, and so is every line the owner would refuse as
+ * one of its own files (a bad name, a file listed twice); a joiner with nothing to join times out. */
 #define CKT_WRITERS 4
 
 typedef struct {
@@ -823,6 +826,21 @@ static int ckt_shared_checkpoint(const char* out, int64_t step, int failing, cha
     if (!rc) rc = ckpt_commit(&w, NULL, 0, err, err_len);
     if (rc) ckpt_abort(&w);
     for (int i = 1; i < CKT_WRITERS; i++) pthread_join(threads[i], NULL);
+    return rc;
+}
+
+/* The owner of checkpoint 6, with its own shard.0.bin, takes receipt.1 holding `text`, beside a
+ * shard.1.bin of 12 bytes ("twelve bytes") written as a joiner would; returns what
+ * ckpt_take_receipt returns (or -1 if the setup failed, with err). */
+static int ckt_take_receipt_text(const char* out, const char* text, char* err, size_t err_len) {
+    CkptWriter w;
+    char path[CK_PATH_MAX];
+    int rc = ckpt_begin(&w, out, 6, err, err_len);
+    if (!rc) rc = ckpt_add_file(&w, "shard.0.bin", "owner's", 7, err, err_len);
+    if (!rc) rc = ck_write_file_atomic(ckt_join(path, w.tmp_dir, "shard.1.bin"), "twelve bytes", 12, err, err_len);
+    if (!rc) rc = ck_write_file_atomic(ckt_join(path, w.tmp_dir, "receipt.1"), text, strlen(text), err, err_len);
+    if (!rc) rc = ckpt_take_receipt(&w, "receipt.1", 1, err, err_len);
+    ckpt_abort(&w);
     return rc;
 }
 
@@ -874,6 +892,43 @@ static int test_ckpt_several_writers(void) {
     EXPECT(ckpt_take_receipt(&w, "receipt.1", 1, err, sizeof err) == -1 && ckt_has(err, "not a receipt line"),
            "a garbled receipt: %s", err);
     ckpt_abort(&w);
+
+    /* receipts with lines the owner must refuse, each with one line naming the receipt and the file,
+     * beside one it must accept (so that the refusals come from the lines) */
+    char good[64];
+    snprintf(good, sizeof good, "shard.1.bin 12 %08x\n", crc32c(0, "twelve bytes", 12));
+    EXPECT(ckt_take_receipt_text(out, good, err, sizeof err) == 0, "a good receipt: %s", err);
+    const struct { const char* text; const char* expect[2]; } refused[] = {
+        {"../evil 12 00000000\n", {"'../evil'", "names are"}},
+        {"manifest.json 12 00000000\n", {"'manifest.json'", "not manifest.json"}},
+        {".hidden 12 00000000\n", {"'.hidden'", "names are"}},
+        {"shard.0.bin 7 00000000\n", {"shard.0.bin", "written twice"}},  /* the owner's own */
+    };
+    for (size_t k = 0; k < sizeof refused / sizeof refused[0]; k++) {
+        err[0] = '\0';
+        int rc = ckt_take_receipt_text(out, refused[k].text, err, sizeof err);
+        EXPECT(rc == -1 && ckt_has(err, "receipt.1: ") && ckt_has(err, refused[k].expect[0]) &&
+               ckt_has(err, refused[k].expect[1]) && !strchr(err, '\n'), "'%s': rc %d, err '%s'", refused[k].text, rc, err);
+    }
+    char twice[128];
+    snprintf(twice, sizeof twice, "%s%s", good, good);
+    err[0] = '\0';
+    rc = ckt_take_receipt_text(out, twice, err, sizeof err);
+    EXPECT(rc == -1 && ckt_has(err, "receipt.1: ") && ckt_has(err, "shard.1.bin: written twice") && !strchr(err, '\n'),
+           "a receipt naming a file twice: rc %d, err '%s'", rc, err);
+
+    /* ckpt_join shares ckpt_begin's checks, and waits for the owner only so long */
+    EXPECT(ckpt_join(&w, out, -1, 1, err, sizeof err) == -1 && ckt_has(err, "negative"), "%s", err);
+    t0 = now_seconds();
+    EXPECT(ckpt_join(&w, out, 7, 0.2, err, sizeof err) == -1 && ckt_has(err, "ckpt_7.tmp") &&
+           ckt_has(err, "not created within") && now_seconds() - t0 < 2, "no owner: %s", err);
+    char deep[CK_PATH_MAX], deep_err[CK_PATH_MAX + 64];  /* the error names the whole path */
+    memset(deep, 'd', sizeof deep - 8);
+    deep[sizeof deep - 8] = '\0';
+    EXPECT(ckpt_join(&w, deep, 7, 1, deep_err, sizeof deep_err) == -1 && ckt_has(deep_err, "path too long"),
+           "%s", deep_err + (strlen(deep_err) > 60 ? strlen(deep_err) - 60 : 0));
+    EXPECT(ckpt_begin(&w, deep, 7, deep_err, sizeof deep_err) == -1 && ckt_has(deep_err, "path too long"),
+           "%s", deep_err + (strlen(deep_err) > 60 ? strlen(deep_err) - 60 : 0));
     ck_rmtree(dir, NULL, 0);
     return TEST_RESULT;
 }

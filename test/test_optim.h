@@ -297,7 +297,6 @@ static int test_muon_gpu_step(void) {
         CUDA_CHECK(cudaMalloc(&w.x, n * 2));
         CUDA_CHECK(cudaMalloc(&w.y, n * 2));
         CUDA_CHECK(cudaMalloc(&w.a, side * side * 2));
-        CUDA_CHECK(cudaMalloc(&w.ac, side * side * 2));
         CUDA_CHECK(cudaMalloc(&w.b, side * side * 2));
         CUDA_CHECK(cudaMalloc(&w.norm_sq, 4));
         CUDA_CHECK(cudaMalloc(&d_partials, REDUCE_BLOCKS * 4));
@@ -326,7 +325,7 @@ static int test_muon_gpu_step(void) {
         CHECK_CLOSE("muon bf16 copy", gpb, want, n, 4e-3);
         free(p); free(g); free(buf); free(want); free(want_buf); free(gf); free(gp); free(gbuf); free(gpb); free(dgot);
         free(dwant);
-        void* dev[] = {d_p, d_g, d_buf, d_pb, w.u, w.x, w.y, w.a, w.ac, w.b, w.norm_sq, d_partials, d_scalars};
+        void* dev[] = {d_p, d_g, d_buf, d_pb, w.u, w.x, w.y, w.a, w.b, w.norm_sq, d_partials, d_scalars};
         for (void* d : dev) CUDA_CHECK(cudaFree(d));
     }
     matmul_free();
