@@ -1578,6 +1578,7 @@ static const TestCase model_tests[] = {
 };
 
 int main(int argc, char** argv) {
+    program_name = "test_gpt";
     const char* filter = argc > 1 ? argv[1] : NULL;
     int n_devices = 0;
     g_have_gpu = cudaGetDeviceCount(&n_devices) == cudaSuccess && n_devices > 0;
@@ -1602,10 +1603,8 @@ int main(int argc, char** argv) {
     int passed = 0, failed = 0, skipped = 0, matched = 0;
     for (auto& suite : suites)
         for (int i = 0; i < suite.n; i++) matched += !filter || strstr(suite.tests[i].name, filter) != NULL;
-    if (matched == 0) {  // a mistyped filter must not pass as "0 passed, 0 failed"
-        fprintf(stderr, "test_gpt: no test name contains '%s'\n", filter);
-        return 2;
-    }
+    // a mistyped filter must not pass as "0 passed, 0 failed"
+    if (matched == 0) usage_error("no test name contains '%s'", filter);
     for (auto& suite : suites)
         for (int i = 0; i < suite.n; i++) {
             const TestCase* t = &suite.tests[i];

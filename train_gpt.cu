@@ -204,10 +204,7 @@ static void param_add(ParamTable* pt, const ModelConfig* c, ParamKind kind, int 
 static CommShards bucket_split(size_t used, int n_shards) {
     CommShards shards;
     char err[256];
-    if (comm_shards_init(&shards, used, n_shards, PARAM_ALIGN, err, sizeof(err)) != 0) {
-        fprintf(stderr, "train_gpt: %s\n", err);
-        exit(1);
-    }
+    if (comm_shards_init(&shards, used, n_shards, PARAM_ALIGN, err, sizeof(err)) != 0) die("%s", err);
     return shards;
 }
 
@@ -820,9 +817,8 @@ static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling, bool head, bool fast_accu
     for (int k = 0; k < FP8_MATRICES; k++) {
         const ParamTensor* t = param(&m->table, (ParamKind)k, 0);
         if (t->rows % 16 || t->cols % 16 || m->N % 16) {
-            fprintf(stderr, "train_gpt: --fp8 needs B x T and every matrix side a multiple of 16 (%s is %lld x %lld, "
-                            "B x T %d)\n", t->name, (long long)t->rows, (long long)t->cols, m->N);
-            exit(2);
+            usage_error("--fp8 needs B x T and every matrix side a multiple of 16 (%s is %lld x %lld, B x T %d)",
+                        t->name, (long long)t->rows, (long long)t->cols, m->N);
         }
         widest_in = (size_t)t->cols > widest_in ? (size_t)t->cols : widest_in;
         widest_out = (size_t)t->rows > widest_out ? (size_t)t->rows : widest_out;
@@ -2183,19 +2179,6 @@ static void print_help(void) {
     }
 }
 
-// A command-line mistake: one line (what the user typed may hold a newline), exit 2.
-static void usage_error(const char* fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-static void usage_error(const char* fmt, ...) {
-    char line[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(line, sizeof(line), fmt, ap);
-    va_end(ap);
-    error_one_line(line, sizeof(line));
-    fprintf(stderr, "train_gpt: %s\n", line);
-    exit(2);
-}
-
 // Exits with code 2 and one line on an unknown flag or a bad value.
 static void parse_args(Options* o, int argc, char** argv) {
     OptionSpec specs[64];
@@ -2208,16 +2191,12 @@ static void parse_args(Options* o, int argc, char** argv) {
         const OptionSpec* spec = NULL;
         for (int j = 0; j < n; j++)
             if (!strcmp(argv[i], specs[j].name)) spec = &specs[j];
-        if (!spec) {
-            usage_error("unknown flag '%s' (see --help)", argv[i]);
-        }
+        if (!spec) usage_error("unknown flag '%s' (see --help)", argv[i]);
         if (spec->type == OPT_FLAG) {
             *(int*)spec->value = 1;
             continue;
         }
-        if (i + 1 >= argc) {
-            usage_error("flag %s needs a value (see --help)", argv[i]);
-        }
+        if (i + 1 >= argc) usage_error("flag %s needs a value (see --help)", argv[i]);
         const char* v = argv[++i];
         const ConfigField* field = config_field_of_flag(spec->name);
         if (field && field->hf) o->model_flag = spec->name;
@@ -2252,10 +2231,7 @@ static void parse_args(Options* o, int argc, char** argv) {
 // The checks that need no GPU; exits 2 with one line naming the problem.
 static void check_options(const Options* o) {
     char err[256];
-    if (!config_check(&o->model, err, sizeof(err))) {
-        fprintf(stderr, "train_gpt: bad model config: %s\n", err);
-        exit(2);
-    }
+    if (!config_check(&o->model, err, sizeof(err))) usage_error("bad model config: %s", err);
     const OptimConfig* p = &o->optim;
     const char* problem = NULL;
     long tokens = (long)o->batch_size * o->model.seq_len;
@@ -2296,10 +2272,7 @@ static void check_options(const Options* o) {
     else if (optimizer_kind(o->optimizer) == OPTIMIZER_MUON && o->zero != 0)
         problem = "--optimizer muon needs every matrix whole on each GPU: use --zero 0 (doc/optimizers.md says how "
                   "Muon could shard)";
-    if (problem) {
-        fprintf(stderr, "train_gpt: %s\n", problem);
-        exit(2);
-    }
+    if (problem) usage_error("%s", problem);
 }
 
 // Synthetic tokens for --bench: B rows of T+1 tokens, uniform over the vocabulary, from a seeded
@@ -2397,10 +2370,7 @@ static void dump_grads(GPT* m, Uploader* up, const uint16_t* window, const char*
     char err[512];
     float* weights = download_flat(m, m->params, true);
     float* grads = download_flat(m, m->grads, false);
-    if (!export_hf(m, weights, dir, err, sizeof(err))) {
-        fprintf(stderr, "train_gpt: --dump-grads: %s\n", err);
-        exit(1);
-    }
+    if (!export_hf(m, weights, dir, err, sizeof(err))) die("--dump-grads: %s", err);
     int n = hf_tensors(m, NULL);
     HfTensor* hf = (HfTensor*)malloc(n * sizeof(HfTensor));
     hf_tensors(m, hf);
@@ -2420,10 +2390,7 @@ static void dump_grads(GPT* m, Uploader* up, const uint16_t* window, const char*
     len += snprintf(json + len, cap - len, "}, \"grad_norm\": %.9g}\n", sqrt(total));
     char path[1024];
     snprintf(path, sizeof(path), "%s/grads.json", dir);
-    if (ck_write_file_atomic(path, json, len, err, sizeof(err)) != 0) {
-        fprintf(stderr, "train_gpt: --dump-grads: %s\n", err);
-        exit(1);
-    }
+    if (ck_write_file_atomic(path, json, len, err, sizeof(err)) != 0) die("--dump-grads: %s", err);
     printf("wrote %s (loss %.6f) and the weights it used\n", path, loss_sum / m->N);
     free(json);
     free(hf);
@@ -2515,10 +2482,7 @@ static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state)
     CUDA_CHECK(cudaEventRecord(c->copied, c->stream));
     c->state = *state;
     c->failed = false;
-    if (pthread_create(&c->thread, NULL, checkpoint_thread, c) != 0) {
-        fprintf(stderr, "train_gpt: cannot start the checkpoint writer thread\n");
-        exit(1);
-    }
+    if (pthread_create(&c->thread, NULL, checkpoint_thread, c) != 0) die("cannot start the checkpoint writer thread");
     c->writing = true;
 }
 
@@ -2547,8 +2511,7 @@ static void load_init_from(GPT* m, const char* dir) {
     StFile weights;
     float* master = (float*)calloc(m->table.n_elements, sizeof(float));
     if (st_open(&weights, path, err, sizeof(err)) != 0 || !hf_st_load(m, &weights, master, err, sizeof(err))) {
-        fprintf(stderr, "train_gpt: --init-from: %s\n", err);
-        exit(1);
+        die("--init-from: %s", err);
     }
     st_close(&weights);
     gpt_upload_state(m, master, NULL);
@@ -2561,20 +2524,14 @@ static void load_init_from(GPT* m, const char* dir) {
 static void resume_from(GPT* m, const char* which, const char* out_dir, TrainerState* state) {
     char dir[1024], err[1024];
     if (!strcmp(which, "latest")) {
-        if (ckpt_resolve_latest(out_dir, dir, sizeof(dir), err, sizeof(err)) < 0) {
-            fprintf(stderr, "train_gpt: --resume latest: %s\n", err);
-            exit(1);
-        }
+        if (ckpt_resolve_latest(out_dir, dir, sizeof(dir), err, sizeof(err)) < 0) die("--resume latest: %s", err);
     } else {
         snprintf(dir, sizeof(dir), "%s", which);
     }
     Restored got = {};
     got.master = (float*)xmalloc(m->table.n_elements * sizeof(float));
     got.opt_state = xmalloc(m->opt_state_bytes);
-    if (!checkpoint_read(m, dir, &got, err, sizeof(err))) {
-        fprintf(stderr, "train_gpt: --resume: %s\n", err);
-        exit(1);
-    }
+    if (!checkpoint_read(m, dir, &got, err, sizeof(err))) die("--resume: %s", err);
     gpt_upload_state(m, got.master, got.opt_state);
     set_step(m, (int)got.state.step);
     if (m->fp8.on) fp8_state_restore(m, got.fp8_state, got.fp8_state_len, dir);
@@ -2641,21 +2598,18 @@ static void trainer_open_data(Trainer* t) {
     if (!o->bench) {
         int rank = t->env.rank, world = t->env.world;
         if (loader_open(&t->train, o->train_data, B, T, rank, world, 1, o->seed, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: %s%s\n", err,
-                    strstr(o->train_data, "data/default/") ? " (run `make data` to prepare the default corpus)" : "");
-            exit(1);
+            die("%s%s", err,
+                strstr(o->train_data, "data/default/") ? " (run `make data` to prepare the default corpus)" : "");
         }
         t->have_val = o->val_data && o->val_data[0];
         if (t->have_val && loader_open(&t->val, o->val_data, B, T, rank, world, 0, 0, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: %s\n", err);
-            exit(1);
+            die("%s", err);
         }
     }
     t->sampling = o->sample_every > 0 && !o->bench && t->env.rank == 0;
     if (t->sampling) {
         if (tokenizer_load(&t->tokenizer, o->tokenizer_dir, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: %s; or --sample-every 0 to train without samples\n", err);
-            exit(1);
+            die("%s; or --sample-every 0 to train without samples", err);
         }
         tokenizer_encode(&t->tokenizer, o->prompt, strlen(o->prompt), &t->prompt);
     }
@@ -2668,17 +2622,11 @@ static void trainer_open_log(Trainer* t) {
         if (!freopen("/dev/null", "w", stdout)) exit(1);
         return;
     }
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
-        fprintf(stderr, "train_gpt: cannot create output directory %s: %s\n", dir, strerror(errno));
-        exit(1);
-    }
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) die("cannot create output directory %s: %s", dir, strerror(errno));
     char path[1024];
     snprintf(path, sizeof(path), "%s/log.jsonl", dir);
     t->log = fopen(path, "a");
-    if (!t->log) {
-        fprintf(stderr, "train_gpt: cannot open %s: %s\n", path, strerror(errno));
-        exit(1);
-    }
+    if (!t->log) die("cannot open %s: %s", path, strerror(errno));
 }
 
 // Without an NVIDIA driver loaded, CUDA says its runtime needs a newer driver; the plain fact is
@@ -2688,10 +2636,9 @@ static void require_gpu(cudaDeviceProp* prop, int local_rank) {
     cudaError_t status = cudaGetDeviceCount(&n_devices);
     bool no_driver = access("/proc/driver/nvidia/version", F_OK) != 0;
     if (status != cudaSuccess || n_devices == 0) {
-        fprintf(stderr, "train_gpt: no CUDA GPU found (%s); train_gpt needs an NVIDIA GPU\n",
-                no_driver ? "no NVIDIA driver is loaded on this machine"
-                : status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
-        exit(1);
+        die("no CUDA GPU found (%s); train_gpt needs an NVIDIA GPU",
+            no_driver ? "no NVIDIA driver is loaded on this machine"
+            : status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
     }
     CUDA_CHECK(cudaGetDeviceProperties(prop, local_rank < n_devices ? local_rank : 0));
 }
@@ -2728,8 +2675,7 @@ static void trainer_open_model(Trainer* t) {
         char err[1024];
         resume_from(m, o->resume, o->out_dir, &resumed);
         if (resumed.has_loader && !o->bench && loader_set_state(&t->train, &resumed.loader, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: --resume: the data loader's state: %s\n", err);
-            exit(1);
+            die("--resume: the data loader's state: %s", err);
         }
         t->start_step = (int)resumed.step;
         t->bench_rng = resumed.bench_rng;
@@ -2738,10 +2684,7 @@ static void trainer_open_model(Trainer* t) {
     t->checkpointing = o->ckpt_every > 0 && !o->bench;
     if (t->checkpointing) {
         char err[1024];
-        if (t->env.rank == 0 && ckpt_cleanup(o->out_dir, err, sizeof(err)) < 0) {
-            fprintf(stderr, "train_gpt: %s\n", err);
-            exit(1);
-        }
+        if (t->env.rank == 0 && ckpt_cleanup(o->out_dir, err, sizeof(err)) < 0) die("%s", err);
         checkpointer_create(&t->ckpt, m, o->out_dir, o->keep_last);
     }
 }
@@ -2941,8 +2884,7 @@ static void log_one_step(Trainer* t, int index) {
     }
     t->last_loss = loss;
     if (!isfinite(loss)) {
-        fprintf(stderr, "train_gpt: loss is %f at step %d; stopping\n", loss, done);
-        exit(1);
+        die("loss is %f at step %d; stopping", loss, done);
     }
 }
 
@@ -3032,10 +2974,7 @@ static void trainer_finish(Trainer* t) {
         float* master = writer ? (float*)xmalloc(t->model.table.n_elements * sizeof(float)) : NULL;
         gpt_download_state(&t->model, t->model.master, master);
         CUDA_CHECK(cudaStreamSynchronize(t->model.stream));
-        if (writer && !export_hf(&t->model, master, o->export_dir, err, sizeof(err))) {
-            fprintf(stderr, "train_gpt: --export: %s\n", err);
-            exit(1);
-        }
+        if (writer && !export_hf(&t->model, master, o->export_dir, err, sizeof(err))) die("--export: %s", err);
         printf("exported transformers' Qwen3 checkpoint to %s\n", o->export_dir);
         free(master);
     }
@@ -3071,25 +3010,17 @@ static void trainer_close(Trainer* t) {
 // --gpus's own); rank 0 of 1 without one. Exits 2 with one line on a malformed environment.
 static void read_launch_env(const Options* o, CommEnv* env) {
     char err[1024];
-    if (comm_env_read(env, NULL, o->master, err, sizeof(err)) != 0) {
-        fprintf(stderr, "train_gpt: %s\n", err);
-        exit(2);
-    }
+    if (comm_env_read(env, NULL, o->master, err, sizeof(err)) != 0) usage_error("%s", err);
     if (strcmp(env->launcher, "single") && o->gpus > 1 && o->gpus != env->world) {
-        fprintf(stderr, "train_gpt: --gpus %d, but the launcher (%s) started %d ranks; leave out --gpus\n", o->gpus,
-                env->launcher, env->world);
-        exit(2);
+        usage_error("--gpus %d, but the launcher (%s) started %d ranks; leave out --gpus", o->gpus,
+                    env->launcher, env->world);
     }
     long rank_tokens = (long)o->batch_size * o->model.seq_len * env->world;
     if (o->total_batch_tokens > 0 && o->total_batch_tokens % rank_tokens != 0) {
-        fprintf(stderr, "train_gpt: --total-batch %d must be a multiple of --batch x --seq x GPUs = %ld\n",
-                o->total_batch_tokens, rank_tokens);
-        exit(2);
+        usage_error("--total-batch %d must be a multiple of --batch x --seq x GPUs = %ld",
+                    o->total_batch_tokens, rank_tokens);
     }
-    if (env->world > 1 && o->dump_grads_dir) {
-        fprintf(stderr, "train_gpt: --dump-grads runs on one GPU\n");
-        exit(2);
-    }
+    if (env->world > 1 && o->dump_grads_dir) usage_error("--dump-grads runs on one GPU");
 }
 
 // --gpus N without a launcher: this process starts the N ranks and waits for them.
@@ -3097,10 +3028,7 @@ static void read_launch_env(const Options* o, CommEnv* env) {
 static int count_gpus(void) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess || n < 1) {
-        fprintf(stderr, "train_gpt: --gpus 0 (every GPU): this machine has no CUDA GPU that this process can use\n");
-        exit(1);
-    }
+    if (e != cudaSuccess || n < 1) die("--gpus 0 (every GPU): this machine has no CUDA GPU that this process can use");
     return n;
 }
 
@@ -3120,14 +3048,10 @@ static void read_init_from_config(Options* o) {
     char err[CK_PATH_MAX + 256];
     if (!o->init_from) return;
     if (o->model_flag) {
-        fprintf(stderr, "train_gpt: %s with --init-from: the model is %s/config.json's; leave out the model flags\n",
-                o->model_flag, o->init_from);
-        exit(2);
+        usage_error("%s with --init-from: the model is %s/config.json's; leave out the model flags",
+                    o->model_flag, o->init_from);
     }
-    if (hf_config_read(o->init_from, &o->model, err, sizeof(err)) != 0) {
-        fprintf(stderr, "train_gpt: --init-from: %s\n", err);
-        exit(1);
-    }
+    if (hf_config_read(o->init_from, &o->model, err, sizeof(err)) != 0) die("--init-from: %s", err);
 }
 
 // What --init-from and --resume will read, checked before the GPU is looked for, so that a
@@ -3140,10 +3064,7 @@ static void check_inputs(const Options* o) {
     if (o->init_from) {
         StFile weights;
         snprintf(path, sizeof(path), "%s/model.safetensors", o->init_from);
-        if (st_open(&weights, path, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: --init-from: %s\n", err);
-            exit(1);
-        }
+        if (st_open(&weights, path, err, sizeof(err)) != 0) die("--init-from: %s", err);
         st_close(&weights);
     }
     if (o->resume) {
@@ -3151,28 +3072,22 @@ static void check_inputs(const Options* o) {
         char why[512];
         if (!strcmp(o->resume, "latest")) {
             if (ckpt_resolve_latest(o->out_dir, path, sizeof(path), err, sizeof(err)) < 0) {
-                fprintf(stderr, "train_gpt: --resume latest: %s\n", err);
-                exit(1);
+                die("--resume latest: %s", err);
             }
         } else {
             snprintf(path, sizeof(path), "%s", o->resume);
         }
-        if (ckpt_peek(&r, path, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: --resume: %s\n", err);
-            exit(1);
-        }
+        if (ckpt_peek(&r, path, err, sizeof(err)) != 0) die("--resume: %s", err);
         bool same = model_config_matches(&o->model, &r.manifest, r.config, why, sizeof(why));
         ckpt_close(&r);
-        if (!same) {
-            fprintf(stderr, "train_gpt: --resume: %s/" CKPT_MANIFEST ": %s\n", path, why);
-            exit(1);
-        }
+        if (!same) die("--resume: %s/" CKPT_MANIFEST ": %s", path, why);
     }
 }
 
 // A run: read the command line, open the data, the log and the model (fresh, from a transformers
 // checkpoint, or resumed), take optimizer steps, then export and finish the last checkpoint.
 int main(int argc, char** argv) {
+    program_name = "train_gpt";
     Options o;
     options_default(&o);
     parse_args(&o, argc, argv);

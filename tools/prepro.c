@@ -49,30 +49,6 @@ static void usage(FILE* f) {
         DEFAULT_TOKENIZER_DIR, DEFAULT_VAL_EVERY, DEFAULT_SHARD_TOKENS);
 }
 
-// One line on stderr, then exit: 1 for a failure, 2 for a mistake on the command line.
-static void vexit_with(int code, const char* fmt, va_list ap) __attribute__((format(printf, 2, 0), noreturn));
-static void vexit_with(int code, const char* fmt, va_list ap) {
-    char line[8192];
-    vsnprintf(line, sizeof(line), fmt, ap);
-    error_one_line(line, sizeof(line));
-    fprintf(stderr, "prepro: %s\n", line);
-    exit(code);
-}
-
-static void die(const char* fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-static void die(const char* fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vexit_with(1, fmt, ap);
-}
-
-static void usage_error(const char* fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-static void usage_error(const char* fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vexit_with(2, fmt, ap);
-}
-
 static int ends_with(const char* s, const char* suffix) {
     size_t n = strlen(s), m = strlen(suffix);
     return n >= m && strcmp(s + n - m, suffix) == 0;
@@ -499,6 +475,7 @@ static long parse_count(const char* flag, const char* value, long min, long max)
 
 #ifndef PREPRO_NO_MAIN  // test/fuzz/fuzz_jsonl.c includes this file for jsonl_text
 int main(int argc, char** argv) {
+    program_name = "prepro";
     const char *out = NULL, *tokenizer_dir = DEFAULT_TOKENIZER_DIR, *encode = NULL;
     int val_every = DEFAULT_VAL_EVERY, decode = 0, info = 0;
     long shard_tokens = DEFAULT_SHARD_TOKENS;
