@@ -85,7 +85,7 @@ static void staging_remove(void) {
     char path[8192];
     for (int s = 0; s < 2; s++)
         for (int i = 0; i < g_writers[s].n_shards; i++) {
-            shard_writer_path(&g_writers[s], i, path, sizeof(path));
+            shard_path(g_staging, g_writers[s].name, i, path, sizeof(path));
             unlink(path);
         }
     rmdir(g_staging);
@@ -124,13 +124,6 @@ static void stop_if_interrupted(void) {
     raise(sig);
 }
 
-// Shard i of split s (0 train, 1 val) as it is named in dir.
-static void shard_path_in(const char* dir, int s, int i, char* path, size_t len) {
-    ShardWriter w = g_writers[s];
-    snprintf(w.dir, sizeof(w.dir), "%s", dir);
-    shard_writer_path(&w, i, path, len);
-}
-
 // Moves the first n shards (train's, then val's) from one directory to another. Returns the
 // index of the one that could not be moved (errno says why), or -1.
 static int shards_move(const char* from_dir, const char* to_dir, int n) {
@@ -138,8 +131,8 @@ static int shards_move(const char* from_dir, const char* to_dir, int n) {
     int k = 0;
     for (int s = 0; s < 2; s++)
         for (int i = 0; i < g_writers[s].n_shards && k < n; i++, k++) {
-            shard_path_in(from_dir, s, i, from, sizeof(from));
-            shard_path_in(to_dir, s, i, to, sizeof(to));
+            shard_path(from_dir, g_writers[s].name, i, from, sizeof(from));
+            shard_path(to_dir, g_writers[s].name, i, to, sizeof(to));
             if (rename(from, to) != 0) return k;
         }
     return -1;
@@ -351,9 +344,8 @@ static void make_shards(const char* out, const char* tokenizer_dir, int val_ever
     if (stat(out, &st) == 0 && !S_ISDIR(st.st_mode)) die("%s: exists and is not a directory", out);
     const char* names[2] = {"train", "val"};
     for (int s = 0; s < 2; s++) {
-        shard_writer_init(&p.split[s], out, names[s], (size_t)shard_tokens);
-        char first[4096];
-        shard_writer_path(&p.split[s], 0, first, sizeof(first));
+        char first[8192];
+        shard_path(out, names[s], 0, first, sizeof(first));
         if (stat(first, &st) == 0)
             die("%s already exists: remove the old shards first (rm %s/%s_*.bin), or choose another --out",
                 first, out, names[s]);
