@@ -448,6 +448,9 @@ static int test_command_line(void) {
     int status = p ? pclose(p) : -1;
     EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, "--help exit status");
     EXPECT(strstr(help, "--total-batch") && strstr(help, "(1024)"), "--help lists flags with defaults");
+    EXPECT(strstr(help, "--optimizer       'adamw', 'muon' or 'adamw8bit': ") &&
+               strstr(help, "--fp8-scaling     'delayed' or 'current': "),
+           "--help lists the words of --optimizer and --fp8-scaling");
     if (!g_have_gpu) {
         int code = run_command("./train_gpt --bench --bench-steps 1", line, sizeof(line));
         EXPECT(code == 1 && strstr(line, "no CUDA GPU"), "without a GPU: exit %d, '%s'", code, line);

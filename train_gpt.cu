@@ -379,6 +379,7 @@ typedef void (*GradsReadyHook)(void* ctx, const struct GPT* m, int bucket);
 typedef enum { FP8_ROLE_WEIGHT, FP8_ROLE_INPUT, FP8_ROLE_GRAD, FP8_ROLES } Fp8Role;
 #define FP8_MATRICES 4  // P_QKV, P_ATTN_OUT, P_GATE_UP, P_DOWN: the layer kinds that are matrices
 static const char* const FP8_ROLE_NAMES[FP8_ROLES] = {"W", "x", "dy"};
+static const char* const FP8_SCALING_NAMES[] = {"delayed", "current"};  // by Fp8Scaling: --fp8-scaling's words
 
 typedef struct {
     bool on;
@@ -934,7 +935,7 @@ static void print_memory_plan(const GPT* m) {
            gib(CUBLASLT_WORKSPACE_BYTES), gib(gpt_bytes_total(m)));
     if (m->fp8.on)
         printf("fp8: the layers' matrices%s in FP8 (%s scaling%s); its weight copies and scratch: %.2f GiB of the "
-               "total\n", m->fp8.head ? " and the output head" : "", m->fp8.scaling == FP8_DELAYED ? "delayed" : "current",
+               "total\n", m->fp8.head ? " and the output head" : "", FP8_SCALING_NAMES[m->fp8.scaling],
                m->fp8.fast_accum ? ", fast accumulation in the forward" : "", gib(m->fp8.bytes));
 }
 
@@ -2018,19 +2019,22 @@ typedef struct {
     float timeout;           // seconds without progress before a rank gives up on its peers
     const char* model_flag;  // a flag of the model's that config.json sets too (for --init-from's check)
     int fp8;                 // 1: the layers' matrices in FP8
-    const char* fp8_scaling; // "delayed" or "current"
+    int fp8_scaling;         // Fp8Scaling
     int fp8_head;            // 1: the output head in FP8 too
     int fp8_fast_accum;      // 1: the FP8 forward products with cuBLASLt's fast accumulation
     int fp8_log_scales;      // 1: every logged step also logs the scales
-    const char* optimizer;   // "adamw", "muon" or "adamw8bit" (OPTIMIZER_NAMES)
+    int optimizer;           // OptimizerKind
 } Options;
 
-typedef enum { OPT_INT, OPT_BOOL, OPT_FLOAT, OPT_STR, OPT_U64, OPT_FLAG } OptType;  // OPT_BOOL: 0 or 1
+// OPT_BOOL: 0 or 1. OPT_CHOICE: one of the spec's words; the value (an int) is the word's index.
+typedef enum { OPT_INT, OPT_BOOL, OPT_FLOAT, OPT_STR, OPT_U64, OPT_FLAG, OPT_CHOICE } OptType;
 typedef struct {
     const char* name;
     OptType type;
     void* value;
     const char* help;
+    const char* const* words;  // OPT_CHOICE: the words it takes, n_words of them
+    int n_words;
 } OptionSpec;
 
 static int option_specs(Options* o, OptionSpec* specs) {
@@ -2058,8 +2062,9 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--beta2", OPT_FLOAT, &o->optim.beta2, "AdamW beta2"},
         {"--adam-eps", OPT_FLOAT, &o->optim.eps, "AdamW epsilon"},
         {"--grad-clip", OPT_FLOAT, &o->optim.grad_clip, "clip the global gradient norm to this (0: off)"},
-        {"--optimizer", OPT_STR, &o->optimizer,
-         "'adamw'; 'muon' (Muon for the layers' matrices, AdamW for the rest; --zero 0); 'adamw8bit' (8-bit moments)"},
+        {"--optimizer", OPT_CHOICE, &o->optimizer,
+         "the update rule (muon: Muon for the layers' matrices, AdamW for the rest, --zero 0; adamw8bit: 8-bit moments)",
+         OPTIMIZER_NAMES, N_OPTIMIZERS},
         {"--muon-lr", OPT_FLOAT, &o->optim.muon_lr, "Muon's peak learning rate (the schedule of --lr, scaled)"},
         {"--muon-momentum", OPT_FLOAT, &o->optim.muon_momentum, "Muon's (Nesterov) momentum"},
         {"--recompute", OPT_BOOL, &o->recompute, "1: recompute norms, QK rope and SwiGLU in the backward"},
@@ -2099,8 +2104,10 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--master", OPT_STR, &o->master, "host:port of rank 0 under Slurm when MASTER_ADDR/PORT are not set"},
         {"--timeout", OPT_FLOAT, &o->timeout, "seconds a rank waits for its peers (start-up, or a step) before it stops"},
         {"--fp8", OPT_BOOL, &o->fp8, "1: every layer's four matmuls in FP8 (E4M3 weights and activations, E5M2 gradients)"},
-        {"--fp8-scaling", OPT_STR, &o->fp8_scaling,
-         "FP8 per-tensor scales: 'delayed' (amax history of 16 steps) or 'current' (each tensor's amax, one more pass)"},
+        {"--fp8-scaling", OPT_CHOICE, &o->fp8_scaling,
+         "where FP8's per-tensor scales come from (delayed: an amax history of 16 steps; current: each tensor's amax, "
+         "one more pass)",
+         FP8_SCALING_NAMES, sizeof(FP8_SCALING_NAMES) / sizeof(FP8_SCALING_NAMES[0])},
         {"--fp8-head", OPT_BOOL, &o->fp8_head, "1: the output head's matmuls in FP8 too (needs --fp8 1)"},
         {"--fp8-fast-accum", OPT_BOOL, &o->fp8_fast_accum,
          "1: FP8 forward matmuls accumulate without promotion to fp32 (faster, less exact; needs --fp8 1)"},
@@ -2128,7 +2135,7 @@ static void options_default(Options* o) {
     o->optim.decay_frac = 0.2f;
     o->optim.muon_lr = 0.02f;
     o->optim.muon_momentum = 0.95f;
-    o->optimizer = "adamw";
+    o->optimizer = OPTIMIZER_ADAMW;
     o->batch_size = 32;
     o->recompute = 1;
     o->deterministic = 1;
@@ -2153,10 +2160,19 @@ static void options_default(Options* o) {
     o->zero = 0;
     o->timeout = 50.0f;
     o->fp8 = 0;
-    o->fp8_scaling = "delayed";
+    o->fp8_scaling = FP8_DELAYED;
     o->fp8_head = 0;
     o->fp8_fast_accum = 0;
     o->fp8_log_scales = 0;
+}
+
+// An OPT_CHOICE's words as a reader would list them: 'a', 'b' or 'c'.
+static void choice_words(const OptionSpec* spec, char* out, size_t len) {
+    size_t used = 0;
+    out[0] = '\0';
+    for (int k = 0; k < spec->n_words && used < len; k++)
+        used += snprintf(out + used, len - used, "%s'%s'", k == 0 ? "" : k + 1 < spec->n_words ? ", " : " or ",
+                         spec->words[k]);
 }
 
 static void print_help(void) {
@@ -2174,9 +2190,24 @@ static void print_help(void) {
         case OPT_U64: snprintf(value, sizeof(value), "%llu", (unsigned long long)*(uint64_t*)specs[i].value); break;
         case OPT_STR: snprintf(value, sizeof(value), "%s", *(const char**)specs[i].value ? *(const char**)specs[i].value : "none"); break;
         case OPT_FLAG: snprintf(value, sizeof(value), "off"); break;
+        case OPT_CHOICE: snprintf(value, sizeof(value), "%s", specs[i].words[*(int*)specs[i].value]); break;
         }
-        printf("  %-17s %s (%s)\n", specs[i].name, specs[i].help, value);
+        char words[256] = "";
+        if (specs[i].type == OPT_CHOICE) choice_words(&specs[i], words, sizeof(words));
+        printf("  %-17s %s%s%s (%s)\n", specs[i].name, words, words[0] ? ": " : "", specs[i].help, value);
     }
+}
+
+// v is not a value that spec's flag takes: exit 2, with what it does take.
+static void bad_value(const OptionSpec* spec, const char* v) {
+    char words[256];
+    const char* domain = spec->type == OPT_BOOL    ? "0 or 1"
+                         : spec->type == OPT_U64   ? "a whole number from 0 to 2^64-1"
+                         : spec->type == OPT_INT   ? "a whole number that fits an int"
+                         : spec->type == OPT_FLOAT ? "a finite number"
+                                                   : words;
+    if (spec->type == OPT_CHOICE) choice_words(spec, words, sizeof(words));
+    usage_error("bad value '%s' for %s: it takes %s", v, spec->name, domain);
 }
 
 // Exits with code 2 and one line on an unknown flag or a bad value.
@@ -2215,16 +2246,17 @@ static void parse_args(Options* o, int argc, char** argv) {
             if (strchr(v, '-')) errno = ERANGE;
             break;
         case OPT_FLOAT: *(float*)spec->value = strtof(v, &end); break;
+        case OPT_CHOICE: {
+            int k = 0;
+            while (k < spec->n_words && strcmp(v, spec->words[k]) != 0) k++;
+            if (k == spec->n_words) bad_value(spec, v);
+            *(int*)spec->value = k;
+            continue;
+        }
         default: *(const char**)spec->value = v; continue;  // any string, the empty one included
         }
-        if (errno != 0 || end == v || *end != '\0' ||
-            (spec->type == OPT_FLOAT && !isfinite(*(float*)spec->value))) {
-            const char* domain = spec->type == OPT_BOOL  ? "0 or 1"
-                                 : spec->type == OPT_U64 ? "a whole number from 0 to 2^64-1"
-                                 : spec->type == OPT_INT ? "a whole number that fits an int"
-                                                         : "a finite number";
-            usage_error("bad value '%s' for %s: it takes %s", v, spec->name, domain);
-        }
+        if (errno != 0 || end == v || *end != '\0' || (spec->type == OPT_FLOAT && !isfinite(*(float*)spec->value)))
+            bad_value(spec, v);
     }
 }
 
@@ -2260,16 +2292,13 @@ static void check_options(const Options* o) {
     else if (o->gpus < 1 || o->gpus > 1024) problem = "--gpus must be in [0, 1024] (0: every GPU of this machine)";
     else if (o->zero < 0 || o->zero > 2) problem = "--zero must be 0, 1 or 2";
     else if (!(o->timeout >= 5.0f)) problem = "--timeout must be at least 5 seconds";
-    else if (strcmp(o->fp8_scaling, "delayed") != 0 && strcmp(o->fp8_scaling, "current") != 0)
-        problem = "--fp8-scaling must be 'delayed' or 'current'";
     else if (!o->fp8 && (o->fp8_head || o->fp8_fast_accum || o->fp8_log_scales))
         problem = "--fp8-head, --fp8-fast-accum and --fp8-log-scales need --fp8 1";
     else if (o->fp8_head && (o->model.vocab_size % 16 != 0 || o->loss_chunk % 16 != 0))
         problem = "--fp8-head 1 needs the vocabulary size and --loss-chunk to be multiples of 16 (FP8 matmuls' sides)";
-    else if (optimizer_kind(o->optimizer) < 0) problem = "--optimizer must be 'adamw', 'muon' or 'adamw8bit'";
     else if (!(p->muon_lr >= 0.0f) || !(p->muon_momentum >= 0.0f && p->muon_momentum < 1.0f))
         problem = "--muon-lr must be >= 0 and --muon-momentum in [0, 1)";
-    else if (optimizer_kind(o->optimizer) == OPTIMIZER_MUON && o->zero != 0)
+    else if (o->optimizer == OPTIMIZER_MUON && o->zero != 0)
         problem = "--optimizer muon needs every matrix whole on each GPU: use --zero 0 (doc/optimizers.md says how "
                   "Muon could shard)";
     if (problem) usage_error("%s", problem);
@@ -2661,11 +2690,10 @@ static void trainer_open_model(Trainer* t) {
     Sharding dp = ONE_GPU;
     if (t->parallel) dp = (Sharding){t->env.rank, t->env.world, o->zero, &t->comm};
     gpt_create(m, &o->model, o->batch_size, o->model.seq_len, o->recompute != 0, o->loss_chunk, &dp,
-                   (OptimizerKind)optimizer_kind(o->optimizer));
+                   (OptimizerKind)o->optimizer);
     m->deterministic = o->deterministic != 0;
     if (o->fp8)
-        gpt_enable_fp8(m, strcmp(o->fp8_scaling, "current") == 0 ? FP8_CURRENT : FP8_DELAYED, o->fp8_head != 0,
-                       o->fp8_fast_accum != 0);
+        gpt_enable_fp8(m, (Fp8Scaling)o->fp8_scaling, o->fp8_head != 0, o->fp8_fast_accum != 0);
     gpt_init(m, o->seed);
     if (o->init_from) load_init_from(m, o->init_from);
     t->bench_rng = o->seed * 0x9E3779B97F4A7C15ull + 1;
@@ -2957,8 +2985,8 @@ static void print_bench_result(const Trainer* t) {
            "\"mfu\": %.4f, \"flops_per_token\": %.6g, \"peak_mem_gib\": %.3f, \"first_step_s\": %.2f, "
            "\"final_loss\": %.4f}\n",
            t->prop.name, world, t->model.dp.zero, t->model.B, t->model.T, c->d_model, c->n_layer, c->n_head,
-           c->n_kv_head, c->head_dim, c->ffn_dim, t->o.recompute, t->o.fp8 ? t->o.fp8_scaling : "off", t->o.fp8_head,
-           t->o.fp8_fast_accum, t->o.optimizer, ms, tok_s, tok_s / world,
+           c->n_kv_head, c->head_dim, c->ffn_dim, t->o.recompute, t->o.fp8 ? FP8_SCALING_NAMES[t->o.fp8_scaling] : "off",
+           t->o.fp8_head, t->o.fp8_fast_accum, OPTIMIZER_NAMES[t->o.optimizer], ms, tok_s, tok_s / world,
            tok_s / world * flops / (t->o.peak_tflops * 1e12), flops, gib(gpt_bytes_total(&t->model)),
            t->t_first_step, t->last_loss);
 }

@@ -60,6 +60,7 @@ static int test_train_flag_domains(void) {
         {"--ckpt-keep-going 3", 2, "--ckpt-keep-going"},
         {"--fp8 2", 2, "--fp8"},
         {"--fp8-scaling fast", 2, "--fp8-scaling"},
+        {"--fp8-scaling delay", 2, "bad value 'delay' for --fp8-scaling: it takes 'delayed' or 'current'"},
         {"--fp8 1 --fp8-head 2", 2, "--fp8-head"},
         {"--fp8-head 1", 2, "need --fp8 1"},
         {"--fp8-fast-accum 1", 2, "need --fp8 1"},
