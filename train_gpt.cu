@@ -2013,6 +2013,7 @@ typedef struct {
     int ckpt_every, keep_last, ckpt_keep_going;
     int stop_at;
     const char* resume;
+    char resume_dir[CK_PATH_MAX];  // the checkpoint --resume names ("latest" resolved in --out by check_inputs)
     const char* init_from;
     int gpus, zero;          // data parallelism: ranks started here (without a launcher), ZeRO mode
     const char* master;      // host:port of rank 0, for Slurm without MASTER_ADDR / MASTER_PORT
@@ -2548,15 +2549,10 @@ static void load_init_from(GPT* m, const char* dir) {
     printf("initialized from %s\n", dir);
 }
 
-// --resume: weights, moments and trainer state from `which` ("latest" in out_dir, or a checkpoint
-// directory), verified; exits with one line on any problem, never starting silently from scratch.
-static void resume_from(GPT* m, const char* which, const char* out_dir, TrainerState* state) {
-    char dir[1024], err[1024];
-    if (!strcmp(which, "latest")) {
-        if (ckpt_resolve_latest(out_dir, dir, sizeof(dir), err, sizeof(err)) < 0) die("--resume latest: %s", err);
-    } else {
-        snprintf(dir, sizeof(dir), "%s", which);
-    }
+// --resume: weights, moments and trainer state from the checkpoint directory dir, verified; exits
+// with one line on any problem, never starting silently from scratch.
+static void resume_from(GPT* m, const char* dir, TrainerState* state) {
+    char err[1024];
     Restored got = {};
     got.master = (float*)xmalloc(m->table.n_elements * sizeof(float));
     got.opt_state = xmalloc(m->opt_state_bytes);
@@ -2701,7 +2697,7 @@ static void trainer_open_model(Trainer* t) {
     if (o->resume) {
         TrainerState resumed = {};
         char err[1024];
-        resume_from(m, o->resume, o->out_dir, &resumed);
+        resume_from(m, o->resume_dir, &resumed);
         if (resumed.has_loader && !o->bench && loader_set_state(&t->train, &resumed.loader, err, sizeof(err)) != 0) {
             die("--resume: the data loader's state: %s", err);
         }
@@ -3086,8 +3082,8 @@ static void read_init_from_config(Options* o) {
 // mistake in a path or a file is named as such and not as a missing GPU: --init-from's
 // safetensors header; --resume's manifest, the sizes of the files it lists, and its config against
 // this run's. The data and the tokenizer are checked next, by trainer_open_data. Exits 1 with one
-// line.
-static void check_inputs(const Options* o) {
+// line. Sets o->resume_dir, where resume_from will read.
+static void check_inputs(Options* o) {
     char err[CK_PATH_MAX + 512], path[CK_PATH_MAX];
     if (o->init_from) {
         StFile weights;
@@ -3098,17 +3094,14 @@ static void check_inputs(const Options* o) {
     if (o->resume) {
         CkptReader r;
         char why[512];
-        if (!strcmp(o->resume, "latest")) {
-            if (ckpt_resolve_latest(o->out_dir, path, sizeof(path), err, sizeof(err)) < 0) {
-                die("--resume latest: %s", err);
-            }
-        } else {
-            snprintf(path, sizeof(path), "%s", o->resume);
-        }
-        if (ckpt_peek(&r, path, err, sizeof(err)) != 0) die("--resume: %s", err);
+        if (strcmp(o->resume, "latest") != 0) snprintf(o->resume_dir, sizeof(o->resume_dir), "%s", o->resume);
+        else if (ckpt_resolve_latest(o->out_dir, o->resume_dir, sizeof(o->resume_dir), err, sizeof(err)) < 0)
+            die("--resume latest: %s", err);
+        const char* dir = o->resume_dir;
+        if (ckpt_peek(&r, dir, err, sizeof(err)) != 0) die("--resume: %s", err);
         bool same = model_config_matches(&o->model, &r.manifest, r.config, why, sizeof(why));
         ckpt_close(&r);
-        if (!same) die("--resume: %s/" CKPT_MANIFEST ": %s", path, why);
+        if (!same) die("--resume: %s/" CKPT_MANIFEST ": %s", dir, why);
     }
 }
 

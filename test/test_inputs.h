@@ -217,6 +217,10 @@ static int test_train_bad_checkpoint(void) {
         const BadInput c = {args, 1, cases[i].says};
         if (strcmp(cases[i].says, "no CUDA GPU found") || !g_have_gpu) failed |= ti_run_cases("./train_gpt", &c, 1, dir);
     }
+    // --resume latest, with no `latest` file: the newest ckpt_<step>, whose manifest is then read
+    const BadInput latest = {TI_RUN "--layers 4 --resume latest --out %s", 1,
+                             "ckpt_6/manifest.json: the checkpoint's n_layer is 12, this run's (--layers) is 4"};
+    failed |= ti_run_cases("./train_gpt", &latest, 1, dir);
     remove_test_dir(dir);
     return TEST_RESULT;
 }
