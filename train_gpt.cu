@@ -2290,7 +2290,7 @@ static void check_options(const Options* o) {
     else if (o->stop_at < 0 || o->stop_at > p->total_steps) problem = "--stop-at must be in [0, --steps]";
     else if (!(o->peak_tflops > 0.0f)) problem = "--peak-tflops must be > 0";
     else if (o->resume && o->init_from) problem = "--resume and --init-from exclude each other";
-    else if (o->gpus < 1 || o->gpus > 1024) problem = "--gpus must be in [0, 1024] (0: every GPU of this machine)";
+    else if (o->gpus < 0 || o->gpus > 1024) problem = "--gpus must be in [0, 1024] (0: every GPU of this machine)";
     else if (o->zero < 0 || o->zero > 2) problem = "--zero must be 0, 1 or 2";
     else if (!(o->timeout >= 5.0f)) problem = "--timeout must be at least 5 seconds";
     else if (!o->fp8 && (o->fp8_head || o->fp8_fast_accum || o->fp8_log_scales))
@@ -3035,10 +3035,6 @@ static void trainer_close(Trainer* t) {
 static void read_launch_env(const Options* o, CommEnv* env) {
     char err[1024];
     if (comm_env_read(env, NULL, o->master, err, sizeof(err)) != 0) usage_error("%s", err);
-    if (strcmp(env->launcher, "single") && o->gpus > 1 && o->gpus != env->world) {
-        usage_error("--gpus %d, but the launcher (%s) started %d ranks; leave out --gpus", o->gpus,
-                    env->launcher, env->world);
-    }
     long rank_tokens = (long)o->batch_size * o->model.seq_len * env->world;
     if (o->total_batch_tokens > 0 && o->total_batch_tokens % rank_tokens != 0) {
         usage_error("--total-batch %d must be a multiple of --batch x --seq x GPUs = %ld",
@@ -3049,11 +3045,20 @@ static void read_launch_env(const Options* o, CommEnv* env) {
 
 // --gpus N without a launcher: this process starts the N ranks and waits for them.
 // --gpus 0: every GPU this process sees (the ranks are exec'd afresh, so asking CUDA here is safe).
-static int count_gpus(void) {
-    int n = 0;
-    cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess || n < 1) die("--gpus 0 (every GPU): this machine has no CUDA GPU that this process can use");
-    return n;
+// Counting them is the first look for a GPU, so main settles --gpus after every check that needs
+// none: a bad flag is named as such on a machine without a GPU too. Under a launcher, --gpus must
+// be the number of ranks it started (exit 2).
+static void settle_gpus(Options* o, const CommEnv* env) {
+    if (o->gpus == 0) {
+        int n = 0;
+        cudaError_t e = cudaGetDeviceCount(&n);
+        if (e != cudaSuccess || n < 1) die("--gpus 0 (every GPU): this machine has no CUDA GPU that this process can use");
+        o->gpus = n;
+    }
+    if (strcmp(env->launcher, "single") && o->gpus > 1 && o->gpus != env->world) {
+        usage_error("--gpus %d, but the launcher (%s) started %d ranks; leave out --gpus", o->gpus,
+                    env->launcher, env->world);
+    }
 }
 
 static int launch_ranks(int n, char** argv) {
@@ -3112,12 +3117,12 @@ int main(int argc, char** argv) {
     Options o;
     options_default(&o);
     parse_args(&o, argc, argv);
-    if (o.gpus == 0) o.gpus = count_gpus();
     read_init_from_config(&o);
     check_options(&o);
     check_inputs(&o);
     CommEnv env;
     read_launch_env(&o, &env);
+    settle_gpus(&o, &env);
     if (o.gpus > 1 && !strcmp(env.launcher, "single")) return launch_ranks(o.gpus, argv);
 
     Trainer t;

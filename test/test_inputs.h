@@ -77,6 +77,8 @@ static int test_train_flag_domains(void) {
         {"--keep-last 0", 2, "--keep-last"},
         {"--zero 3", 2, "--zero"},
         {"--gpus -1", 2, "--gpus"},
+        {"--gpus 0 --zero 3", 2, "--zero"},  // --gpus 0 counts GPUs only after the checks that need none
+        {"--gpus 0 --fp8-head 1", 2, "need --fp8 1"},
         {"--timeout nan", 2, "--timeout"},
         {"--lr inf", 2, "--lr"},
         {"--peak-tflops 0", 2, "--peak-tflops"},
@@ -121,14 +123,16 @@ static int test_train_missing_inputs(void) {
         {"--batch 1 --seq 64 --train-data %s/train_*.bin --val-data %s/none_*.bin", 1, "none_*.bin"},
         {"--batch 1 --seq 64 --val-data '' --train-data %s/train_*.bin --tokenizer %s/no_tokenizer", 1, "no_tokenizer"},
         {TI_RUN "--resume %s/no_checkpoint", 1, "no_checkpoint/manifest.json"},
+        {TI_RUN "--gpus 0 --resume %s/no_checkpoint", 1, "no_checkpoint/manifest.json"},
         {TI_RUN "--resume latest --out %s/no_out", 1, "no_out"},
         {"--init-from %s/no_model", 1, "no_model/config.json"},
         {"--train-data '%s/a\nb'", 1, "a\\x0ab"},
     };
     failed |= ti_run_cases("./train_gpt", cases, sizeof(cases) / sizeof(cases[0]), dir);
     if (!g_have_gpu) {
-        const BadInput no_gpu[] = {{TI_RUN "--out %s/out", 1, "no CUDA GPU found (no NVIDIA driver is loaded"}};
-        failed |= ti_run_cases("./train_gpt", no_gpu, 1, dir);
+        const BadInput no_gpu[] = {{TI_RUN "--out %s/out", 1, "no CUDA GPU found (no NVIDIA driver is loaded"},
+                                   {TI_RUN "--out %s/out --gpus 0", 1, "--gpus 0 (every GPU): this machine has no CUDA GPU"}};
+        failed |= ti_run_cases("./train_gpt", no_gpu, 2, dir);
     }
     remove_test_dir(dir);
     return TEST_RESULT;
