@@ -807,20 +807,32 @@ static size_t fp8_scale_index(const ModelConfig* c, Fp8Role role, ParamKind kind
     return ((size_t)l * FP8_ROLES + role) * FP8_MATRICES + kind;
 }
 
+// FP8 matmuls want every side a multiple of 16 bytes (cuBLASLt's leading dimensions), so the rows
+// of a micro-batch, N = B x T, and both sides of the layers' matrices must be multiples of 16 (the
+// head's, with --fp8-head, are the vocabulary and the loss chunk's rows). A function of the config
+// alone, for check_options to call before anything is allocated: 0, or -1 with err.
+static int fp8_check_shapes(const ModelConfig* c, long N, char* err, size_t err_len) {
+    const char* needs = "--fp8 needs B x T and every matrix side a multiple of 16";
+    if (N % 16) return fail(err, err_len, "%s (B x T is %ld)", needs, N);
+    for (int k = 0; k < FP8_MATRICES; k++) {
+        int64_t rows, cols;
+        param_shape(c, (ParamKind)k, &rows, &cols);
+        if (rows % 16 || cols % 16)
+            return fail(err, err_len, "%s (%s is %lld x %lld)", needs, PARAM_KINDS[k].name, (long long)rows,
+                        (long long)cols);
+    }
+    return 0;
+}
+
 // Turns FP8 mode on (after gpt_create, before any step): allocates the FP8 weights, the scratch
-// of the casts and the scales, and says so in one line if they do not fit. FP8 matmuls want every
-// side a multiple of 16 bytes, so N and the matrices' sides must be multiples of 16 (and, for the
-// head, the vocabulary and the loss chunk's rows: check_options says so before).
+// of the casts and the scales, and says so in one line if they do not fit. The shapes are FP8's
+// (fp8_check_shapes): check_options has checked them.
 static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling, bool head, bool fast_accum) {
     GptFp8* f = &m->fp8;
     int L = m->cfg.n_layer;
     size_t widest_in = 0, widest_out = 0;
     for (int k = 0; k < FP8_MATRICES; k++) {
         const ParamTensor* t = param(&m->table, (ParamKind)k, 0);
-        if (t->rows % 16 || t->cols % 16 || m->N % 16) {
-            usage_error("--fp8 needs B x T and every matrix side a multiple of 16 (%s is %lld x %lld, B x T %d)",
-                        t->name, (long long)t->rows, (long long)t->cols, m->N);
-        }
         widest_in = (size_t)t->cols > widest_in ? (size_t)t->cols : widest_in;
         widest_out = (size_t)t->rows > widest_out ? (size_t)t->rows : widest_out;
     }
@@ -2295,6 +2307,7 @@ static void check_options(const Options* o) {
     else if (!(o->timeout >= 5.0f)) problem = "--timeout must be at least 5 seconds";
     else if (!o->fp8 && (o->fp8_head || o->fp8_fast_accum || o->fp8_log_scales))
         problem = "--fp8-head, --fp8-fast-accum and --fp8-log-scales need --fp8 1";
+    else if (o->fp8 && fp8_check_shapes(&o->model, tokens, err, sizeof(err)) < 0) problem = err;
     else if (o->fp8_head && (o->model.vocab_size % 16 != 0 || o->loss_chunk % 16 != 0))
         problem = "--fp8-head 1 needs the vocabulary size and --loss-chunk to be multiples of 16 (FP8 matmuls' sides)";
     else if (!(p->muon_lr >= 0.0f) || !(p->muon_momentum >= 0.0f && p->muon_momentum < 1.0f))

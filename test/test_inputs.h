@@ -67,6 +67,9 @@ static int test_train_flag_domains(void) {
         {"--fp8-log-scales 1 --fp8 0", 2, "need --fp8 1"},
         {"--fp8 1 --fp8-fast-accum yes", 2, "--fp8-fast-accum"},
         {"--fp8 1 --fp8-head 1 --loss-chunk 1000", 2, "--loss-chunk to be multiples of 16"},
+        {"--fp8 1 --ffn 2040", 2, "--fp8 needs B x T and every matrix side a multiple of 16 (down is 768 x 2040"},
+        {"--fp8 1 --batch 3 --seq 100", 2, "--fp8 needs B x T and every matrix side a multiple of 16 (B x T is 300)"},
+        {"--fp8 0 --ffn 2040 --batch 3 --seq 100 --zero 3", 2, "--zero"},  // BF16 takes any sides
         {"--fp8 1 --fp8-head 1 --vocab 50264", 2, "--fp8-head 1 needs the vocabulary size"},
         {"--seed -1", 2, "--seed"},
         {"--sample-seed 18446744073709551616", 2, "--sample-seed"},
