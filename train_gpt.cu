@@ -383,7 +383,6 @@ typedef void (*GradsReadyHook)(void* ctx, const struct GPT* m, int bucket);
 typedef enum { FP8_ROLE_WEIGHT, FP8_ROLE_INPUT, FP8_ROLE_GRAD, FP8_ROLES } Fp8Role;
 #define FP8_MATRICES 4  // P_QKV, P_ATTN_OUT, P_GATE_UP, P_DOWN: the layer kinds that are matrices
 static const char* const FP8_ROLE_NAMES[FP8_ROLES] = {"W", "x", "dy"};
-static const char* const FP8_SCALING_NAMES[] = {"delayed", "current"};  // by Fp8Scaling: --fp8-scaling's words
 
 typedef struct {
     bool on;
@@ -2647,8 +2646,7 @@ static void trainer_open_data(Trainer* t) {
     if (!o->bench) {
         int rank = t->env.rank, world = t->env.world;
         if (loader_open(&t->train, o->train_data, B, T, rank, world, 1, o->seed, err, sizeof(err)) != 0) {
-            die("%s%s", err,
-                strstr(o->train_data, "data/default/") ? " (run `make data` to prepare the default corpus)" : "");
+            die("%s", err);  // the loader's line says how to make the shards
         }
         t->have_val = o->val_data && o->val_data[0];
         if (t->have_val && loader_open(&t->val, o->val_data, B, T, rank, world, 0, 0, err, sizeof(err)) != 0) {
