@@ -108,9 +108,14 @@ static inline int shard_write(const char* path, const uint16_t* tokens, size_t n
     return 0;
 }
 
+// The path of shard `index` of split `name` (train or val) in dir: dir/NAME_000000.bin, ...
+static inline void shard_path(const char* dir, const char* name, int index, char* path, size_t len) {
+    snprintf(path, len, "%s/%s_%06d.bin", dir, name, index);
+}
+
 // Collects the tokens of one split (train or val) and writes them as shards dir/NAME_000000.bin,
-// NAME_000001.bin, ... of shard_tokens tokens each, except that the last two share what is left
-// evenly, so that no shard is tiny (the loader rejects a shard smaller than one batch).
+// NAME_000001.bin, ... (shard_path) of shard_tokens tokens each, except that the last two share
+// what is left evenly, so that no shard is tiny (the loader rejects a shard smaller than one batch).
 typedef struct {
     char dir[2048];
     char name[64];
@@ -128,13 +133,9 @@ static inline void shard_writer_init(ShardWriter* w, const char* dir, const char
     w->shard_tokens = shard_tokens;
 }
 
-static inline void shard_writer_path(const ShardWriter* w, int index, char* path, size_t len) {
-    snprintf(path, len, "%s/%s_%06d.bin", w->dir, w->name, index);
-}
-
 static inline int shard_writer_emit(ShardWriter* w, size_t n, char* err, size_t err_len) {
     char path[4096];
-    shard_writer_path(w, w->n_shards, path, sizeof(path));
+    shard_path(w->dir, w->name, w->n_shards, path, sizeof(path));
     if (shard_write(path, w->buf, n, err, err_len) < 0) return -1;
     w->n_shards++;
     memmove(w->buf, w->buf + n, (w->len - n) * sizeof(uint16_t));

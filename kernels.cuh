@@ -597,13 +597,6 @@ static void cross_entropy(bf16* logits, float* losses, const int* targets, int r
 typedef enum { OPTIMIZER_ADAMW, OPTIMIZER_MUON, OPTIMIZER_ADAMW8BIT, N_OPTIMIZERS } OptimizerKind;
 static const char* const OPTIMIZER_NAMES[N_OPTIMIZERS] = {"adamw", "muon", "adamw8bit"};
 
-// The kind named `name`, or -1.
-static int optimizer_kind(const char* name) {
-    for (int k = 0; k < N_OPTIMIZERS; k++)
-        if (!strcmp(name, OPTIMIZER_NAMES[k])) return k;
-    return -1;
-}
-
 typedef struct {
     float lr, min_lr_frac, weight_decay, beta1, beta2, eps, grad_clip;
     int warmup_steps, total_steps;

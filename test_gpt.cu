@@ -548,6 +548,9 @@ static int test_command_line(void) {
     int status = p ? pclose(p) : -1;
     EXPECT(WIFEXITED(status) && WEXITSTATUS(status) == 0, "--help exit status");
     EXPECT(strstr(help, "--total-batch") && strstr(help, "(1024)"), "--help lists flags with defaults");
+    EXPECT(strstr(help, "--optimizer       'adamw', 'muon' or 'adamw8bit': ") &&
+               strstr(help, "--fp8-scaling     'delayed' or 'current': "),
+           "--help lists the words of --optimizer and --fp8-scaling");
     if (!g_have_gpu) {
         int code = run_command("./train_gpt --bench --bench-steps 1", line, sizeof(line));
         EXPECT(code == 1 && strstr(line, "no CUDA GPU"), "without a GPU: exit %d, '%s'", code, line);
@@ -1784,6 +1787,7 @@ static const TestCase model_tests[] = {
 };
 
 int main(int argc, char** argv) {
+    program_name = "test_gpt";
     const char* filter = argc > 1 ? argv[1] : NULL;
     int n_devices = 0;
     g_have_gpu = cudaGetDeviceCount(&n_devices) == cudaSuccess && n_devices > 0;
@@ -1808,10 +1812,8 @@ int main(int argc, char** argv) {
     int passed = 0, failed = 0, skipped = 0, matched = 0;
     for (auto& suite : suites)
         for (int i = 0; i < suite.n; i++) matched += !filter || strstr(suite.tests[i].name, filter) != NULL;
-    if (matched == 0) {  // a mistyped filter must not pass as "0 passed, 0 failed"
-        fprintf(stderr, "test_gpt: no test name contains '%s'\n", filter);
-        return 2;
-    }
+    // a mistyped filter must not pass as "0 passed, 0 failed"
+    if (matched == 0) usage_error("no test name contains '%s'", filter);
     for (auto& suite : suites)
         for (int i = 0; i < suite.n; i++) {
             const TestCase* t = &suite.tests[i];

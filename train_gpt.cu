@@ -204,10 +204,7 @@ static void param_add(ParamTable* pt, const ModelConfig* c, ParamKind kind, int 
 static CommShards bucket_split(size_t used, int n_shards) {
     CommShards shards;
     char err[256];
-    if (comm_shards_init(&shards, used, n_shards, PARAM_ALIGN, err, sizeof(err)) != 0) {
-        fprintf(stderr, "train_gpt: %s\n", err);
-        exit(1);
-    }
+    if (comm_shards_init(&shards, used, n_shards, PARAM_ALIGN, err, sizeof(err)) != 0) die("%s", err);
     return shards;
 }
 
@@ -908,20 +905,31 @@ static size_t recompute_headroom(const GPT* m, bool fp8, bool fp8_head) {
     return (fp8 ? fp8_bytes(m, fp8_head) : 0) + RECOMPUTE_MARGIN_BYTES;
 }
 
+// FP8 matmuls want every side a multiple of 16 bytes (cuBLASLt's leading dimensions), so the rows
+// of a micro-batch, N = B x T, and both sides of the layers' matrices must be multiples of 16 (the
+// head's, with --fp8-head, are the vocabulary and the loss chunk's rows). A function of the config
+// alone, for check_options to call before anything is allocated: 0, or -1 with err.
+static int fp8_check_shapes(const ModelConfig* c, long N, char* err, size_t err_len) {
+    const char* needs = "--fp8 needs B x T and every matrix side a multiple of 16";
+    if (N % 16) return fail(err, err_len, "%s (B x T is %ld)", needs, N);
+    for (int k = 0; k < FP8_MATRICES; k++) {
+        int64_t rows, cols;
+        param_shape(c, (ParamKind)k, &rows, &cols);
+        if (rows % 16 || cols % 16)
+            return fail(err, err_len, "%s (%s is %lld x %lld)", needs, PARAM_KINDS[k].name, (long long)rows,
+                        (long long)cols);
+    }
+    return 0;
+}
+
 // Turns FP8 mode on (after gpt_build, before any step): allocates the FP8 weights, the scratch
-// of the casts and the scales, and says so in one line if they do not fit. FP8 matmuls want every
-// side a multiple of 16 bytes, so N and the matrices' sides must be multiples of 16 (and, for the
-// head, the vocabulary and the loss chunk's rows: check_options says so before).
+// of the casts and the scales, and says so in one line if they do not fit. The shapes are FP8's
+// (fp8_check_shapes): check_options has checked them.
 static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling, bool head, bool fast_accum) {
     GptFp8* f = &m->fp8;
     int L = m->cfg.n_layer;
     for (int k = 0; k < FP8_MATRICES; k++) {
         const ParamTensor* t = param(&m->table, (ParamKind)k, 0);
-        if (t->rows % 16 || t->cols % 16 || m->N % 16) {
-            fprintf(stderr, "train_gpt: --fp8 needs B x T and every matrix side a multiple of 16 (%s is %lld x %lld, "
-                            "B x T %d)\n", t->name, (long long)t->rows, (long long)t->cols, m->N);
-            exit(2);
-        }
     }
     size_t allocated = gpt_bytes_total(m);  // the model's part of the plan, allocated by gpt_build
     f->bytes = fp8_bytes(m, head);
@@ -1026,7 +1034,7 @@ static void print_memory_plan(const GPT* m) {
            gib(CUBLASLT_WORKSPACE_BYTES), gib(gpt_bytes_total(m)));
     if (m->fp8.on)
         printf("fp8: the layers' matrices%s in FP8 (%s scaling%s); its weight copies and scratch: %.2f GiB of the "
-               "total\n", m->fp8.head ? " and the output head" : "", m->fp8.scaling == FP8_DELAYED ? "delayed" : "current",
+               "total\n", m->fp8.head ? " and the output head" : "", FP8_SCALING_NAMES[m->fp8.scaling],
                m->fp8.fast_accum ? ", fast accumulation in the forward" : "", gib(m->fp8.bytes));
 }
 
@@ -2083,12 +2091,17 @@ static void gpt_download_state(GPT* m, const float* state, float* host) {
 // ----------------------------------------------------------------------------------------------
 // The command line
 
+// --recompute: how many layers recompute (activations_layout): none, every one, or the fewest that
+// fit (trainer_choose_recompute).
+typedef enum { RECOMPUTE_NONE, RECOMPUTE_ALL, RECOMPUTE_AUTO, N_RECOMPUTE } RecomputeChoice;
+static const char* const RECOMPUTE_NAMES[N_RECOMPUTE] = {"0", "1", "auto"};
+
 typedef struct {
     ModelConfig model;
     OptimConfig optim;
     int batch_size;          // B: sequences per micro-batch
     int total_batch_tokens;  // tokens per optimizer step over all GPUs; a multiple of B*T*GPUs (accumulation)
-    const char* recompute;   // "0", "1" (every layer) or "auto" (the fewest layers that fit)
+    int recompute;           // RecomputeChoice
     int deterministic;
     int loss_chunk;
     uint64_t seed;
@@ -2108,26 +2121,30 @@ typedef struct {
     int ckpt_every, keep_last, ckpt_keep_going;
     int stop_at;
     const char* resume;
+    char resume_dir[CK_PATH_MAX];  // the checkpoint --resume names ("latest" resolved in --out by check_inputs)
     const char* init_from;
     int gpus, zero;          // data parallelism: ranks started here (without a launcher), ZeRO mode
     const char* master;      // host:port of rank 0, for Slurm without MASTER_ADDR / MASTER_PORT
     float timeout;           // seconds without progress before a rank gives up on its peers
     const char* model_flag;  // a flag of the model's that config.json sets too (for --init-from's check)
     int fp8;                 // 1: the layers' matrices in FP8
-    const char* fp8_scaling; // "delayed" or "current"
+    int fp8_scaling;         // Fp8Scaling
     int fp8_head;            // 1: the output head in FP8 too
     int fp8_fast_accum;      // 1: the FP8 forward products with cuBLASLt's fast accumulation
     int fp8_log_scales;      // 1: every logged step also logs the scales
-    const char* optimizer;   // "adamw", "muon" or "adamw8bit" (OPTIMIZER_NAMES)
+    int optimizer;           // OptimizerKind
     int cuda_graph;          // 1: each step replays one captured CUDA graph (StepGraph), where it can
 } Options;
 
-typedef enum { OPT_INT, OPT_BOOL, OPT_FLOAT, OPT_STR, OPT_U64, OPT_FLAG } OptType;  // OPT_BOOL: 0 or 1
+// OPT_BOOL: 0 or 1. OPT_CHOICE: one of the spec's words; the value (an int) is the word's index.
+typedef enum { OPT_INT, OPT_BOOL, OPT_FLOAT, OPT_STR, OPT_U64, OPT_FLAG, OPT_CHOICE } OptType;
 typedef struct {
     const char* name;
     OptType type;
     void* value;
     const char* help;
+    const char* const* words;  // OPT_CHOICE: the words it takes, n_words of them
+    int n_words;
 } OptionSpec;
 
 static int option_specs(Options* o, OptionSpec* specs) {
@@ -2155,13 +2172,14 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--beta2", OPT_FLOAT, &o->optim.beta2, "AdamW beta2"},
         {"--adam-eps", OPT_FLOAT, &o->optim.eps, "AdamW epsilon"},
         {"--grad-clip", OPT_FLOAT, &o->optim.grad_clip, "clip the global gradient norm to this (0: off)"},
-        {"--optimizer", OPT_STR, &o->optimizer,
-         "'adamw'; 'muon' (Muon for the layers' matrices, AdamW for the rest; --zero 0); 'adamw8bit' (8-bit moments)"},
+        {"--optimizer", OPT_CHOICE, &o->optimizer,
+         "the update rule (muon: Muon for the layers' matrices, AdamW for the rest, --zero 0; adamw8bit: 8-bit moments)",
+         OPTIMIZER_NAMES, N_OPTIMIZERS},
         {"--muon-lr", OPT_FLOAT, &o->optim.muon_lr, "Muon's peak learning rate (the schedule of --lr, scaled)"},
         {"--muon-momentum", OPT_FLOAT, &o->optim.muon_momentum, "Muon's (Nesterov) momentum"},
-        {"--recompute", OPT_STR, &o->recompute,
-         "1: every layer recomputes its norms, QK rope and SwiGLU in the backward; 0: none; 'auto': the fewest "
-         "layers that fit the GPU's free memory"},
+        {"--recompute", OPT_CHOICE, &o->recompute,
+         "which layers recompute their norms, QK rope and SwiGLU in the backward (1: every one; auto: the fewest "
+         "that fit the GPU's free memory)", RECOMPUTE_NAMES, N_RECOMPUTE},
         {"--deterministic", OPT_BOOL, &o->deterministic,
          "1: bitwise reproducible steps; 0: attention adds dQ in any order (faster only at long seq)"},
         {"--loss-chunk", OPT_INT, &o->loss_chunk, "rows of logits materialized at once"},
@@ -2198,8 +2216,10 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--master", OPT_STR, &o->master, "host:port of rank 0 under Slurm when MASTER_ADDR/PORT are not set"},
         {"--timeout", OPT_FLOAT, &o->timeout, "seconds a rank waits for its peers (start-up, or a step) before it stops"},
         {"--fp8", OPT_BOOL, &o->fp8, "1: every layer's four matmuls in FP8 (E4M3 weights and activations, E5M2 gradients)"},
-        {"--fp8-scaling", OPT_STR, &o->fp8_scaling,
-         "FP8 per-tensor scales: 'delayed' (amax history of 16 steps) or 'current' (each tensor's amax, one more pass)"},
+        {"--fp8-scaling", OPT_CHOICE, &o->fp8_scaling,
+         "where FP8's per-tensor scales come from (delayed: an amax history of 16 steps; current: each tensor's amax, "
+         "one more pass)",
+         FP8_SCALING_NAMES, sizeof(FP8_SCALING_NAMES) / sizeof(FP8_SCALING_NAMES[0])},
         {"--fp8-head", OPT_BOOL, &o->fp8_head, "1: the output head's matmuls in FP8 too (needs --fp8 1)"},
         {"--fp8-fast-accum", OPT_BOOL, &o->fp8_fast_accum,
          "1: FP8 forward matmuls accumulate without promotion to fp32 (faster, less exact; needs --fp8 1)"},
@@ -2229,9 +2249,9 @@ static void options_default(Options* o) {
     o->optim.decay_frac = 0.2f;
     o->optim.muon_lr = 0.02f;
     o->optim.muon_momentum = 0.95f;
-    o->optimizer = "adamw";
+    o->optimizer = OPTIMIZER_ADAMW;
     o->batch_size = 32;
-    o->recompute = "1";
+    o->recompute = RECOMPUTE_ALL;
     o->deterministic = 1;
     o->loss_chunk = 4096;
     o->seed = 1337;
@@ -2254,11 +2274,20 @@ static void options_default(Options* o) {
     o->zero = 0;
     o->timeout = 50.0f;
     o->fp8 = 0;
-    o->fp8_scaling = "delayed";
+    o->fp8_scaling = FP8_DELAYED;
     o->fp8_head = 0;
     o->fp8_fast_accum = 0;
     o->fp8_log_scales = 0;
     o->cuda_graph = 0;
+}
+
+// An OPT_CHOICE's words as a reader would list them: 'a', 'b' or 'c'.
+static void choice_words(const OptionSpec* spec, char* out, size_t len) {
+    size_t used = 0;
+    out[0] = '\0';
+    for (int k = 0; k < spec->n_words && used < len; k++)
+        used += snprintf(out + used, len - used, "%s'%s'", k == 0 ? "" : k + 1 < spec->n_words ? ", " : " or ",
+                         spec->words[k]);
 }
 
 static void print_help(void) {
@@ -2276,22 +2305,24 @@ static void print_help(void) {
         case OPT_U64: snprintf(value, sizeof(value), "%llu", (unsigned long long)*(uint64_t*)specs[i].value); break;
         case OPT_STR: snprintf(value, sizeof(value), "%s", *(const char**)specs[i].value ? *(const char**)specs[i].value : "none"); break;
         case OPT_FLAG: snprintf(value, sizeof(value), "off"); break;
+        case OPT_CHOICE: snprintf(value, sizeof(value), "%s", specs[i].words[*(int*)specs[i].value]); break;
         }
-        printf("  %-17s %s (%s)\n", specs[i].name, specs[i].help, value);
+        char words[256] = "";
+        if (specs[i].type == OPT_CHOICE) choice_words(&specs[i], words, sizeof(words));
+        printf("  %-17s %s%s%s (%s)\n", specs[i].name, words, words[0] ? ": " : "", specs[i].help, value);
     }
 }
 
-// A command-line mistake: one line (what the user typed may hold a newline), exit 2.
-static void usage_error(const char* fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-static void usage_error(const char* fmt, ...) {
-    char line[1024];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(line, sizeof(line), fmt, ap);
-    va_end(ap);
-    error_one_line(line, sizeof(line));
-    fprintf(stderr, "train_gpt: %s\n", line);
-    exit(2);
+// v is not a value that spec's flag takes: exit 2, with what it does take.
+static void bad_value(const OptionSpec* spec, const char* v) {
+    char words[256];
+    const char* domain = spec->type == OPT_BOOL    ? "0 or 1"
+                         : spec->type == OPT_U64   ? "a whole number from 0 to 2^64-1"
+                         : spec->type == OPT_INT   ? "a whole number that fits an int"
+                         : spec->type == OPT_FLOAT ? "a finite number"
+                                                   : words;
+    if (spec->type == OPT_CHOICE) choice_words(spec, words, sizeof(words));
+    usage_error("bad value '%s' for %s: it takes %s", v, spec->name, domain);
 }
 
 // Exits with code 2 and one line on an unknown flag or a bad value.
@@ -2306,16 +2337,12 @@ static void parse_args(Options* o, int argc, char** argv) {
         const OptionSpec* spec = NULL;
         for (int j = 0; j < n; j++)
             if (!strcmp(argv[i], specs[j].name)) spec = &specs[j];
-        if (!spec) {
-            usage_error("unknown flag '%s' (see --help)", argv[i]);
-        }
+        if (!spec) usage_error("unknown flag '%s' (see --help)", argv[i]);
         if (spec->type == OPT_FLAG) {
             *(int*)spec->value = 1;
             continue;
         }
-        if (i + 1 >= argc) {
-            usage_error("flag %s needs a value (see --help)", argv[i]);
-        }
+        if (i + 1 >= argc) usage_error("flag %s needs a value (see --help)", argv[i]);
         const char* v = argv[++i];
         const ConfigField* field = config_field_of_flag(spec->name);
         if (field && field->hf) o->model_flag = spec->name;
@@ -2334,26 +2361,24 @@ static void parse_args(Options* o, int argc, char** argv) {
             if (strchr(v, '-')) errno = ERANGE;
             break;
         case OPT_FLOAT: *(float*)spec->value = strtof(v, &end); break;
+        case OPT_CHOICE: {
+            int k = 0;
+            while (k < spec->n_words && strcmp(v, spec->words[k]) != 0) k++;
+            if (k == spec->n_words) bad_value(spec, v);
+            *(int*)spec->value = k;
+            continue;
+        }
         default: *(const char**)spec->value = v; continue;  // any string, the empty one included
         }
-        if (errno != 0 || end == v || *end != '\0' ||
-            (spec->type == OPT_FLOAT && !isfinite(*(float*)spec->value))) {
-            const char* domain = spec->type == OPT_BOOL  ? "0 or 1"
-                                 : spec->type == OPT_U64 ? "a whole number from 0 to 2^64-1"
-                                 : spec->type == OPT_INT ? "a whole number that fits an int"
-                                                         : "a finite number";
-            usage_error("bad value '%s' for %s: it takes %s", v, spec->name, domain);
-        }
+        if (errno != 0 || end == v || *end != '\0' || (spec->type == OPT_FLOAT && !isfinite(*(float*)spec->value)))
+            bad_value(spec, v);
     }
 }
 
 // The checks that need no GPU; exits 2 with one line naming the problem.
 static void check_options(const Options* o) {
     char err[256];
-    if (!config_check(&o->model, err, sizeof(err))) {
-        fprintf(stderr, "train_gpt: bad model config: %s\n", err);
-        exit(2);
-    }
+    if (!config_check(&o->model, err, sizeof(err))) usage_error("bad model config: %s", err);
     const OptimConfig* p = &o->optim;
     const char* problem = NULL;
     long tokens = (long)o->batch_size * o->model.seq_len;
@@ -2379,27 +2404,20 @@ static void check_options(const Options* o) {
     else if (o->stop_at < 0 || o->stop_at > p->total_steps) problem = "--stop-at must be in [0, --steps]";
     else if (!(o->peak_tflops > 0.0f)) problem = "--peak-tflops must be > 0";
     else if (o->resume && o->init_from) problem = "--resume and --init-from exclude each other";
-    else if (o->gpus < 1 || o->gpus > 1024) problem = "--gpus must be in [0, 1024] (0: every GPU of this machine)";
+    else if (o->gpus < 0 || o->gpus > 1024) problem = "--gpus must be in [0, 1024] (0: every GPU of this machine)";
     else if (o->zero < 0 || o->zero > 2) problem = "--zero must be 0, 1 or 2";
     else if (!(o->timeout >= 5.0f)) problem = "--timeout must be at least 5 seconds";
-    else if (strcmp(o->recompute, "0") != 0 && strcmp(o->recompute, "1") != 0 && strcmp(o->recompute, "auto") != 0)
-        problem = "--recompute must be 0, 1 or auto";
-    else if (strcmp(o->fp8_scaling, "delayed") != 0 && strcmp(o->fp8_scaling, "current") != 0)
-        problem = "--fp8-scaling must be 'delayed' or 'current'";
     else if (!o->fp8 && (o->fp8_head || o->fp8_fast_accum || o->fp8_log_scales))
         problem = "--fp8-head, --fp8-fast-accum and --fp8-log-scales need --fp8 1";
+    else if (o->fp8 && fp8_check_shapes(&o->model, tokens, err, sizeof(err)) < 0) problem = err;
     else if (o->fp8_head && (o->model.vocab_size % 16 != 0 || o->loss_chunk % 16 != 0))
         problem = "--fp8-head 1 needs the vocabulary size and --loss-chunk to be multiples of 16 (FP8 matmuls' sides)";
-    else if (optimizer_kind(o->optimizer) < 0) problem = "--optimizer must be 'adamw', 'muon' or 'adamw8bit'";
     else if (!(p->muon_lr >= 0.0f) || !(p->muon_momentum >= 0.0f && p->muon_momentum < 1.0f))
         problem = "--muon-lr must be >= 0 and --muon-momentum in [0, 1)";
-    else if (optimizer_kind(o->optimizer) == OPTIMIZER_MUON && o->zero != 0)
+    else if (o->optimizer == OPTIMIZER_MUON && o->zero != 0)
         problem = "--optimizer muon needs every matrix whole on each GPU: use --zero 0 (doc/optimizers.md says how "
                   "Muon could shard)";
-    if (problem) {
-        fprintf(stderr, "train_gpt: %s\n", problem);
-        exit(2);
-    }
+    if (problem) usage_error("%s", problem);
 }
 
 // Synthetic tokens for --bench: B rows of T+1 tokens, uniform over the vocabulary, from a seeded
@@ -2497,10 +2515,7 @@ static void dump_grads(GPT* m, Uploader* up, const uint16_t* window, const char*
     char err[512];
     float* weights = download_flat(m, m->params, true);
     float* grads = download_flat(m, m->grads, false);
-    if (!export_hf(m, weights, dir, err, sizeof(err))) {
-        fprintf(stderr, "train_gpt: --dump-grads: %s\n", err);
-        exit(1);
-    }
+    if (!export_hf(m, weights, dir, err, sizeof(err))) die("--dump-grads: %s", err);
     int n = hf_tensors(m, NULL);
     HfTensor* hf = (HfTensor*)malloc(n * sizeof(HfTensor));
     hf_tensors(m, hf);
@@ -2520,10 +2535,7 @@ static void dump_grads(GPT* m, Uploader* up, const uint16_t* window, const char*
     len += snprintf(json + len, cap - len, "}, \"grad_norm\": %.9g}\n", sqrt(total));
     char path[1024];
     snprintf(path, sizeof(path), "%s/grads.json", dir);
-    if (ck_write_file_atomic(path, json, len, err, sizeof(err)) != 0) {
-        fprintf(stderr, "train_gpt: --dump-grads: %s\n", err);
-        exit(1);
-    }
+    if (ck_write_file_atomic(path, json, len, err, sizeof(err)) != 0) die("--dump-grads: %s", err);
     printf("wrote %s (loss %.6f) and the weights it used\n", path, loss_sum / m->N);
     free(json);
     free(hf);
@@ -2615,10 +2627,7 @@ static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state)
     CUDA_CHECK(cudaEventRecord(c->copied, c->stream));
     c->state = *state;
     c->failed = false;
-    if (pthread_create(&c->thread, NULL, checkpoint_thread, c) != 0) {
-        fprintf(stderr, "train_gpt: cannot start the checkpoint writer thread\n");
-        exit(1);
-    }
+    if (pthread_create(&c->thread, NULL, checkpoint_thread, c) != 0) die("cannot start the checkpoint writer thread");
     c->writing = true;
 }
 
@@ -2647,8 +2656,7 @@ static void load_init_from(GPT* m, const char* dir) {
     StFile weights;
     float* master = (float*)calloc(m->table.n_elements, sizeof(float));
     if (st_open(&weights, path, err, sizeof(err)) != 0 || !hf_st_load(m, &weights, master, err, sizeof(err))) {
-        fprintf(stderr, "train_gpt: --init-from: %s\n", err);
-        exit(1);
+        die("--init-from: %s", err);
     }
     st_close(&weights);
     gpt_upload_state(m, master, NULL);
@@ -2656,25 +2664,14 @@ static void load_init_from(GPT* m, const char* dir) {
     printf("initialized from %s\n", dir);
 }
 
-// --resume: weights, moments and trainer state from `which` ("latest" in out_dir, or a checkpoint
-// directory), verified; exits with one line on any problem, never starting silently from scratch.
-static void resume_from(GPT* m, const char* which, const char* out_dir, TrainerState* state) {
-    char dir[1024], err[1024];
-    if (!strcmp(which, "latest")) {
-        if (ckpt_resolve_latest(out_dir, dir, sizeof(dir), err, sizeof(err)) < 0) {
-            fprintf(stderr, "train_gpt: --resume latest: %s\n", err);
-            exit(1);
-        }
-    } else {
-        snprintf(dir, sizeof(dir), "%s", which);
-    }
+// --resume: weights, moments and trainer state from the checkpoint directory dir, verified; exits
+// with one line on any problem, never starting silently from scratch.
+static void resume_from(GPT* m, const char* dir, TrainerState* state) {
+    char err[1024];
     Restored got = {};
     got.master = (float*)xmalloc(m->table.n_elements * sizeof(float));
     got.opt_state = xmalloc(m->opt_state_bytes);
-    if (!checkpoint_read(m, dir, &got, err, sizeof(err))) {
-        fprintf(stderr, "train_gpt: --resume: %s\n", err);
-        exit(1);
-    }
+    if (!checkpoint_read(m, dir, &got, err, sizeof(err))) die("--resume: %s", err);
     gpt_upload_state(m, got.master, got.opt_state);
     set_step(m, (int)got.state.step);
     if (m->fp8.on) fp8_state_restore(m, got.fp8_state, got.fp8_state_len, dir);
@@ -2776,21 +2773,17 @@ static void trainer_open_data(Trainer* t) {
     if (!o->bench) {
         int rank = t->env.rank, world = t->env.world;
         if (loader_open(&t->train, o->train_data, B, T, rank, world, 1, o->seed, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: %s%s\n", err,
-                    strstr(o->train_data, "data/default/") ? " (run `make data` to prepare the default corpus)" : "");
-            exit(1);
+            die("%s", err);  // the loader's line says how to make the shards
         }
         t->have_val = o->val_data && o->val_data[0];
         if (t->have_val && loader_open(&t->val, o->val_data, B, T, rank, world, 0, 0, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: %s\n", err);
-            exit(1);
+            die("%s", err);
         }
     }
     t->sampling = o->sample_every > 0 && !o->bench && t->env.rank == 0;
     if (t->sampling) {
         if (tokenizer_load(&t->tokenizer, o->tokenizer_dir, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: %s; or --sample-every 0 to train without samples\n", err);
-            exit(1);
+            die("%s; or --sample-every 0 to train without samples", err);
         }
         tokenizer_encode(&t->tokenizer, o->prompt, strlen(o->prompt), &t->prompt);
     }
@@ -2803,17 +2796,11 @@ static void trainer_open_log(Trainer* t) {
         if (!freopen("/dev/null", "w", stdout)) exit(1);
         return;
     }
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
-        fprintf(stderr, "train_gpt: cannot create output directory %s: %s\n", dir, strerror(errno));
-        exit(1);
-    }
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) die("cannot create output directory %s: %s", dir, strerror(errno));
     char path[1024];
     snprintf(path, sizeof(path), "%s/log.jsonl", dir);
     t->log = fopen(path, "a");
-    if (!t->log) {
-        fprintf(stderr, "train_gpt: cannot open %s: %s\n", path, strerror(errno));
-        exit(1);
-    }
+    if (!t->log) die("cannot open %s: %s", path, strerror(errno));
 }
 
 // Without an NVIDIA driver loaded, CUDA says its runtime needs a newer driver; the plain fact is
@@ -2823,10 +2810,9 @@ static void require_gpu(cudaDeviceProp* prop, int local_rank) {
     cudaError_t status = cudaGetDeviceCount(&n_devices);
     bool no_driver = access("/proc/driver/nvidia/version", F_OK) != 0;
     if (status != cudaSuccess || n_devices == 0) {
-        fprintf(stderr, "train_gpt: no CUDA GPU found (%s); train_gpt needs an NVIDIA GPU\n",
-                no_driver ? "no NVIDIA driver is loaded on this machine"
-                : status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
-        exit(1);
+        die("no CUDA GPU found (%s); train_gpt needs an NVIDIA GPU",
+            no_driver ? "no NVIDIA driver is loaded on this machine"
+            : status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
     }
     CUDA_CHECK(cudaGetDeviceProperties(prop, local_rank < n_devices ? local_rank : 0));
 }
@@ -2873,14 +2859,13 @@ static void trainer_open_model(Trainer* t) {
     GPT* m = &t->model;
     Sharding dp = ONE_GPU;
     if (t->parallel) dp = (Sharding){t->env.rank, t->env.world, o->zero, &t->comm};
-    gpt_plan(m, &o->model, o->batch_size, o->model.seq_len, strcmp(o->recompute, "0") ? o->model.n_layer : 0,
-             o->loss_chunk, &dp, (OptimizerKind)optimizer_kind(o->optimizer));
-    if (!strcmp(o->recompute, "auto")) trainer_choose_recompute(t);
+    gpt_plan(m, &o->model, o->batch_size, o->model.seq_len, o->recompute == RECOMPUTE_NONE ? 0 : o->model.n_layer,
+             o->loss_chunk, &dp, (OptimizerKind)o->optimizer);
+    if (o->recompute == RECOMPUTE_AUTO) trainer_choose_recompute(t);
     gpt_build(m);
     m->deterministic = o->deterministic != 0;
     if (o->fp8)
-        gpt_enable_fp8(m, strcmp(o->fp8_scaling, "current") == 0 ? FP8_CURRENT : FP8_DELAYED, o->fp8_head != 0,
-                       o->fp8_fast_accum != 0);
+        gpt_enable_fp8(m, (Fp8Scaling)o->fp8_scaling, o->fp8_head != 0, o->fp8_fast_accum != 0);
     gpt_init(m, o->seed);
     if (o->init_from) load_init_from(m, o->init_from);
     t->bench_rng = o->seed * 0x9E3779B97F4A7C15ull + 1;
@@ -2888,10 +2873,9 @@ static void trainer_open_model(Trainer* t) {
     if (o->resume) {
         TrainerState resumed = {};
         char err[1024];
-        resume_from(m, o->resume, o->out_dir, &resumed);
+        resume_from(m, o->resume_dir, &resumed);
         if (resumed.has_loader && !o->bench && loader_set_state(&t->train, &resumed.loader, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: --resume: the data loader's state: %s\n", err);
-            exit(1);
+            die("--resume: the data loader's state: %s", err);
         }
         t->start_step = (int)resumed.step;
         t->bench_rng = resumed.bench_rng;
@@ -2900,10 +2884,7 @@ static void trainer_open_model(Trainer* t) {
     t->checkpointing = o->ckpt_every > 0 && !o->bench;
     if (t->checkpointing) {
         char err[1024];
-        if (t->env.rank == 0 && ckpt_cleanup(o->out_dir, err, sizeof(err)) < 0) {
-            fprintf(stderr, "train_gpt: %s\n", err);
-            exit(1);
-        }
+        if (t->env.rank == 0 && ckpt_cleanup(o->out_dir, err, sizeof(err)) < 0) die("%s", err);
         checkpointer_create(&t->ckpt, m, o->out_dir, o->keep_last);
     }
 }
@@ -3161,8 +3142,7 @@ static void log_one_step(Trainer* t, int index) {
     }
     t->last_loss = loss;
     if (!isfinite(loss)) {
-        fprintf(stderr, "train_gpt: loss is %f at step %d; stopping\n", loss, done);
-        exit(1);
+        die("loss is %f at step %d; stopping", loss, done);
     }
 }
 
@@ -3236,9 +3216,9 @@ static void print_bench_result(const Trainer* t) {
            "\"mfu\": %.4f, \"flops_per_token\": %.6g, \"peak_mem_gib\": %.3f, \"first_step_s\": %.2f, "
            "\"final_loss\": %.4f}\n",
            t->prop.name, world, t->model.dp.zero, t->model.B, t->model.T, c->d_model, c->n_layer, c->n_head,
-           c->n_kv_head, c->head_dim, c->ffn_dim, t->o.recompute, t->model.recompute_layers,
-           t->o.fp8 ? t->o.fp8_scaling : "off", t->o.fp8_head, t->o.fp8_fast_accum, t->o.optimizer, ms, tok_s,
-           tok_s / world,
+           c->n_kv_head, c->head_dim, c->ffn_dim, RECOMPUTE_NAMES[t->o.recompute], t->model.recompute_layers,
+           t->o.fp8 ? FP8_SCALING_NAMES[t->o.fp8_scaling] : "off", t->o.fp8_head, t->o.fp8_fast_accum,
+           OPTIMIZER_NAMES[t->o.optimizer], ms, tok_s, tok_s / world,
            tok_s / world * flops / (t->o.peak_tflops * 1e12), flops, gib(gpt_bytes_total(&t->model)),
            t->t_first_step, t->last_loss);
 }
@@ -3254,10 +3234,7 @@ static void trainer_finish(Trainer* t) {
         float* master = writer ? (float*)xmalloc(t->model.table.n_elements * sizeof(float)) : NULL;
         gpt_download_state(&t->model, t->model.master, master);
         CUDA_CHECK(cudaStreamSynchronize(t->model.stream));
-        if (writer && !export_hf(&t->model, master, o->export_dir, err, sizeof(err))) {
-            fprintf(stderr, "train_gpt: --export: %s\n", err);
-            exit(1);
-        }
+        if (writer && !export_hf(&t->model, master, o->export_dir, err, sizeof(err))) die("--export: %s", err);
         printf("exported transformers' Qwen3 checkpoint to %s\n", o->export_dir);
         free(master);
     }
@@ -3295,37 +3272,31 @@ static void trainer_close(Trainer* t) {
 // --gpus's own); rank 0 of 1 without one. Exits 2 with one line on a malformed environment.
 static void read_launch_env(const Options* o, CommEnv* env) {
     char err[1024];
-    if (comm_env_read(env, NULL, o->master, err, sizeof(err)) != 0) {
-        fprintf(stderr, "train_gpt: %s\n", err);
-        exit(2);
-    }
-    if (strcmp(env->launcher, "single") && o->gpus > 1 && o->gpus != env->world) {
-        fprintf(stderr, "train_gpt: --gpus %d, but the launcher (%s) started %d ranks; leave out --gpus\n", o->gpus,
-                env->launcher, env->world);
-        exit(2);
-    }
+    if (comm_env_read(env, NULL, o->master, err, sizeof(err)) != 0) usage_error("%s", err);
     long rank_tokens = (long)o->batch_size * o->model.seq_len * env->world;
     if (o->total_batch_tokens > 0 && o->total_batch_tokens % rank_tokens != 0) {
-        fprintf(stderr, "train_gpt: --total-batch %d must be a multiple of --batch x --seq x GPUs = %ld\n",
-                o->total_batch_tokens, rank_tokens);
-        exit(2);
+        usage_error("--total-batch %d must be a multiple of --batch x --seq x GPUs = %ld",
+                    o->total_batch_tokens, rank_tokens);
     }
-    if (env->world > 1 && o->dump_grads_dir) {
-        fprintf(stderr, "train_gpt: --dump-grads runs on one GPU\n");
-        exit(2);
-    }
+    if (env->world > 1 && o->dump_grads_dir) usage_error("--dump-grads runs on one GPU");
 }
 
 // --gpus N without a launcher: this process starts the N ranks and waits for them.
 // --gpus 0: every GPU this process sees (the ranks are exec'd afresh, so asking CUDA here is safe).
-static int count_gpus(void) {
-    int n = 0;
-    cudaError_t e = cudaGetDeviceCount(&n);
-    if (e != cudaSuccess || n < 1) {
-        fprintf(stderr, "train_gpt: --gpus 0 (every GPU): this machine has no CUDA GPU that this process can use\n");
-        exit(1);
+// Counting them is the first look for a GPU, so main settles --gpus after every check that needs
+// none: a bad flag is named as such on a machine without a GPU too. Under a launcher, --gpus must
+// be the number of ranks it started (exit 2).
+static void settle_gpus(Options* o, const CommEnv* env) {
+    if (o->gpus == 0) {
+        int n = 0;
+        cudaError_t e = cudaGetDeviceCount(&n);
+        if (e != cudaSuccess || n < 1) die("--gpus 0 (every GPU): this machine has no CUDA GPU that this process can use");
+        o->gpus = n;
     }
-    return n;
+    if (strcmp(env->launcher, "single") && o->gpus > 1 && o->gpus != env->world) {
+        usage_error("--gpus %d, but the launcher (%s) started %d ranks; leave out --gpus", o->gpus,
+                    env->launcher, env->world);
+    }
 }
 
 static int launch_ranks(int n, char** argv) {
@@ -3344,68 +3315,52 @@ static void read_init_from_config(Options* o) {
     char err[CK_PATH_MAX + 256];
     if (!o->init_from) return;
     if (o->model_flag) {
-        fprintf(stderr, "train_gpt: %s with --init-from: the model is %s/config.json's; leave out the model flags\n",
-                o->model_flag, o->init_from);
-        exit(2);
+        usage_error("%s with --init-from: the model is %s/config.json's; leave out the model flags",
+                    o->model_flag, o->init_from);
     }
-    if (hf_config_read(o->init_from, &o->model, err, sizeof(err)) != 0) {
-        fprintf(stderr, "train_gpt: --init-from: %s\n", err);
-        exit(1);
-    }
+    if (hf_config_read(o->init_from, &o->model, err, sizeof(err)) != 0) die("--init-from: %s", err);
 }
 
 // What --init-from and --resume will read, checked before the GPU is looked for, so that a
 // mistake in a path or a file is named as such and not as a missing GPU: --init-from's
 // safetensors header; --resume's manifest, the sizes of the files it lists, and its config against
 // this run's. The data and the tokenizer are checked next, by trainer_open_data. Exits 1 with one
-// line.
-static void check_inputs(const Options* o) {
+// line. Sets o->resume_dir, where resume_from will read.
+static void check_inputs(Options* o) {
     char err[CK_PATH_MAX + 512], path[CK_PATH_MAX];
     if (o->init_from) {
         StFile weights;
         snprintf(path, sizeof(path), "%s/model.safetensors", o->init_from);
-        if (st_open(&weights, path, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: --init-from: %s\n", err);
-            exit(1);
-        }
+        if (st_open(&weights, path, err, sizeof(err)) != 0) die("--init-from: %s", err);
         st_close(&weights);
     }
     if (o->resume) {
         CkptReader r;
         char why[512];
-        if (!strcmp(o->resume, "latest")) {
-            if (ckpt_resolve_latest(o->out_dir, path, sizeof(path), err, sizeof(err)) < 0) {
-                fprintf(stderr, "train_gpt: --resume latest: %s\n", err);
-                exit(1);
-            }
-        } else {
-            snprintf(path, sizeof(path), "%s", o->resume);
-        }
-        if (ckpt_peek(&r, path, err, sizeof(err)) != 0) {
-            fprintf(stderr, "train_gpt: --resume: %s\n", err);
-            exit(1);
-        }
+        if (strcmp(o->resume, "latest") != 0) snprintf(o->resume_dir, sizeof(o->resume_dir), "%s", o->resume);
+        else if (ckpt_resolve_latest(o->out_dir, o->resume_dir, sizeof(o->resume_dir), err, sizeof(err)) < 0)
+            die("--resume latest: %s", err);
+        const char* dir = o->resume_dir;
+        if (ckpt_peek(&r, dir, err, sizeof(err)) != 0) die("--resume: %s", err);
         bool same = model_config_matches(&o->model, &r.manifest, r.config, why, sizeof(why));
         ckpt_close(&r);
-        if (!same) {
-            fprintf(stderr, "train_gpt: --resume: %s/" CKPT_MANIFEST ": %s\n", path, why);
-            exit(1);
-        }
+        if (!same) die("--resume: %s/" CKPT_MANIFEST ": %s", dir, why);
     }
 }
 
 // A run: read the command line, open the data, the log and the model (fresh, from a transformers
 // checkpoint, or resumed), take optimizer steps, then export and finish the last checkpoint.
 int main(int argc, char** argv) {
+    program_name = "train_gpt";
     Options o;
     options_default(&o);
     parse_args(&o, argc, argv);
-    if (o.gpus == 0) o.gpus = count_gpus();
     read_init_from_config(&o);
     check_options(&o);
     check_inputs(&o);
     CommEnv env;
     read_launch_env(&o, &env);
+    settle_gpus(&o, &env);
     if (o.gpus > 1 && !strcmp(env.launcher, "single")) return launch_ranks(o.gpus, argv);
 
     Trainer t;

@@ -42,6 +42,7 @@
 #define FP8_E5M2_MAX 57344.0f
 
 typedef enum { FP8_DELAYED, FP8_CURRENT } Fp8Scaling;
+static const char* const FP8_SCALING_NAMES[] = {"delayed", "current"};  // by Fp8Scaling: --fp8-scaling's words
 
 typedef struct __align__(16) {
     float scale_inv;              // stored -> real: what the matmul multiplies by

@@ -1,6 +1,6 @@
 /*
  * lib/util.h - the small C helpers that data.h, comm.h, ckpt.h and lib/tokenizer.h share: error
- * lines, monotonic time, allocation that cannot come back empty, reading a whole file, and reading
+ * lines (and the programs' one way to stop on one), monotonic time, allocation that cannot come back empty, reading a whole file, and reading
  * JSON strings (the one decoder of string literals, for encoder.json, prepro's JSONL and ckpt.h's
  * JSON reader).
  * Header-only; compiles as C11 (gcc: tools/prepro.c and test/fuzz/, which define
@@ -11,9 +11,10 @@
  * (err, err_len) buffer that names the file or thing at fault and the problem, e.g.
  *     shard data/x.bin: the header says 1000000 tokens but the file holds 999000 (...); re-create it
  * It never prints and never exits: what to do is the caller's choice (the tools and the trainer
- * print the line and stop; the tests compare it). `return fail(err, err_len, "...", ...)` is the
- * idiom. The only exception is running out of memory, which no caller can do anything about:
- * xmalloc, xcalloc, xrealloc and xaligned_alloc print one line and exit(1).
+ * print the line and stop, through die or usage_error below; the tests compare it).
+ * `return fail(err, err_len, "...", ...)` is the idiom. The only exception is running out of
+ * memory, which no caller can do anything about: xmalloc, xcalloc, xrealloc and xaligned_alloc
+ * print one line and exit(1).
  */
 #ifndef UTIL_H
 #define UTIL_H
@@ -96,6 +97,40 @@ static inline int fail_errno(char* err, size_t err_len, int errnum, const char* 
     snprintf(err + used, err_len - used, ": %s", system_error_text(errnum, buf, sizeof(buf)));
     error_one_line(err, err_len);
     return -1;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Stopping a program. train_gpt and prepro end on an error with one line on stderr,
+// "<program>: <what is wrong>", written as error_one_line writes it, and exit 1 for a failure (a
+// bad file, a write that did not happen) or 2 for a mistake on the command line (an unknown flag,
+// a value outside its flag's domain): die and usage_error. Only the programs call them; the
+// headers return -1 with err. main names its program first: program_name = "prepro".
+
+static const char* program_name __attribute__((unused)) = "?";
+
+static void vexit_with(int code, const char* fmt, va_list ap) __attribute__((format(printf, 2, 0), noreturn));
+static void vexit_with(int code, const char* fmt, va_list ap) {
+    char line[8192];
+    vsnprintf(line, sizeof(line), fmt, ap);
+    error_one_line(line, sizeof(line));
+    fprintf(stderr, "%s: %s\n", program_name, line);
+    exit(code);
+}
+
+// A failure: one line, exit 1.
+static void die(const char* fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void die(const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vexit_with(1, fmt, ap);
+}
+
+// A mistake on the command line: one line, exit 2.
+static void usage_error(const char* fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+static void usage_error(const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vexit_with(2, fmt, ap);
 }
 
 // ----------------------------------------------------------------------------------------------

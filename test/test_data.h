@@ -1002,7 +1002,7 @@ static int test_shard_writer(void) {
     EXPECT(w.n_shards == 5 && w.n_tokens == 450, "%d shards, %llu tokens", w.n_shards, (unsigned long long)w.n_tokens);
     for (int k = 0; k < w.n_shards && k < 5; k++) {
         char path[2200];
-        shard_writer_path(&w, k, path, sizeof(path));
+        snprintf(path, sizeof(path), "%s/train_%06d.bin", dir, k);
         int64_t n = shard_probe(path, err, sizeof(err));
         EXPECT(n == expect[k], "shard %d holds %lld tokens, expected %d (%s)", k, (long long)n, expect[k], n < 0 ? err : "");
         size_t len;

@@ -54,13 +54,14 @@ static bool ti_have(const char* program) {
 static int test_train_flag_domains(void) {
     if (!ti_have("./train_gpt")) return TEST_FAIL;
     const BadInput cases[] = {
-        {"--recompute 2", 2, "--recompute must be 0, 1 or auto"},
-        {"--recompute Auto", 2, "--recompute must be 0, 1 or auto"},
+        {"--recompute 2", 2, "bad value '2' for --recompute: it takes '0', '1' or 'auto'"},
+        {"--recompute Auto", 2, "bad value 'Auto' for --recompute"},
         {"--deterministic yes", 2, "--deterministic"},
         {"--wsd -1", 2, "--wsd"},
         {"--ckpt-keep-going 3", 2, "--ckpt-keep-going"},
         {"--fp8 2", 2, "--fp8"},
         {"--fp8-scaling fast", 2, "--fp8-scaling"},
+        {"--fp8-scaling delay", 2, "bad value 'delay' for --fp8-scaling: it takes 'delayed' or 'current'"},
         {"--fp8 1 --fp8-head 2", 2, "--fp8-head"},
         {"--fp8-head 1", 2, "need --fp8 1"},
         {"--fp8-fast-accum 1", 2, "need --fp8 1"},
@@ -69,6 +70,9 @@ static int test_train_flag_domains(void) {
         {"--cuda-graph 2", 2, "--cuda-graph"},
         {"--cuda-graph on", 2, "--cuda-graph"},
         {"--fp8 1 --fp8-head 1 --loss-chunk 1000", 2, "--loss-chunk to be multiples of 16"},
+        {"--fp8 1 --ffn 2040", 2, "--fp8 needs B x T and every matrix side a multiple of 16 (down is 768 x 2040"},
+        {"--fp8 1 --batch 3 --seq 100", 2, "--fp8 needs B x T and every matrix side a multiple of 16 (B x T is 300)"},
+        {"--fp8 0 --ffn 2040 --batch 3 --seq 100 --zero 3", 2, "--zero"},  // BF16 takes any sides
         {"--fp8 1 --fp8-head 1 --vocab 50264", 2, "--fp8-head 1 needs the vocabulary size"},
         {"--seed -1", 2, "--seed"},
         {"--sample-seed 18446744073709551616", 2, "--sample-seed"},
@@ -79,6 +83,8 @@ static int test_train_flag_domains(void) {
         {"--keep-last 0", 2, "--keep-last"},
         {"--zero 3", 2, "--zero"},
         {"--gpus -1", 2, "--gpus"},
+        {"--gpus 0 --zero 3", 2, "--zero"},  // --gpus 0 counts GPUs only after the checks that need none
+        {"--gpus 0 --fp8-head 1", 2, "need --fp8 1"},
         {"--timeout nan", 2, "--timeout"},
         {"--lr inf", 2, "--lr"},
         {"--peak-tflops 0", 2, "--peak-tflops"},
@@ -123,6 +129,7 @@ static int test_train_missing_inputs(void) {
         {"--batch 1 --seq 64 --train-data %s/train_*.bin --val-data %s/none_*.bin", 1, "none_*.bin"},
         {"--batch 1 --seq 64 --val-data '' --train-data %s/train_*.bin --tokenizer %s/no_tokenizer", 1, "no_tokenizer"},
         {TI_RUN "--resume %s/no_checkpoint", 1, "no_checkpoint/manifest.json"},
+        {TI_RUN "--gpus 0 --resume %s/no_checkpoint", 1, "no_checkpoint/manifest.json"},
         {TI_RUN "--resume latest --out %s/no_out", 1, "no_out"},
         {"--init-from %s/no_model", 1, "no_model/config.json"},
         {"--train-data '%s/a\nb'", 1, "a\\x0ab"},
@@ -130,8 +137,9 @@ static int test_train_missing_inputs(void) {
     failed |= ti_run_cases("./train_gpt", cases, sizeof(cases) / sizeof(cases[0]), dir);
     if (!g_have_gpu) {
         const BadInput no_gpu[] = {{TI_RUN "--out %s/out", 1, "no CUDA GPU found (no NVIDIA driver is loaded"},
-                                   {TI_RUN "--recompute auto --out %s/out", 1, "no CUDA GPU found"}};
-        failed |= ti_run_cases("./train_gpt", no_gpu, 2, dir);
+                                   {TI_RUN "--recompute auto --out %s/out", 1, "no CUDA GPU found"},
+                                   {TI_RUN "--out %s/out --gpus 0", 1, "--gpus 0 (every GPU): this machine has no CUDA GPU"}};
+        failed |= ti_run_cases("./train_gpt", no_gpu, sizeof(no_gpu) / sizeof(no_gpu[0]), dir);
     }
     remove_test_dir(dir);
     return TEST_RESULT;
@@ -220,6 +228,10 @@ static int test_train_bad_checkpoint(void) {
         const BadInput c = {args, 1, cases[i].says};
         if (strcmp(cases[i].says, "no CUDA GPU found") || !g_have_gpu) failed |= ti_run_cases("./train_gpt", &c, 1, dir);
     }
+    // --resume latest, with no `latest` file: the newest ckpt_<step>, whose manifest is then read
+    const BadInput latest = {TI_RUN "--layers 4 --resume latest --out %s", 1,
+                             "ckpt_6/manifest.json: the checkpoint's n_layer is 12, this run's (--layers) is 4"};
+    failed |= ti_run_cases("./train_gpt", &latest, 1, dir);
     remove_test_dir(dir);
     return TEST_RESULT;
 }

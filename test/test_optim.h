@@ -146,7 +146,8 @@ static int test_optimizer_options(void) {
         const char* args;
         const char* says;
     } cases[] = {
-        {"--optimizer sgd", "--optimizer must be"},
+        {"--optimizer sgd", "bad value 'sgd' for --optimizer: it takes 'adamw', 'muon' or 'adamw8bit'"},
+        {"--optimizer Muon", "bad value 'Muon' for --optimizer"},
         {"--optimizer muon --zero 1", "--optimizer muon needs every matrix whole"},
         {"--optimizer muon --zero 2", "use --zero 0"},
         {"--muon-lr -1", "--muon-lr must be"},

@@ -49,30 +49,6 @@ static void usage(FILE* f) {
         DEFAULT_TOKENIZER_DIR, DEFAULT_VAL_EVERY, DEFAULT_SHARD_TOKENS);
 }
 
-// One line on stderr, then exit: 1 for a failure, 2 for a mistake on the command line.
-static void vexit_with(int code, const char* fmt, va_list ap) __attribute__((format(printf, 2, 0), noreturn));
-static void vexit_with(int code, const char* fmt, va_list ap) {
-    char line[8192];
-    vsnprintf(line, sizeof(line), fmt, ap);
-    error_one_line(line, sizeof(line));
-    fprintf(stderr, "prepro: %s\n", line);
-    exit(code);
-}
-
-static void die(const char* fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-static void die(const char* fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vexit_with(1, fmt, ap);
-}
-
-static void usage_error(const char* fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-static void usage_error(const char* fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    vexit_with(2, fmt, ap);
-}
-
 static int ends_with(const char* s, const char* suffix) {
     size_t n = strlen(s), m = strlen(suffix);
     return n >= m && strcmp(s + n - m, suffix) == 0;
@@ -109,7 +85,7 @@ static void staging_remove(void) {
     char path[8192];
     for (int s = 0; s < 2; s++)
         for (int i = 0; i < g_writers[s].n_shards; i++) {
-            shard_writer_path(&g_writers[s], i, path, sizeof(path));
+            shard_path(g_staging, g_writers[s].name, i, path, sizeof(path));
             unlink(path);
         }
     rmdir(g_staging);
@@ -148,13 +124,6 @@ static void stop_if_interrupted(void) {
     raise(sig);
 }
 
-// Shard i of split s (0 train, 1 val) as it is named in dir.
-static void shard_path_in(const char* dir, int s, int i, char* path, size_t len) {
-    ShardWriter w = g_writers[s];
-    snprintf(w.dir, sizeof(w.dir), "%s", dir);
-    shard_writer_path(&w, i, path, len);
-}
-
 // Moves the first n shards (train's, then val's) from one directory to another. Returns the
 // index of the one that could not be moved (errno says why), or -1.
 static int shards_move(const char* from_dir, const char* to_dir, int n) {
@@ -162,8 +131,8 @@ static int shards_move(const char* from_dir, const char* to_dir, int n) {
     int k = 0;
     for (int s = 0; s < 2; s++)
         for (int i = 0; i < g_writers[s].n_shards && k < n; i++, k++) {
-            shard_path_in(from_dir, s, i, from, sizeof(from));
-            shard_path_in(to_dir, s, i, to, sizeof(to));
+            shard_path(from_dir, g_writers[s].name, i, from, sizeof(from));
+            shard_path(to_dir, g_writers[s].name, i, to, sizeof(to));
             if (rename(from, to) != 0) return k;
         }
     return -1;
@@ -375,9 +344,8 @@ static void make_shards(const char* out, const char* tokenizer_dir, int val_ever
     if (stat(out, &st) == 0 && !S_ISDIR(st.st_mode)) die("%s: exists and is not a directory", out);
     const char* names[2] = {"train", "val"};
     for (int s = 0; s < 2; s++) {
-        shard_writer_init(&p.split[s], out, names[s], (size_t)shard_tokens);
-        char first[4096];
-        shard_writer_path(&p.split[s], 0, first, sizeof(first));
+        char first[8192];
+        shard_path(out, names[s], 0, first, sizeof(first));
         if (stat(first, &st) == 0)
             die("%s already exists: remove the old shards first (rm %s/%s_*.bin), or choose another --out",
                 first, out, names[s]);
@@ -499,6 +467,7 @@ static long parse_count(const char* flag, const char* value, long min, long max)
 
 #ifndef PREPRO_NO_MAIN  // test/fuzz/fuzz_jsonl.c includes this file for jsonl_text
 int main(int argc, char** argv) {
+    program_name = "prepro";
     const char *out = NULL, *tokenizer_dir = DEFAULT_TOKENIZER_DIR, *encode = NULL;
     int val_every = DEFAULT_VAL_EVERY, decode = 0, info = 0;
     long shard_tokens = DEFAULT_SHARD_TOKENS;
