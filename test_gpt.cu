@@ -54,10 +54,12 @@ static double* random_array(size_t n, double scale) {
     return x;
 }
 
+static const Fp8Mode FP8_OFF = {false, FP8_DELAYED, false, false};  // every product in bf16
+
 // A model on the GPU with k = recompute_layers: planned and built as the trainer does it.
 static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, int recompute_layers, int loss_chunk,
-                       const Sharding* dp, OptimizerKind optimizer) {
-    gpt_plan(m, cfg, B, T, recompute_layers, loss_chunk, dp, optimizer);
+                       const Sharding* dp, OptimizerKind optimizer, Fp8Mode fp8) {
+    gpt_plan(m, cfg, B, T, recompute_layers, loss_chunk, dp, optimizer, fp8);
     gpt_build(m);
 }
 
@@ -318,10 +320,30 @@ static int test_flops_per_token(void) {
     return TEST_RESULT;
 }
 
+static size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// FP8 mode's memory for a model of config c with N rows per micro-batch and P parameters, from
+// the shapes: two arrays of scales, the weights and their transposes (a byte each), the inputs'
+// codes and their transposes (N x the widest input), and the output gradients' (N x the widest
+// output, or with the head in FP8 a chunk's dlogits if larger); each carve but the last rounded up.
+static size_t fp8_bytes_expected(const ModelConfig* c, size_t N, size_t P, size_t loss_chunk, bool head) {
+    size_t C = c->d_model, F = c->ffn_dim, A = (size_t)c->n_head * c->head_dim, Q = qkv_dim(c);
+    size_t widest_in = C > A ? C : A, widest_out = Q > 2 * F ? Q : 2 * F;
+    widest_in = F > widest_in ? F : widest_in;
+    widest_out = C > widest_out ? C : widest_out;
+    size_t dy = N * widest_out;
+    if (head && loss_chunk * c->vocab_size > dy) dy = loss_chunk * c->vocab_size;
+    size_t scales = round_up_256(fp8_n_scales(c) * sizeof(Fp8Scale));
+    return 2 * scales + 2 * round_up_256(P) + 2 * round_up_256(N * widest_in) + round_up_256(dy) + dy;
+}
+
 // --recompute auto's choice (recompute_layers_that_fit), on the host, for several models, GPU
-// counts and headrooms, against an independent computation. Each layer recomputed beyond the
-// first saves its four recomputable tensors (each carve rounded up to 256 bytes), so the plan at
-// k is expected(k) = plan(0) - max(k - 1, 0) x per_layer: checked against the plan at every k. The
+// counts, FP8 modes and headrooms, against an independent computation. Each layer recomputed
+// beyond the first saves its recomputable tensors (each carve rounded up to 256 bytes): all four
+// in bf16 and with FP8's current scaling; with delayed scaling only q/k/v, since every layer
+// shares the norms' and SwiGLU's outputs anyway, so that its plan at k = 0 is the bf16 plan's
+// less L - 1 layers' norm and SwiGLU outputs, plus FP8's own memory. So the plan at k is
+// expected(k) = plan(0) - max(k - 1, 0) x per_layer: checked against the plan at every k. The
 // fewest k that fit F free bytes with headroom H then has a closed form: 0 if plan(0) + H <= F,
 // else 1 + ceil((plan(0) + H - F) / per_layer) if that is at most L, else none. Swept over F at
 // every boundary, the choice must match it, be monotone in F, leave the plan at k fitting and the
@@ -331,35 +353,48 @@ static int test_recompute_auto_choice(void) {
     const ModelConfig one_b = {50304, 2048, 16, 32, 8, 64, 8192, 1024, 1e6f, 1e-6f};
     const ModelConfig odd = {512, 128, 3, 4, 2, 64, 256, 77, 1e4f, 1e-6f};
     const ModelConfig one_layer = {256, 128, 1, 2, 2, 64, 192, 130, 1e4f, 1e-6f};
+    const Fp8Mode delayed = {true, FP8_DELAYED, false, false}, delayed_head = {true, FP8_DELAYED, true, false};
+    const Fp8Mode current = {true, FP8_CURRENT, false, false};
+    const size_t margin = RECOMPUTE_MARGIN_BYTES;
     struct {
         const ModelConfig* c;
         int B;
         Sharding dp;
-        int headroom;  // 0: none; 1: the trainer's (recompute_headroom) without FP8, 2: with FP8, 3: with its head
+        Fp8Mode fp8;
+        size_t headroom;
     } cases[] = {
-        {&DEFAULT_CONFIG, 32, ONE_GPU, 1}, {&DEFAULT_CONFIG, 32, ONE_GPU, 2}, {&one_b, 8, {0, 2, 1, NULL}, 3},
-        {&one_b, 8, {1, 4, 2, NULL}, 1},   {&odd, 3, ONE_GPU, 0},             {&one_layer, 2, ONE_GPU, 0},
+        {&DEFAULT_CONFIG, 32, ONE_GPU, FP8_OFF, margin}, {&DEFAULT_CONFIG, 32, ONE_GPU, delayed, margin},
+        {&DEFAULT_CONFIG, 32, ONE_GPU, current, margin}, {&one_b, 8, {0, 2, 1, NULL}, delayed_head, margin},
+        {&one_b, 8, {1, 4, 2, NULL}, FP8_OFF, margin},   {&odd, 3, ONE_GPU, FP8_OFF, 0},
+        {&one_layer, 2, ONE_GPU, FP8_OFF, 0},
     };
     for (auto& tc : cases) {
         const ModelConfig* c = tc.c;
         int L = c->n_layer;
-        size_t N = (size_t)tc.B * c->seq_len, r = 256;
-        size_t recomputable[] = {N * c->d_model * 2, N * c->d_model * 2, N * qkv_dim(c) * 2, N * c->ffn_dim * 2};
-        size_t per_layer = 0;
-        for (size_t bytes : recomputable) per_layer += (bytes + r - 1) / r * r;
+        size_t N = (size_t)tc.B * c->seq_len, headroom = tc.headroom;
+        size_t norms = 2 * round_up_256(N * c->d_model * 2) + round_up_256(N * c->ffn_dim * 2);
+        size_t qkv = round_up_256(N * qkv_dim(c) * 2);
+        bool norms_shared = tc.fp8.on && tc.fp8.scaling == FP8_DELAYED;
+        size_t per_layer = norms_shared ? qkv : norms + qkv;
+        GPT bf16_plan;
+        gpt_plan(&bf16_plan, c, tc.B, c->seq_len, 0, 4096, &tc.dp, OPTIMIZER_ADAMW, FP8_OFF);
         size_t expected[MAX_LAYERS + 1];
+        expected[0] = gpt_bytes_total(&bf16_plan);
+        if (tc.fp8.on)
+            expected[0] += fp8_bytes_expected(c, N, bf16_plan.table.n_elements, bf16_plan.loss_chunk, tc.fp8.head);
+        if (norms_shared) expected[0] -= (size_t)(L - 1) * norms;
+        gpt_plan_free(&bf16_plan);
         for (int k = 0; k <= L; k++) {
             GPT m;
-            gpt_plan(&m, c, tc.B, c->seq_len, k, 4096, &tc.dp, OPTIMIZER_ADAMW);
-            if (k == 0) expected[0] = gpt_bytes_total(&m);
+            gpt_plan(&m, c, tc.B, c->seq_len, k, 4096, &tc.dp, OPTIMIZER_ADAMW, tc.fp8);
             expected[k] = expected[0] - (k > 1 ? (size_t)(k - 1) * per_layer : 0);
-            EXPECT(gpt_bytes_total(&m) == expected[k], "L %d, %d recomputed: the plan is %zu bytes, expected %zu", L, k,
-                   gpt_bytes_total(&m), expected[k]);
+            EXPECT(gpt_bytes_total(&m) == expected[k], "L %d, %d recomputed, fp8 %d (%s): the plan is %zu bytes, "
+                   "expected %zu", L, k, tc.fp8.on, FP8_SCALING_NAMES[tc.fp8.scaling], gpt_bytes_total(&m),
+                   expected[k]);
             gpt_plan_free(&m);
         }
         GPT m;
-        gpt_plan(&m, c, tc.B, c->seq_len, L, 4096, &tc.dp, OPTIMIZER_ADAMW);
-        size_t headroom = tc.headroom ? recompute_headroom(&m, tc.headroom >= 2, tc.headroom == 3) : 0;
+        gpt_plan(&m, c, tc.B, c->seq_len, L, 4096, &tc.dp, OPTIMIZER_ADAMW, tc.fp8);
         size_t frees[3 * (MAX_LAYERS + 1) + 2], n_frees = 0;
         frees[n_frees++] = 0;
         for (int k = L; k >= 0; k--)
@@ -388,7 +423,7 @@ static int test_recompute_auto_choice(void) {
                        "L %d: the plan at %d does not fit", L, k);
                 GPT fewer;
                 if (k > 0) {
-                    gpt_plan(&fewer, c, tc.B, c->seq_len, k - 1, 4096, &tc.dp, OPTIMIZER_ADAMW);
+                    gpt_plan(&fewer, c, tc.B, c->seq_len, k - 1, 4096, &tc.dp, OPTIMIZER_ADAMW, tc.fp8);
                     EXPECT(gpt_bytes_total(&fewer) + headroom > f, "L %d: %d layers fit but %d were chosen", L, k - 1,
                            k);
                     gpt_plan_free(&fewer);
@@ -399,8 +434,9 @@ static int test_recompute_auto_choice(void) {
             }
         }
         EXPECT(previous == 0, "L %d: plenty of memory should recompute nothing (%d)", L, previous);
-        printf("    L %d, B %d, %d GPU(s), headroom %.2f GiB: %zu bytes (%.3f GiB) per recomputed layer\n", L, tc.B,
-               tc.dp.world, gib(headroom), per_layer, gib(per_layer));
+        printf("    L %d, B %d, %d GPU(s), fp8 %s, headroom %.2f GiB: plan %.2f GiB at k = 0, %zu bytes (%.3f GiB) per "
+               "recomputed layer\n", L, tc.B, tc.dp.world, tc.fp8.on ? FP8_SCALING_NAMES[tc.fp8.scaling] : "off",
+               gib(headroom), gib(expected[0]), per_layer, gib(per_layer));
         gpt_plan_free(&m);
     }
     return TEST_RESULT;
@@ -892,7 +928,7 @@ static int test_kernel_embedding_and_reductions(void) {
     // embedding forward/backward through upload_batch's bucketing, with many repeated tokens
     ModelConfig c = {64, 72, 1, 2, 1, 64, 8, 50, 1e4f, 1e-6f};
     GPT m;
-    gpt_create(&m, &c, 3, 50, 0, 4096, &ONE_GPU, OPTIMIZER_ADAMW);
+    gpt_create(&m, &c, 3, 50, 0, 4096, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
     Uploader up;
     uploader_create(&up, m.N, c.vocab_size);
     uint16_t* window = random_window(3, 50, 11);  // tokens < 11: heavy repetition
@@ -1054,7 +1090,7 @@ static int test_model_matches_reference(void) {
         const ModelConfig* c = &tc.c;
         GPT m;
         // loss_chunk 100: several chunks
-        gpt_create(&m, c, tc.B, c->seq_len, tc.recompute_layers, 100, &ONE_GPU, OPTIMIZER_ADAMW);
+        gpt_create(&m, c, tc.B, c->seq_len, tc.recompute_layers, 100, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
         Uploader up;
         uploader_create(&up, m.N, c->vocab_size);
         double* p = random_params(c, &m.table, 0.08);
@@ -1105,7 +1141,7 @@ static int test_model_deterministic(void) {
     double loss[runs];
     for (int run = 0; run < runs; run++) {
         GPT m;
-        gpt_create(&m, &c, 4, c.seq_len, recompute_layers[run], 333, &ONE_GPU, OPTIMIZER_ADAMW);
+        gpt_create(&m, &c, 4, c.seq_len, recompute_layers[run], 333, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
         Uploader up;
         uploader_create(&up, m.N, c.vocab_size);
         ParamTable* pt = &m.table;
@@ -1154,7 +1190,7 @@ static int test_model_bucket_hook(void) {
     int failed = 0;
     ModelConfig c = {1024, 128, 3, 2, 1, 64, 256, 64, 1e4f, 1e-6f};
     GPT m;
-    gpt_create(&m, &c, 2, c.seq_len, c.n_layer, 4096, &ONE_GPU, OPTIMIZER_ADAMW);
+    gpt_create(&m, &c, 2, c.seq_len, c.n_layer, 4096, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
     gpt_init(&m, 3);
     Uploader up;
     uploader_create(&up, m.N, c.vocab_size);
@@ -1204,7 +1240,7 @@ static void zero_mode_run(int zero, int accum, const ModelConfig* c, const uint1
     if (comm_open(&comm, &env, 10.0, err, sizeof(err)) != 0) printf("    %s\n", err);
     Sharding dp = {0, 1, zero, &comm};
     GPT m;
-    gpt_create(&m, c, 2, c->seq_len, c->n_layer, 4096, &dp, OPTIMIZER_ADAMW);
+    gpt_create(&m, c, 2, c->seq_len, c->n_layer, 4096, &dp, OPTIMIZER_ADAMW, FP8_OFF);
     gpt_init(&m, 11);
     Uploader up;
     uploader_create(&up, m.N, c->vocab_size);
@@ -1271,7 +1307,7 @@ static int test_model_trains(void) {
     int failed = 0;
     ModelConfig c = {1024, 128, 2, 2, 1, 64, 256, 64, 1e4f, 1e-6f};
     GPT m;
-    gpt_create(&m, &c, 4, c.seq_len, c.n_layer, 4096, &ONE_GPU, OPTIMIZER_ADAMW);
+    gpt_create(&m, &c, 4, c.seq_len, c.n_layer, 4096, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
     gpt_init(&m, 7);
     Uploader up;
     uploader_create(&up, m.N, c.vocab_size);

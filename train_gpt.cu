@@ -310,7 +310,9 @@ static double flops_per_token(const ModelConfig* c) {
 // q/k/v, the SwiGLU output) are not kept: those k layers write one shared set of buffers, and the
 // backward runs those kernels again before it needs them. The other L - k layers keep their own.
 // The shared set is one layer's worth, so k = 1 saves nothing and each layer recomputed beyond the
-// first saves one layer's set: 2 (2 N C + N (Hq+2Hkv) D + N F) bytes.
+// first saves one layer's set: 2 (2 N C + N (Hq+2Hkv) D + N F) bytes. With FP8's delayed scaling
+// every layer shares the norms' and SwiGLU's outputs, whatever k (layers_sharing_norms), and a
+// recomputed layer saves only its 2 N (Hq+2Hkv) D bytes of q/k/v.
 
 typedef struct {
     // kept by the forward
@@ -409,6 +411,13 @@ typedef struct {
     void* memory;           // the one allocation all of the above are carved from
     size_t bytes;
 } GptFp8;
+
+// FP8 mode as the command line asks for it (--fp8 and its flags), for gpt_plan; on = false: bf16.
+typedef struct {
+    bool on;
+    Fp8Scaling scaling;
+    bool head, fast_accum;
+} Fp8Mode;
 
 // An optimizer's state as tensors over the optimizer's buffers (opt_len elements): each holds one
 // element of `bytes` bytes per `per` parameters (1, or one scale per Q8_BLOCK). They lie one after
@@ -534,19 +543,20 @@ static void* arena_take(Arena* a, size_t bytes) {
 }
 
 // Lays out (or, with a->base == NULL, just measures) the activations and scratch; layers
-// 0 .. recompute_layers-1 share one set of the recomputable buffers.
+// 0 .. recompute_layers-1 share one qkv_rot, layers 0 .. norm_layers-1 (norm_layers >=
+// recompute_layers) one set of the norms' and SwiGLU's outputs.
 static void activations_layout(Activations* a, Arena* kept, Arena* scratch, const ModelConfig* c, int B, int T,
-                               int loss_chunk, int recompute_layers) {
+                               int loss_chunk, int recompute_layers, int norm_layers) {
     size_t N = (size_t)B * T, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c), A = (size_t)c->n_head * c->head_dim;
     size_t heads = (size_t)B * c->n_head * T;
     int L = c->n_layer;
     bf16 *xnorm_attn = NULL, *qkv_rot = NULL, *xnorm_mlp = NULL, *mlp_act = NULL;
-    if (recompute_layers > 0) {
+    if (norm_layers > 0) {
         xnorm_attn = (bf16*)arena_take(kept, N * C * 2);
-        qkv_rot = (bf16*)arena_take(kept, N * Q * 2);
         xnorm_mlp = (bf16*)arena_take(kept, N * C * 2);
         mlp_act = (bf16*)arena_take(kept, N * F * 2);
     }
+    if (recompute_layers > 0) qkv_rot = (bf16*)arena_take(kept, N * Q * 2);
     for (int l = 0; l <= L; l++) a->residual[l] = (bf16*)arena_take(kept, N * C * 2);
     for (int l = 0; l < L; l++) {
         a->residual_mid[l] = (bf16*)arena_take(kept, N * C * 2);
@@ -557,9 +567,9 @@ static void activations_layout(Activations* a, Arena* kept, Arena* scratch, cons
         a->attn_out[l] = (bf16*)arena_take(kept, N * A * 2);
         a->lse[l] = (float*)arena_take(kept, heads * 4);
         a->gate_up[l] = (bf16*)arena_take(kept, N * 2 * F * 2);
-        bool shared = l < recompute_layers;
+        bool shared = l < norm_layers;
         a->xnorm_attn[l] = shared ? xnorm_attn : (bf16*)arena_take(kept, N * C * 2);
-        a->qkv_rot[l] = shared ? qkv_rot : (bf16*)arena_take(kept, N * Q * 2);
+        a->qkv_rot[l] = l < recompute_layers ? qkv_rot : (bf16*)arena_take(kept, N * Q * 2);
         a->xnorm_mlp[l] = shared ? xnorm_mlp : (bf16*)arena_take(kept, N * C * 2);
         a->mlp_act[l] = shared ? mlp_act : (bf16*)arena_take(kept, N * F * 2);
     }
@@ -634,6 +644,75 @@ static void muon_scratch_layout(MuonScratch* w, Arena* a, const GPT* m) {
     w->norm_sq = (float*)arena_take(a, 4);
 }
 
+// The scales: every layer's FP8_ROLES x FP8_MATRICES, then the output head's FP8_ROLES (there
+// whether or not --fp8-head uses them, so that fp8_scales.bin has one layout).
+static size_t fp8_n_scales(const ModelConfig* c) { return ((size_t)c->n_layer * FP8_MATRICES + 1) * FP8_ROLES; }
+
+// Where the scale of `role` of matrix `kind` (P_QKV .. P_DOWN of layer l, or P_EMBED: the head) is.
+static size_t fp8_scale_index(const ModelConfig* c, Fp8Role role, ParamKind kind, int l) {
+    if (kind == P_EMBED) return (size_t)c->n_layer * FP8_MATRICES * FP8_ROLES + role;
+    return ((size_t)l * FP8_ROLES + role) * FP8_MATRICES + kind;
+}
+
+// Lays out (or, with a->base == NULL, measures) FP8 mode's memory: the scales and their saved
+// copy, the E4M3 weights and their transposes, and the casts' scratch, sized by the widest input
+// and output of the layers' matrices (and, with the head in FP8, by a chunk's dlogits).
+static void fp8_layout(GptFp8* f, Arena* a, const GPT* m) {
+    size_t widest_in = 0, widest_out = 0;
+    for (int k = 0; k < FP8_MATRICES; k++) {
+        const ParamTensor* t = param(&m->table, (ParamKind)k, 0);
+        widest_in = (size_t)t->cols > widest_in ? (size_t)t->cols : widest_in;
+        widest_out = (size_t)t->rows > widest_out ? (size_t)t->rows : widest_out;
+    }
+    size_t n_scales = fp8_n_scales(&m->cfg), P = m->table.n_elements, N = m->N;
+    size_t dy_bytes = N * widest_out, head_dy_bytes = (size_t)m->loss_chunk * m->cfg.vocab_size;
+    if (m->fp8.head && head_dy_bytes > dy_bytes) dy_bytes = head_dy_bytes;  // the head's input, [R, C], fits in x
+    f->scales = (Fp8Scale*)arena_take(a, n_scales * sizeof(Fp8Scale));
+    f->scales_saved = (Fp8Scale*)arena_take(a, n_scales * sizeof(Fp8Scale));
+    f->weights = (uint8_t*)arena_take(a, P);
+    f->weights_t = (uint8_t*)arena_take(a, P);
+    f->x = (uint8_t*)arena_take(a, N * widest_in);
+    f->x_t = (uint8_t*)arena_take(a, N * widest_in);
+    f->dy = (uint8_t*)arena_take(a, dy_bytes);
+    f->dy_t = (uint8_t*)arena_take(a, dy_bytes);
+}
+
+static size_t fp8_bytes(const GPT* m) {
+    GptFp8 measured;
+    Arena a = {NULL, 0, 0};
+    fp8_layout(&measured, &a, m);
+    return a.used;
+}
+
+// FP8 mode's memory on the GPU (part of gpt_allocate): the weight copies, the casts' scratch, and
+// the scales, fresh (1, an empty history) until a checkpoint's replace them.
+static void fp8_allocate(GPT* m) {
+    GptFp8* f = &m->fp8;
+    Arena a = {NULL, 0, f->bytes};
+    CUDA_CHECK(cudaMalloc(&a.base, f->bytes));
+    f->memory = a.base;
+    fp8_layout(f, &a, m);
+    size_t n_scales = fp8_n_scales(&m->cfg);
+    Fp8Scale* host = (Fp8Scale*)xcalloc(n_scales, sizeof(Fp8Scale));
+    for (int r = 0; r < FP8_ROLES; r++) {
+        for (int l = 0; l < m->cfg.n_layer; l++)
+            for (int k = 0; k < FP8_MATRICES; k++)
+                host[fp8_scale_index(&m->cfg, (Fp8Role)r, (ParamKind)k, l)] = fp8_scale_initial(r == FP8_ROLE_GRAD);
+        host[fp8_scale_index(&m->cfg, (Fp8Role)r, P_EMBED, 0)] = fp8_scale_initial(r == FP8_ROLE_GRAD);
+    }
+    CUDA_CHECK(cudaMemcpy(f->scales, host, n_scales * sizeof(Fp8Scale), cudaMemcpyHostToDevice));
+    free(host);
+}
+
+// How many layers (the first ones) share one set of the norms' and SwiGLU's outputs (xnorm_attn,
+// xnorm_mlp, mlp_act) and remake them in the backward: the recomputed layers, or with FP8's delayed
+// scaling every layer. There the fused casts make those outputs themselves from the second step on
+// (fp8_input), so the backward reads no bf16 copy of them, and a copy per layer would serve only
+// the first step, which remakes them instead (the same kernels: the same bits).
+static int layers_sharing_norms(const GPT* m) {
+    return m->fp8.on && m->fp8.scaling == FP8_DELAYED ? m->cfg.n_layer : m->recompute_layers;
+}
+
 static size_t gpt_bytes_total(const GPT* m) {
     return m->bytes_params + m->bytes_grads + m->bytes_optimizer + m->bytes_activations + m->bytes_scratch +
            m->fp8.bytes + CUBLASLT_WORKSPACE_BYTES;
@@ -674,9 +753,11 @@ static void gpt_plan_memory(GPT* m) {
     if (m->optimizer == OPTIMIZER_MUON) muon_scratch_layout(&m->muon, &muon, m);
     m->bytes_optimizer = m->opt_state_bytes + S / PARAM_ALIGN + muon.used;
     Arena kept = {NULL, 0, 0}, scratch = {NULL, 0, 0};
-    activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute_layers);
+    activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute_layers,
+                       layers_sharing_norms(m));
     m->bytes_activations = kept.used;
     m->bytes_scratch = scratch.used;
+    m->fp8.bytes = m->fp8.on ? fp8_bytes(m) : 0;
 }
 
 // Whether the plan, with `headroom` bytes more for what is allocated after it, fits in free_bytes;
@@ -695,17 +776,23 @@ static bool plan_fits(const GPT* m, size_t free_bytes, size_t headroom, char* er
     return false;
 }
 
-// Exits with one line if the plan does not fit in the GPU's memory: what is free now and the
-// `allocated` bytes of the plan that are allocated already.
-static void gpt_check_fits(const GPT* m, size_t allocated) {
+// Exits with one line if the plan does not fit in the GPU's free memory.
+static void gpt_check_fits(const GPT* m) {
     size_t free_bytes, total_bytes;
     char err[512];
     CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    if (!plan_fits(m, free_bytes + allocated, 0, err, sizeof(err))) {
+    if (!plan_fits(m, free_bytes, 0, err, sizeof(err))) {
         fprintf(stderr, "train_gpt: %s\n", err);
         exit(1);
     }
 }
+
+// What --recompute auto keeps free beyond the plan: what no plan counts. The kernels' modules load
+// at their first launch (lazy loading), NCCL connects its channels and allocates their buffers at
+// the first collective of each kind, cudaMalloc rounds every allocation up to its page, and the
+// uploader's buffers and the RoPE tables are not in the plan. A guess to be measured
+// (doc/perf.md); 1 GiB is 1.3% of an H100.
+#define RECOMPUTE_MARGIN_BYTES (1ull << 30)
 
 // --recompute auto: the fewest recomputed layers k whose plan, with `headroom` bytes kept free for
 // what is allocated after it, fits in free_bytes. A function of the plan and the bytes only (the
@@ -789,7 +876,9 @@ static void gpt_allocate(GPT* m) {
     CUDA_CHECK(cudaMalloc(&scratch.base, m->bytes_scratch));
     m->activation_memory = kept.base;
     m->scratch_memory = scratch.base;
-    activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute_layers);
+    activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute_layers,
+                       layers_sharing_norms(m));
+    if (m->fp8.on) fp8_allocate(m);
 
     int T = m->T, D = m->cfg.head_dim;
     size_t rope_n = (size_t)T * (D / 2);
@@ -804,9 +893,10 @@ static void gpt_allocate(GPT* m) {
 // The model's plan, on the host only (no GPU needed): the parameter table, the shards and every
 // buffer's size. dp says which rank of how many this is and the ZeRO mode (ONE_GPU on one GPU);
 // `optimizer` which update rule, whose state is sized here (Muon needs dp->zero == 0); the first
-// recompute_layers layers recompute (0 .. L).
+// recompute_layers layers recompute (0 .. L); fp8 whether and how the matmuls run in FP8 (its
+// shapes checked before: fp8_check_shapes).
 static void gpt_plan(GPT* m, const ModelConfig* cfg, int B, int T, int recompute_layers, int loss_chunk,
-                     const Sharding* dp, OptimizerKind optimizer) {
+                     const Sharding* dp, OptimizerKind optimizer, Fp8Mode fp8) {
     memset(m, 0, sizeof(*m));
     m->cfg = *cfg;
     m->optimizer = optimizer;
@@ -818,6 +908,12 @@ static void gpt_plan(GPT* m, const ModelConfig* cfg, int B, int T, int recompute
     m->loss_chunk = loss_chunk < m->N ? loss_chunk : m->N;
     m->dp = *dp;
     m->accum = 1;
+    m->fp8.on = fp8.on;
+    m->fp8.scaling = fp8.scaling;
+    m->fp8.head = fp8.head;
+    m->fp8.fast_accum = fp8.fast_accum;
+    m->fp8.fuse = true;
+    m->fp8.weights_stale = true;
     param_table_build(&m->table, cfg, dp->world);
     gpt_plan_shards(m);
     gpt_plan_memory(m);
@@ -828,10 +924,11 @@ static void gpt_plan_free(GPT* m) {
     free(m->opt_offset);
 }
 
-// The planned model on the GPU. A plan that cannot fit is one line, before any allocation (the
-// cuBLASLt workspace is in the plan, so it is checked before matmul_init allocates it).
+// The planned model on the GPU, FP8's part included. A plan that cannot fit is one line, before
+// any allocation (the cuBLASLt workspace is in the plan, so it is checked before matmul_init
+// allocates it).
 static void gpt_build(GPT* m) {
-    gpt_check_fits(m, 0);
+    gpt_check_fits(m);
     CUDA_CHECK(cudaStreamCreate(&m->stream));
     matmul_init();
     gpt_allocate(m);
@@ -851,60 +948,6 @@ static void gpt_free(GPT* m) {
     gpt_plan_free(m);
 }
 
-// The scales: every layer's FP8_ROLES x FP8_MATRICES, then the output head's FP8_ROLES (there
-// whether or not --fp8-head uses them, so that fp8_scales.bin has one layout).
-static size_t fp8_n_scales(const ModelConfig* c) { return ((size_t)c->n_layer * FP8_MATRICES + 1) * FP8_ROLES; }
-
-// Where the scale of `role` of matrix `kind` (P_QKV .. P_DOWN of layer l, or P_EMBED: the head) is.
-static size_t fp8_scale_index(const ModelConfig* c, Fp8Role role, ParamKind kind, int l) {
-    if (kind == P_EMBED) return (size_t)c->n_layer * FP8_MATRICES * FP8_ROLES + role;
-    return ((size_t)l * FP8_ROLES + role) * FP8_MATRICES + kind;
-}
-
-// Lays out (or, with a->base == NULL, measures) FP8 mode's memory: the scales and their saved
-// copy, the E4M3 weights and their transposes, and the casts' scratch, sized by the widest input
-// and output of the layers' matrices (and, with the head in FP8, by a chunk's dlogits).
-static void fp8_layout(GptFp8* f, Arena* a, const GPT* m, bool head) {
-    size_t widest_in = 0, widest_out = 0;
-    for (int k = 0; k < FP8_MATRICES; k++) {
-        const ParamTensor* t = param(&m->table, (ParamKind)k, 0);
-        widest_in = (size_t)t->cols > widest_in ? (size_t)t->cols : widest_in;
-        widest_out = (size_t)t->rows > widest_out ? (size_t)t->rows : widest_out;
-    }
-    size_t n_scales = fp8_n_scales(&m->cfg), P = m->table.n_elements, N = m->N;
-    size_t dy_bytes = N * widest_out, head_dy_bytes = (size_t)m->loss_chunk * m->cfg.vocab_size;
-    if (head && head_dy_bytes > dy_bytes) dy_bytes = head_dy_bytes;  // the head's input, [R, C], fits in x
-    f->scales = (Fp8Scale*)arena_take(a, n_scales * sizeof(Fp8Scale));
-    f->scales_saved = (Fp8Scale*)arena_take(a, n_scales * sizeof(Fp8Scale));
-    f->weights = (uint8_t*)arena_take(a, P);
-    f->weights_t = (uint8_t*)arena_take(a, P);
-    f->x = (uint8_t*)arena_take(a, N * widest_in);
-    f->x_t = (uint8_t*)arena_take(a, N * widest_in);
-    f->dy = (uint8_t*)arena_take(a, dy_bytes);
-    f->dy_t = (uint8_t*)arena_take(a, dy_bytes);
-}
-
-// The bytes gpt_enable_fp8 will allocate (--recompute auto keeps them free).
-static size_t fp8_bytes(const GPT* m, bool head) {
-    GptFp8 measured;
-    Arena a = {NULL, 0, 0};
-    fp8_layout(&measured, &a, m, head);
-    return a.used;
-}
-
-// What --recompute auto keeps free beyond the plan, besides FP8's memory: what no plan counts. The
-// kernels' modules load at their first launch (lazy loading), NCCL connects its channels and
-// allocates their buffers at the first collective of each kind, cudaMalloc rounds every
-// allocation up to its page, and the uploader's buffers and the RoPE tables are not in the plan.
-// A guess to be measured (doc/perf.md); 1 GiB is 1.3% of an H100.
-#define RECOMPUTE_MARGIN_BYTES (1ull << 30)
-
-// The bytes allocated after the plan, which --recompute auto keeps free: FP8's weight copies and
-// scratch when FP8 will be on (by the arithmetic gpt_enable_fp8 allocates with), and the margin.
-static size_t recompute_headroom(const GPT* m, bool fp8, bool fp8_head) {
-    return (fp8 ? fp8_bytes(m, fp8_head) : 0) + RECOMPUTE_MARGIN_BYTES;
-}
-
 // FP8 matmuls want every side a multiple of 16 bytes (cuBLASLt's leading dimensions), so the rows
 // of a micro-batch, N = B x T, and both sides of the layers' matrices must be multiples of 16 (the
 // head's, with --fp8-head, are the vocabulary and the loss chunk's rows). A function of the config
@@ -920,41 +963,6 @@ static int fp8_check_shapes(const ModelConfig* c, long N, char* err, size_t err_
                         (long long)cols);
     }
     return 0;
-}
-
-// Turns FP8 mode on (after gpt_build, before any step): allocates the FP8 weights, the scratch
-// of the casts and the scales, and says so in one line if they do not fit. The shapes are FP8's
-// (fp8_check_shapes): check_options has checked them.
-static void gpt_enable_fp8(GPT* m, Fp8Scaling scaling, bool head, bool fast_accum) {
-    GptFp8* f = &m->fp8;
-    int L = m->cfg.n_layer;
-    for (int k = 0; k < FP8_MATRICES; k++) {
-        const ParamTensor* t = param(&m->table, (ParamKind)k, 0);
-    }
-    size_t allocated = gpt_bytes_total(m);  // the model's part of the plan, allocated by gpt_build
-    f->bytes = fp8_bytes(m, head);
-    f->on = true;
-    gpt_check_fits(m, allocated);
-    Arena a = {NULL, 0, f->bytes};
-    CUDA_CHECK(cudaMalloc(&a.base, f->bytes));
-    f->memory = a.base;
-    fp8_layout(f, &a, m, head);
-    size_t n_scales = fp8_n_scales(&m->cfg);
-    Fp8Scale* host = (Fp8Scale*)xcalloc(n_scales, sizeof(Fp8Scale));
-    for (int r = 0; r < FP8_ROLES; r++) {
-        for (int l = 0; l < L; l++)
-            for (int k = 0; k < FP8_MATRICES; k++)
-                host[fp8_scale_index(&m->cfg, (Fp8Role)r, (ParamKind)k, l)] = fp8_scale_initial(r == FP8_ROLE_GRAD);
-        host[fp8_scale_index(&m->cfg, (Fp8Role)r, P_EMBED, 0)] = fp8_scale_initial(r == FP8_ROLE_GRAD);
-    }
-    CUDA_CHECK(cudaMemcpy(f->scales, host, n_scales * sizeof(Fp8Scale), cudaMemcpyHostToDevice));
-    free(host);
-    f->scaling = scaling;
-    f->head = head;
-    f->fast_accum = fast_accum;
-    f->calibrated = false;
-    f->weights_stale = true;
-    f->fuse = true;
 }
 
 // With ZeRO 1 and 2, each rank computes the new bf16 weights of its pieces only, writing them
@@ -1157,8 +1165,13 @@ static Fp8CastScale fp8_how(const GPT* m) {
 // recomputes neither norm nor SwiGLU. Otherwise the producing kernels write bf16 and a cast reads it.
 static bool fp8_fused(const GPT* m) { return m->fp8.on && m->fp8.fuse && fp8_how(m) == FP8_CAST_DELAYED; }
 
-// Whether layer l shares the recomputable buffers (activations_layout): the first recompute_layers.
+// Whether layer l shares qkv_rot (activations_layout), and so remakes it in the backward: the first
+// recompute_layers.
 static bool recomputed(const GPT* m, int l) { return l < m->recompute_layers; }
+
+// Whether layer l shares the norms' and SwiGLU's outputs, and so remakes them in the backward where
+// the FP8 casts do not make them (layers_sharing_norms).
+static bool shares_norms(const GPT* m, int l) { return l < layers_sharing_norms(m); }
 
 // The parts of layer l's forward that a recomputed layer runs again in the backward: the two
 // RMSNorms, the QK norm with RoPE, and SwiGLU.
@@ -1444,7 +1457,7 @@ static void backward(GPT* m, const Batch* batch) {
         grads_open(m, l);
         // MLP block. d_residual = dL/d(residual[l+1]) flows both through the skip connection
         // (unchanged) and through the block, whose contribution rmsnorm_backward adds to it.
-        if (recomputed(m, l) && !fused) {
+        if (shares_norms(m, l) && !fused) {
             mlp_norm(m, l);
             mlp_swiglu(m, l);
         }
@@ -1455,10 +1468,8 @@ static void backward(GPT* m, const Batch* batch) {
         rmsnorm_backward(a->d_residual, G(m, P_MLP_NORM, l), a->partials, a->d_xnorm, a->residual_mid[l],
                          P(m, P_MLP_NORM, l), a->rstd_mlp[l], N, C, m->stream);
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
-        if (recomputed(m, l)) {
-            if (!fused) attention_norm(m, l);
-            qk_norm_rope(m, l);
-        }
+        if (shares_norms(m, l) && !fused) attention_norm(m, l);
+        if (recomputed(m, l)) qk_norm_rope(m, l);
         layer_backward(m, P_ATTN_OUT, l, N, a->d_attn_out, a->d_residual, a->attn_out[l]);
         const bf16* q = a->qkv_rot[l];
         attention_backward(a->d_qkv, a->d_qkv + Hq * D, a->d_qkv + (Hq + Hkv) * D, a->attn_scratch, a->d_attn_out,
@@ -2759,8 +2770,7 @@ typedef struct {
     double bench_ms;            // --bench: GPU time of the timed steps
     int bench_timed;
     float last_loss;
-    size_t recompute_free;      // --recompute auto: the free bytes it saw, and those it kept free
-    size_t recompute_headroom;
+    size_t recompute_free;      // --recompute auto: the free bytes it saw
 } Trainer;
 
 // Data: the shards, or synthetic tokens for the benchmark; the tokenizer when sampling. Exits
@@ -2829,7 +2839,7 @@ static void trainer_open_comm(Trainer* t) {
 }
 
 // --recompute auto: the fewest recomputed layers whose plan fits this GPU's free memory, keeping
-// free what is allocated after the plan (recompute_headroom). Ranks may see different free memory:
+// RECOMPUTE_MARGIN_BYTES free for what no plan counts. Ranks may see different free memory:
 // all take the largest k any rank needs (fewer recomputed layers need more memory, so the largest
 // k is the one that fits on every rank), and then run the same layout at the same speed. A rank
 // on which even k = L does not fit says so, and every rank stops.
@@ -2839,8 +2849,7 @@ static void trainer_choose_recompute(Trainer* t) {
     size_t total_bytes;
     char err[512];
     CUDA_CHECK(cudaMemGetInfo(&t->recompute_free, &total_bytes));
-    t->recompute_headroom = recompute_headroom(m, t->o.fp8 != 0, t->o.fp8_head != 0);
-    int k = recompute_layers_that_fit(m, t->recompute_free, t->recompute_headroom, err, sizeof(err));
+    int k = recompute_layers_that_fit(m, t->recompute_free, RECOMPUTE_MARGIN_BYTES, err, sizeof(err));
     int agreed = t->parallel ? comm_max_int(&t->comm, k < 0 ? L + 1 : k) : k;
     if (k < 0 || agreed > L) {
         char who[64] = "train_gpt";
@@ -2859,13 +2868,12 @@ static void trainer_open_model(Trainer* t) {
     GPT* m = &t->model;
     Sharding dp = ONE_GPU;
     if (t->parallel) dp = (Sharding){t->env.rank, t->env.world, o->zero, &t->comm};
+    Fp8Mode fp8 = {o->fp8 != 0, (Fp8Scaling)o->fp8_scaling, o->fp8_head != 0, o->fp8_fast_accum != 0};
     gpt_plan(m, &o->model, o->batch_size, o->model.seq_len, o->recompute == RECOMPUTE_NONE ? 0 : o->model.n_layer,
-             o->loss_chunk, &dp, (OptimizerKind)o->optimizer);
+             o->loss_chunk, &dp, (OptimizerKind)o->optimizer, fp8);
     if (o->recompute == RECOMPUTE_AUTO) trainer_choose_recompute(t);
     gpt_build(m);
     m->deterministic = o->deterministic != 0;
-    if (o->fp8)
-        gpt_enable_fp8(m, (Fp8Scaling)o->fp8_scaling, o->fp8_head != 0, o->fp8_fast_accum != 0);
     gpt_init(m, o->seed);
     if (o->init_from) load_init_from(m, o->init_from);
     t->bench_rng = o->seed * 0x9E3779B97F4A7C15ull + 1;
@@ -2923,10 +2931,9 @@ static void print_run_header(const Trainer* t) {
     printf("device: %s, %d SMs, %.1f GiB\n", t->prop.name, t->prop.multiProcessorCount, gib(t->prop.totalGlobalMem));
     print_memory_plan(m);
     if (t->recompute_free)
-        printf("recompute auto: %d of %d layers, the fewest whose plan fits in the %.2f GiB free with %.2f GiB kept "
-               "free (FP8's memory, if on, and a margin of %.2f)%s\n", m->recompute_layers, m->cfg.n_layer,
-               gib(t->recompute_free), gib(t->recompute_headroom), gib(RECOMPUTE_MARGIN_BYTES),
-               m->dp.world > 1 ? "; on every rank, the most any rank needs" : "");
+        printf("recompute auto: %d of %d layers, the fewest whose plan fits in the %.2f GiB free with a margin of "
+               "%.2f GiB kept free%s\n", m->recompute_layers, m->cfg.n_layer, gib(t->recompute_free),
+               gib(RECOMPUTE_MARGIN_BYTES), m->dp.world > 1 ? "; on every rank, the most any rank needs" : "");
     printf("batch: %d x %d tokens, %d micro-batches per step on each of %d GPUs (%d tokens); %d steps\n", m->B, m->T,
            t->accum, m->dp.world, m->N * t->accum * m->dp.world, t->o.optim.total_steps);
     if (t->parallel)

@@ -353,8 +353,8 @@ static int test_fp8_gpu_layer_products(void) {
     REQUIRE_GPU();
     int failed = 0;
     GPT m;
-    gpt_create(&m, &FP8_TEST_CONFIG, 2, FP8_TEST_CONFIG.seq_len, 0, 128, &ONE_GPU, OPTIMIZER_ADAMW);
-    gpt_enable_fp8(&m, FP8_CURRENT, false, false);
+    gpt_create(&m, &FP8_TEST_CONFIG, 2, FP8_TEST_CONFIG.seq_len, 0, 128, &ONE_GPU, OPTIMIZER_ADAMW,
+               (Fp8Mode){true, FP8_CURRENT, false, false});
     const ParamTensor* t = param(&m.table, P_GATE_UP, 0);
     int N = m.N, O = (int)t->rows, I = (int)t->cols;
     double *W = random_array((size_t)O * I, 0.05), *x = random_array((size_t)N * I, 1.0);
@@ -442,8 +442,8 @@ static int test_fp8_gpu_model_gradients_vs_bf16(void) {
         double loss[3];  // BF16, FP8 current, FP8 delayed (one model at a time: matmul's state is global)
         for (int run = 0; run < 2; run++) {
             GPT m;
-            gpt_create(&m, c, B, c->seq_len, v.recompute ? c->n_layer : 0, 128, &ONE_GPU, OPTIMIZER_ADAMW);
-            if (run == 1) gpt_enable_fp8(&m, FP8_CURRENT, v.head, v.fast_accum);
+            gpt_create(&m, c, B, c->seq_len, v.recompute ? c->n_layer : 0, 128, &ONE_GPU, OPTIMIZER_ADAMW,
+                       run == 1 ? (Fp8Mode){true, FP8_CURRENT, v.head, v.fast_accum} : FP8_OFF);
             Uploader up;
             uploader_create(&up, m.N, c->vocab_size);
             m.fp8.weights_stale = true;
@@ -618,8 +618,8 @@ static int test_fp8_gpu_fused_step_is_bit_exact(void) {
         char what[48];
         snprintf(what, sizeof(what), "recompute %d%s", recompute, head ? ", head in FP8" : "");
         GPT m;
-        gpt_create(&m, c, B, c->seq_len, recompute ? c->n_layer : 0, 128, &ONE_GPU, OPTIMIZER_ADAMW);
-        gpt_enable_fp8(&m, FP8_DELAYED, head, false);
+        gpt_create(&m, c, B, c->seq_len, recompute ? c->n_layer : 0, 128, &ONE_GPU, OPTIMIZER_ADAMW,
+                   (Fp8Mode){true, FP8_DELAYED, head, false});
         Uploader up;
         uploader_create(&up, m.N, c->vocab_size);
         size_t n = m.table.n_elements, n_scales = fp8_n_scales(c);
@@ -693,8 +693,8 @@ static int test_fp8_gpu_recompute_changes_nothing(void) {
     uint16_t* window = random_window(B, c->seq_len, c->vocab_size);
     for (int run = 0; run < 3; run++) {
         GPT m;
-        gpt_create(&m, c, B, c->seq_len, recompute_layers[run], 128, &ONE_GPU, OPTIMIZER_ADAMW);
-        gpt_enable_fp8(&m, FP8_CURRENT, true, false);
+        gpt_create(&m, c, B, c->seq_len, recompute_layers[run], 128, &ONE_GPU, OPTIMIZER_ADAMW,
+                   (Fp8Mode){true, FP8_CURRENT, true, false});
         EXPECT(!fp8_fused(&m), "current scaling runs the fused path");
         Uploader up;
         uploader_create(&up, m.N, c->vocab_size);
