@@ -914,7 +914,7 @@ typedef struct {
 } Comm;
 
 static void comm_die(const Comm* c, const char* what) {
-    fprintf(stderr, "train_gpt rank %d of %d: %s\n", c->rank, c->world, what);
+    fprintf(stderr, "%s: %s\n", program_name, what);  // program_name names the rank (read_launch_env)
     if (c->nccl) ncclCommAbort(c->nccl);
     _exit(1);
 }

@@ -781,10 +781,7 @@ static void gpt_check_fits(const GPT* m) {
     size_t free_bytes, total_bytes;
     char err[512];
     CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    if (!plan_fits(m, free_bytes, 0, err, sizeof(err))) {
-        fprintf(stderr, "train_gpt: %s\n", err);
-        exit(1);
-    }
+    if (!plan_fits(m, free_bytes, 0, err, sizeof(err))) die("%s", err);
 }
 
 // What --recompute auto keeps free beyond the plan: what no plan counts. The kernels' modules load
@@ -2654,8 +2651,8 @@ static void checkpointer_free(Checkpointer* c) {
 
 // After a failed checkpoint: stop (exit 1), or say so and carry on, per --ckpt-keep-going.
 static void checkpoint_failed(const Checkpointer* c, bool keep_going) {
-    fprintf(stderr, "train_gpt: checkpoint of step %lld failed: %s; the previous checkpoint is intact%s\n",
-            (long long)c->state.step, c->err, keep_going ? "; carrying on, retrying at the next interval" : "");
+    warn("checkpoint of step %lld failed: %s; the previous checkpoint is intact%s", (long long)c->state.step, c->err,
+         keep_going ? "; carrying on, retrying at the next interval" : "");
     if (!keep_going) exit(1);
 }
 
@@ -2832,10 +2829,7 @@ static void trainer_open_comm(Trainer* t) {
     t->parallel = t->env.world > 1 || t->o.zero > 0;
     if (!t->parallel) return;
     char err[1024];
-    if (comm_open(&t->comm, &t->env, t->o.timeout, err, sizeof(err)) != 0) {
-        fprintf(stderr, "train_gpt rank %d of %d: %s\n", t->env.rank, t->env.world, err);
-        exit(1);
-    }
+    if (comm_open(&t->comm, &t->env, t->o.timeout, err, sizeof(err)) != 0) die("%s", err);
 }
 
 // --recompute auto: the fewest recomputed layers whose plan fits this GPU's free memory, keeping
@@ -2851,13 +2845,8 @@ static void trainer_choose_recompute(Trainer* t) {
     CUDA_CHECK(cudaMemGetInfo(&t->recompute_free, &total_bytes));
     int k = recompute_layers_that_fit(m, t->recompute_free, RECOMPUTE_MARGIN_BYTES, err, sizeof(err));
     int agreed = t->parallel ? comm_max_int(&t->comm, k < 0 ? L + 1 : k) : k;
-    if (k < 0 || agreed > L) {
-        char who[64] = "train_gpt";
-        if (t->env.world > 1) snprintf(who, sizeof(who), "train_gpt rank %d of %d", t->env.rank, t->env.world);
-        fprintf(stderr, "%s: %s\n", who,
-                k < 0 ? err : "--recompute auto: another rank's GPU cannot fit this config (its line says why)");
-        exit(1);
-    }
+    if (k < 0) die("%s", err);
+    if (agreed > L) die("--recompute auto: another rank's GPU cannot fit this config (its line says why)");
     m->recompute_layers = agreed;
     gpt_plan_memory(m);
 }
@@ -3286,6 +3275,11 @@ static void read_launch_env(const Options* o, CommEnv* env) {
                     o->total_batch_tokens, rank_tokens);
     }
     if (env->world > 1 && o->dump_grads_dir) usage_error("--dump-grads runs on one GPU");
+    static char name[64];
+    if (env->world > 1) {
+        snprintf(name, sizeof(name), "train_gpt rank %d of %d", env->rank, env->world);
+        program_name = name;  // every line a rank says names it
+    }
 }
 
 // --gpus N without a launcher: this process starts the N ranks and waits for them.
@@ -3310,7 +3304,7 @@ static int launch_ranks(int n, char** argv) {
     char err[1024];
     int status = comm_launch_local(n, argv, err, sizeof(err));
     if (status < 0) {
-        fprintf(stderr, "train_gpt: --gpus %d: %s\n", n, err);
+        warn("--gpus %d: %s", n, err);
         return 1;
     }
     return status;
@@ -3343,15 +3337,17 @@ static void check_inputs(Options* o) {
     }
     if (o->resume) {
         CkptReader r;
-        char why[512];
+        char why[512], fallback[CK_PATH_MAX + 512] = "";
         if (strcmp(o->resume, "latest") != 0) snprintf(o->resume_dir, sizeof(o->resume_dir), "%s", o->resume);
-        else if (ckpt_resolve_latest(o->out_dir, o->resume_dir, sizeof(o->resume_dir), err, sizeof(err)) < 0)
-            die("--resume latest: %s", err);
+        else if (ckpt_resolve_latest(o->out_dir, o->resume_dir, sizeof(o->resume_dir), fallback, sizeof(fallback)) < 0)
+            die("--resume latest: %s", fallback);
         const char* dir = o->resume_dir;
         if (ckpt_peek(&r, dir, err, sizeof(err)) != 0) die("--resume: %s", err);
         bool same = model_config_matches(&o->model, &r.manifest, r.config, why, sizeof(why));
         ckpt_close(&r);
         if (!same) die("--resume: %s/" CKPT_MANIFEST ": %s", dir, why);
+        // 'latest' unreadable, the newest directory taken instead: said once the run is sure to go on
+        if (fallback[0]) warn("--resume latest: %s", fallback);
     }
 }
 

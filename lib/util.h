@@ -103,18 +103,34 @@ static inline int fail_errno(char* err, size_t err_len, int errnum, const char* 
 // Stopping a program. train_gpt and prepro end on an error with one line on stderr,
 // "<program>: <what is wrong>", written as error_one_line writes it, and exit 1 for a failure (a
 // bad file, a write that did not happen) or 2 for a mistake on the command line (an unknown flag,
-// a value outside its flag's domain): die and usage_error. Only the programs call them; the
-// headers return -1 with err. main names its program first: program_name = "prepro".
+// a value outside its flag's domain): die and usage_error; warn says one line and goes on. Only the
+// programs call them; the headers return -1 with err. main names its program first: program_name =
+// "prepro" (train_gpt adds its rank once it knows it: "train_gpt rank 1 of 2").
 
 static const char* program_name __attribute__((unused)) = "?";
 
-static void vexit_with(int code, const char* fmt, va_list ap) __attribute__((format(printf, 2, 0), noreturn));
-static void vexit_with(int code, const char* fmt, va_list ap) {
+static void vsay(const char* fmt, va_list ap) __attribute__((format(printf, 1, 0)));
+static void vsay(const char* fmt, va_list ap) {
     char line[8192];
     vsnprintf(line, sizeof(line), fmt, ap);
     error_one_line(line, sizeof(line));
     fprintf(stderr, "%s: %s\n", program_name, line);
+}
+
+static void vexit_with(int code, const char* fmt, va_list ap) __attribute__((format(printf, 2, 0), noreturn));
+static void vexit_with(int code, const char* fmt, va_list ap) {
+    vsay(fmt, ap);
     exit(code);
+}
+
+// Something the user must know that stops nothing (a fallback taken, a failure survived): the same
+// one line on stderr, and the program goes on.
+static void warn(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+static void warn(const char* fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsay(fmt, ap);
+    va_end(ap);
 }
 
 // A failure: one line, exit 1.
