@@ -1150,9 +1150,11 @@ static Fp8Scale* fp8_scale(const GPT* m, Fp8Role role, ParamKind kind, int l) {
     return m->fp8.scales + fp8_scale_index(&m->cfg, role, kind, l);
 }
 
-// Current scaling measures every tensor; delayed too, until a step has filled the history.
+// Current scaling measures every tensor; delayed calibrates (measures, keeping the step's largest
+// amax) until a step has filled the history.
 static Fp8CastScale fp8_how(const GPT* m) {
-    return m->fp8.scaling == FP8_CURRENT || !m->fp8.calibrated ? FP8_CAST_MEASURE : FP8_CAST_DELAYED;
+    if (m->fp8.scaling == FP8_CURRENT) return FP8_CAST_MEASURE;
+    return m->fp8.calibrated ? FP8_CAST_DELAYED : FP8_CAST_CALIBRATE;
 }
 
 // The fused path (doc/fp8.md): with every scale known before the data exists (delayed scaling

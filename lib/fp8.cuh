@@ -230,8 +230,12 @@ __global__ static void fp8_update_kernel(Fp8Scale* scales, int n) {
 
 // How a cast finds its scale: from the history (delayed), from a pass over the tensor first
 // (current), or from the amax such a pass left in s for this same tensor earlier (current: the
-// backward's transposed copy of an activation the forward already measured).
-typedef enum { FP8_CAST_DELAYED, FP8_CAST_MEASURE, FP8_CAST_MEASURED } Fp8CastScale;
+// backward's transposed copy of an activation the forward already measured). Delayed scaling's
+// first step, before the history holds anything, calibrates: it measures as current scaling does
+// but keeps the largest amax of the step (over micro-batches and the head's loss chunks) instead of
+// starting from 0, so that the history's first entry is the step's amax, as every later entry is;
+// a cast then scales by the largest amax seen so far, which covers its own.
+typedef enum { FP8_CAST_DELAYED, FP8_CAST_MEASURE, FP8_CAST_MEASURED, FP8_CAST_CALIBRATE } Fp8CastScale;
 
 static void fp8_check_shape(int rows, int cols) {
     if (rows % 8 != 0 || cols % 8 != 0) {
@@ -253,13 +257,14 @@ static void fp8_produce(uint8_t* out, uint8_t* out_t, Producer x, int rows, int 
     LAUNCH_CHECK();
 }
 
-// The plain cast of a bf16 tensor x [rows, cols]; FP8_CAST_MEASURE measures its amax first.
+// The plain cast of a bf16 tensor x [rows, cols]; FP8_CAST_MEASURE and _CALIBRATE measure its amax
+// first (the one from 0, the other onto the step's amax so far).
 static void fp8_cast(uint8_t* out, uint8_t* out_t, const bf16* x, int rows, int cols, bool e5m2, Fp8Scale* s,
                      Fp8CastScale how, cudaStream_t stream) {
     fp8_check_shape(rows, cols);
-    if (how == FP8_CAST_MEASURE) {
+    if (how == FP8_CAST_MEASURE || how == FP8_CAST_CALIBRATE) {
         size_t n = (size_t)rows * cols;
-        CUDA_CHECK(cudaMemsetAsync(&s->amax, 0, sizeof(float), stream));
+        if (how == FP8_CAST_MEASURE) CUDA_CHECK(cudaMemsetAsync(&s->amax, 0, sizeof(float), stream));
         int blocks = (int)(ceil_div(n / 8, 256) < 1024 ? ceil_div(n / 8, 256) : 1024);
         fp8_amax_kernel<<<blocks, 256, 0, stream>>>(x, n, s);
         LAUNCH_CHECK();

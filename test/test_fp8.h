@@ -134,7 +134,7 @@ static Fp8Scale fp8_scale_download(const Fp8Scale* d) {
 }
 
 // The cast kernel on a tensor whose sides are no multiple of its 64 x 64 tile, in both formats
-// and all three ways of finding the scale: row-major and transposed codes equal the reference's,
+// and all four ways of finding the scale: row-major and transposed codes equal the reference's,
 // the amax is exact, and a delayed scale that is too large saturates instead of overflowing.
 static int test_fp8_gpu_cast_kernel(void) {
     REQUIRE_GPU();
@@ -151,19 +151,22 @@ static int test_fp8_gpu_cast_kernel(void) {
     Fp8Scale* d_s;
     CUDA_CHECK(cudaMalloc(&d_s, sizeof(Fp8Scale)));
     for (int e5m2 = 0; e5m2 < 2; e5m2++)
-        for (int how = 0; how < 3; how++) {  // Fp8CastScale: delayed, measure, measured
+        for (int how = 0; how < 4; how++) {  // Fp8CastScale: delayed, measure, measured, calibrate
             Fp8Scale s = fp8_scale_initial(e5m2);
+            // measure starts from 0 whatever amax holds; calibrate keeps the larger amax an earlier
+            // micro-batch left (twice this tensor's), and its scale follows that
+            double kept = how == FP8_CAST_CALIBRATE ? 2 * amax : amax;
+            int k = fp8_scale_exponent((float)kept, s.max);
             // delayed: a scale 4x too large for this amax, so the largest values saturate
-            int k = fp8_scale_exponent((float)amax, s.max);
             s.scale = ldexpf(1.0f, how == FP8_CAST_DELAYED ? k + 2 : 0);
-            s.amax = how == FP8_CAST_MEASURED ? (float)amax : 0.0f;
+            s.amax = how == FP8_CAST_MEASURED ? (float)amax : how == FP8_CAST_DELAYED ? 0.0f : (float)(2 * amax);
             CUDA_CHECK(cudaMemcpy(d_s, &s, sizeof(s), cudaMemcpyHostToDevice));
             fp8_cast(d_out, d_out_t, d_x, rows, cols, e5m2, d_s, (Fp8CastScale)how, 0);
             CUDA_CHECK(cudaMemcpy(out, d_out, n, cudaMemcpyDeviceToHost));
             CUDA_CHECK(cudaMemcpy(out_t, d_out_t, n, cudaMemcpyDeviceToHost));
             Fp8Scale after = fp8_scale_download(d_s);
             double scale = how == FP8_CAST_DELAYED ? ldexp(1.0, k + 2) : ldexp(1.0, k);
-            EXPECT(after.amax == (float)amax, "format %d how %d: amax %g, want %g", e5m2, how, after.amax, amax);
+            EXPECT(after.amax == (float)kept, "format %d how %d: amax %g, want %g", e5m2, how, after.amax, kept);
             if (how != FP8_CAST_DELAYED)
                 EXPECT(after.scale == (float)scale && after.scale_inv == (float)(1.0 / scale),
                        "format %d how %d: scale %g / %g, want %g", e5m2, how, after.scale, after.scale_inv, scale);
