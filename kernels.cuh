@@ -545,25 +545,55 @@ static void swiglu_backward(bf16* d_gate_up, const bf16* d_out, const bf16* gate
 // For a row with logits z and target y: loss = logsumexp(z) - z[y], and
 //   dL/dz = (softmax(z) - onehot(y)) * d_loss,
 // where d_loss = 1 / (number of tokens in the optimizer step) makes the step's loss a mean.
-// One block per row: the first pass finds the max and the sum of exponentials online (each thread
-// over its own 8-wide slices, then combined across the block), the second overwrites the logits
-// with their gradient. Per-row losses go to `losses` for a deterministic sum later.
+// One block of CE_THREADS per row, two passes: the first finds the max and the sum of exponentials
+// online (each thread over its own 8-wide vectors j = t, t + CE_THREADS, ... in that order, then
+// combined across the block), the second overwrites the logits with their gradient.
+// The row is read from memory once. The first pass also keeps the row's first n_cached vectors in
+// shared memory and the second pass takes them from there; n_cached is the whole row when it fits
+// in half an SM's shared memory (about 57K logits on an H100: GPT-2's 50304 fit, so two blocks
+// share an SM and one's reductions and writes overlap the other's reads), and otherwise as much as
+// fits; the rest of a longer row (Qwen3's 151936) is read again. Each thread keeps and takes back
+// only its own vectors, so the cache needs no barrier. Each thread issues CE_UNROLL loads before it
+// uses them, so enough bytes are in flight to run at memory speed. V is a multiple of 8 (16-byte
+// vectors; config_check enforces it). Per-row losses go to `losses` for a deterministic sum later.
+#define CE_THREADS 512  // a row's block; it fixes which logits each thread sums, and so the bits
+#define CE_UNROLL 4     // vectors a thread loads before it uses the first
 
-__global__ void cross_entropy_kernel(bf16* logits, float* losses, const int* targets, int V, float d_loss) {
+// One logit x into a thread's running max m and sum of exp(z - m) over the logits it has seen:
+// when x is a new max, the sum so far is rescaled to it.
+__device__ __forceinline__ void online_softmax_add(float x, float* m, float* sum) {
+    if (x > *m) {
+        *sum = *sum * __expf(*m - x) + 1.0f;
+        *m = x;
+    } else {
+        *sum += __expf(x - *m);
+    }
+}
+
+// dL/dz of one logit z, given the row's logsumexp: (softmax(z) - onehot) * d_loss.
+__device__ __forceinline__ bf16 cross_entropy_grad(bf16 z, float lse, bool is_target, float d_loss) {
+    float p = __expf(__bfloat162float(z) - lse);
+    return __float2bfloat16((p - (is_target ? 1.0f : 0.0f)) * d_loss);
+}
+
+__global__ void __launch_bounds__(CE_THREADS, 2)
+    cross_entropy_kernel(bf16* logits, float* losses, const int* targets, int V, int n_cached, float d_loss) {
+    extern __shared__ bf16x8 row_cache[];  // [n_cached]: vector j holds logits 8j .. 8j + 7
     bf16* z = logits + (size_t)blockIdx.x * V;
-    const int target = targets[blockIdx.x];
+    const int n_vec = V / 8, target = targets[blockIdx.x];
     const float z_target = __bfloat162float(z[target]);  // read before anyone overwrites it
     float m = -FLT_MAX, sum = 0.0f;
-    for (int i = threadIdx.x * 8; i < V; i += blockDim.x * 8) {
-        bf16x8 v = load8(z + i);
-        for (int k = 0; k < 8; k++) {
-            float x = __bfloat162float(v.v[k]);
-            if (x > m) {
-                sum = sum * __expf(m - x) + 1.0f;
-                m = x;
-            } else {
-                sum += __expf(x - m);
-            }
+    for (int j0 = threadIdx.x; j0 < n_vec; j0 += CE_UNROLL * CE_THREADS) {
+        bf16x8 v[CE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < CE_UNROLL; u++)
+            if (j0 + u * CE_THREADS < n_vec) v[u] = load8(z + 8 * (j0 + u * CE_THREADS));
+#pragma unroll
+        for (int u = 0; u < CE_UNROLL; u++) {
+            const int j = j0 + u * CE_THREADS;
+            if (j >= n_vec) break;
+            if (j < n_cached) row_cache[j] = v[u];
+            for (int k = 0; k < 8; k++) online_softmax_add(__bfloat162float(v[u].v[k]), &m, &sum);
         }
     }
     // Combine (m, sum) across the block: rescale every thread's sum to the block's max.
@@ -571,19 +601,49 @@ __global__ void cross_entropy_kernel(bf16* logits, float* losses, const int* tar
     float total = block_sum(sum * __expf(m - row_max));
     float lse = row_max + logf(total);
     if (threadIdx.x == 0) losses[blockIdx.x] = lse - z_target;
-    for (int i = threadIdx.x * 8; i < V; i += blockDim.x * 8) {
-        bf16x8 v = load8(z + i);
-        for (int k = 0; k < 8; k++) {
-            float p = __expf(__bfloat162float(v.v[k]) - lse);
-            v.v[k] = __float2bfloat16((p - (i + k == target ? 1.0f : 0.0f)) * d_loss);
+    for (int j0 = threadIdx.x; j0 < n_vec; j0 += CE_UNROLL * CE_THREADS) {
+        bf16x8 v[CE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < CE_UNROLL; u++) {
+            const int j = j0 + u * CE_THREADS;
+            if (j < n_vec) v[u] = j < n_cached ? row_cache[j] : load8(z + 8 * j);
         }
-        store8(z + i, v);
+#pragma unroll
+        for (int u = 0; u < CE_UNROLL; u++) {
+            const int j = j0 + u * CE_THREADS;
+            if (j >= n_vec) break;
+            for (int k = 0; k < 8; k++) v[u].v[k] = cross_entropy_grad(v[u].v[k], lse, 8 * j + k == target, d_loss);
+            store8(z + 8 * j, v[u]);
+        }
     }
+}
+
+// The shared memory a block may keep its row in: half of an SM's, less what the system reserves
+// per block and the block reductions' own slots, so that two blocks fit on an SM. Asked of the
+// device once, which also allows the kernel that much (and prefers shared memory over L1: the rows
+// stream through, nothing is read twice from L1).
+static int cross_entropy_cache_bytes(void) {
+    static int bytes = 0;
+    if (!bytes) {
+        int dev, per_sm, reserved;
+        cudaFuncAttributes attr;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev));
+        CUDA_CHECK(cudaFuncGetAttributes(&attr, cross_entropy_kernel));
+        bytes = (per_sm / 2 - reserved - (int)attr.sharedSizeBytes) / (int)sizeof(bf16x8) * (int)sizeof(bf16x8);
+        CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+        CUDA_CHECK(cudaFuncSetAttribute(cross_entropy_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                        cudaSharedmemCarveoutMaxShared));
+    }
+    return bytes;
 }
 
 static void cross_entropy(bf16* logits, float* losses, const int* targets, int rows, int V, float d_loss,
                           cudaStream_t s) {
-    cross_entropy_kernel<<<rows, 512, 0, s>>>(logits, losses, targets, V, d_loss);
+    const int n_cached = min(V / 8, cross_entropy_cache_bytes() / (int)sizeof(bf16x8));
+    cross_entropy_kernel<<<rows, CE_THREADS, n_cached * sizeof(bf16x8), s>>>(logits, losses, targets, V, n_cached,
+                                                                            d_loss);
     LAUNCH_CHECK();
 }
 

@@ -28,6 +28,7 @@
 #include "test/test_comm.h"
 #include "test/test_inputs.h"
 #include <cuda_fp8.h>
+#include <algorithm>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -766,19 +767,36 @@ static int test_kernel_swiglu(void) {
     return TEST_RESULT;
 }
 
+// Random targets, but row 0 aims at logit 0 and row 1 at logit V - 1 (the row's two ends).
+static int* random_targets(int N, int V) {
+    int* targets = (int*)malloc(N * sizeof(int));
+    for (int i = 0; i < N; i++) targets[i] = i == 0 ? 0 : i == 1 ? V - 1 : (int)(rand_uniform() * V);
+    return targets;
+}
+
+static int* to_device_int(const int* x, int n) {
+    int* d;
+    CUDA_CHECK(cudaMalloc(&d, n * sizeof(int)));
+    CUDA_CHECK(cudaMemcpy(d, x, n * sizeof(int), cudaMemcpyHostToDevice));
+    return d;
+}
+
+// V: multiples of 8 (config_check's rule) from one vector to Qwen3's 151936; 4104 ends one vector
+// into a second sweep of the block; 65536 and 151936 are longer than the shared memory a block
+// keeps, so their remainder is read a second time. The dlogits overwrite the logits, so they cannot
+// be poisoned; a dlogit left unwritten keeps its logit, far from any gradient.
 static int test_kernel_cross_entropy(void) {
     REQUIRE_GPU();
     int failed = 0;
-    int shapes[][2] = {{1, 8}, {37, 1000}, {5, 50304}};
+    int shapes[][2] = {{1, 8}, {37, 1000}, {5, 4104}, {5, 50304}, {3, 65536}, {3, 151936}};
+    EXPECT(65536 * (int)sizeof(bf16) > cross_entropy_cache_bytes(), "a 65536-logit row fits in %d bytes of shared "
+           "memory: the test no longer runs the kernel's second read", cross_entropy_cache_bytes());
     for (auto& s : shapes) {
         int N = s[0], V = s[1];
         size_t n = (size_t)N * V;
         double* z = random_array(n, 3.0);
-        int* targets = (int*)malloc(N * sizeof(int));
-        for (int i = 0; i < N; i++) targets[i] = (int)(rand_uniform() * V);
-        int* d_targets;
-        CUDA_CHECK(cudaMalloc(&d_targets, N * sizeof(int)));
-        CUDA_CHECK(cudaMemcpy(d_targets, targets, N * sizeof(int), cudaMemcpyHostToDevice));
+        int* targets = random_targets(N, V);
+        int* d_targets = to_device_int(targets, N);
         bf16* d_z = to_device_bf16(z, n);
         float* d_losses = (float*)device_alloc_poisoned(N * 4);
         double d_loss = 1.0 / (3 * N);
@@ -786,11 +804,112 @@ static int test_kernel_cross_entropy(void) {
         double *losses = (double*)malloc(N * 8), *dz = (double*)malloc(n * 8);
         ref_cross_entropy(losses, dz, z, targets, N, V, d_loss);
         double *gl = from_device_f32(d_losses, N), *gdz = from_device_bf16(d_z, n);
-        // fp32 with fast-math exponentials summed over up to 50K logits: ~1e-5 relative is normal
-        CHECK_CLOSE("cross-entropy losses", gl, losses, N, 1e-4);
-        CHECK_CLOSE("cross-entropy dlogits", gdz, dz, n, 4e-3);
+        char name[64];
+        // fp32 with fast-math exponentials summed over up to 150K logits: ~1e-5 relative is normal
+        snprintf(name, sizeof(name), "cross-entropy %dx%d losses", N, V);
+        CHECK_CLOSE(name, gl, losses, N, 1e-4);
+        snprintf(name, sizeof(name), "cross-entropy %dx%d dlogits", N, V);
+        CHECK_CLOSE(name, gdz, dz, n, 4e-3);
         free(z); free(targets); free(losses); free(dz); free(gl); free(gdz);
         CUDA_CHECK(cudaFree(d_targets)); CUDA_CHECK(cudaFree(d_z)); CUDA_CHECK(cudaFree(d_losses));
+    }
+    return TEST_RESULT;
+}
+
+// The cross-entropy kernel as it was before the row stayed on chip (issue 12): the same per-logit
+// arithmetic (kernels.cuh's online_softmax_add and cross_entropy_grad) in the same order, with the
+// plainest data movement: one vector at a time, and the second pass reads the row from memory
+// again. The trainer's kernel must give the same bits, so its cache, its batched loads and its
+// second read of a long row's remainder changed no loss and no gradient.
+__global__ void two_pass_cross_entropy_kernel(bf16* logits, float* losses, const int* targets, int V, float d_loss) {
+    bf16* z = logits + (size_t)blockIdx.x * V;
+    const int target = targets[blockIdx.x];
+    const float z_target = __bfloat162float(z[target]);
+    float m = -FLT_MAX, sum = 0.0f;
+    for (int i = threadIdx.x * 8; i < V; i += blockDim.x * 8) {
+        bf16x8 v = load8(z + i);
+        for (int k = 0; k < 8; k++) online_softmax_add(__bfloat162float(v.v[k]), &m, &sum);
+    }
+    const float row_max = block_max(m);
+    float total = block_sum(sum * __expf(m - row_max));
+    float lse = row_max + logf(total);
+    if (threadIdx.x == 0) losses[blockIdx.x] = lse - z_target;
+    for (int i = threadIdx.x * 8; i < V; i += blockDim.x * 8) {
+        bf16x8 v = load8(z + i);
+        for (int k = 0; k < 8; k++) v.v[k] = cross_entropy_grad(v.v[k], lse, i + k == target, d_loss);
+        store8(z + i, v);
+    }
+}
+
+// Median milliseconds of launch() over 9 runs after 2 unmeasured ones.
+template <typename Launch>
+static float median_ms(Launch launch) {
+    cudaEvent_t start, stop;
+    CUDA_CHECK(cudaEventCreate(&start));
+    CUDA_CHECK(cudaEventCreate(&stop));
+    float ms[9];
+    for (int r = -2; r < 9; r++) {
+        CUDA_CHECK(cudaEventRecord(start));
+        launch();
+        CUDA_CHECK(cudaEventRecord(stop));
+        CUDA_CHECK(cudaEventSynchronize(stop));
+        if (r >= 0) CUDA_CHECK(cudaEventElapsedTime(&ms[r], start, stop));
+    }
+    CUDA_CHECK(cudaEventDestroy(start));
+    CUDA_CHECK(cudaEventDestroy(stop));
+    std::sort(ms, ms + 9);
+    return ms[4];
+}
+
+// The trainer's kernel against the two-pass one, bit for bit, on the same logits; then both timed
+// at the default chunk (4096 rows) for GPT-2's and Qwen3's vocabularies. The kernel is in place, so
+// the timed runs work on its own output: the time does not depend on the values.
+static int test_kernel_cross_entropy_matches_two_pass(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    int shapes[][2] = {{1, 8}, {37, 1000}, {5, 4104}, {3, 65536}, {4096, 50304}, {4096, 151936}};
+    for (auto& s : shapes) {
+        int N = s[0], V = s[1];
+        size_t n = (size_t)N * V;
+        float* z32;
+        CUDA_CHECK(cudaMalloc(&z32, n * sizeof(float)));
+        init_normal(z32, n, 0.0f, 3.0f, g_rng, 0, 0);
+        bf16 *d_old, *d_new;
+        CUDA_CHECK(cudaMalloc(&d_old, n * sizeof(bf16)));
+        CUDA_CHECK(cudaMalloc(&d_new, n * sizeof(bf16)));
+        cast_to_bf16(d_old, z32, n, 0);
+        CUDA_CHECK(cudaFree(z32));
+        CUDA_CHECK(cudaMemcpy(d_new, d_old, n * sizeof(bf16), cudaMemcpyDeviceToDevice));
+        int* targets = random_targets(N, V);
+        int* d_targets = to_device_int(targets, N);
+        float* d_losses_old = (float*)device_alloc_poisoned(N * 4);
+        float* d_losses_new = (float*)device_alloc_poisoned(N * 4);
+        const float d_loss = 1.0f / (3 * N);
+        two_pass_cross_entropy_kernel<<<N, CE_THREADS>>>(d_old, d_losses_old, d_targets, V, d_loss);
+        LAUNCH_CHECK();
+        cross_entropy(d_new, d_losses_new, d_targets, N, V, d_loss, 0);
+        bf16* host[2] = {(bf16*)malloc(n * sizeof(bf16)), (bf16*)malloc(n * sizeof(bf16))};
+        float* host_losses[2] = {(float*)malloc(N * 4), (float*)malloc(N * 4)};
+        CUDA_CHECK(cudaMemcpy(host[0], d_old, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(host[1], d_new, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(host_losses[0], d_losses_old, N * 4, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(host_losses[1], d_losses_new, N * 4, cudaMemcpyDeviceToHost));
+        EXPECT(memcmp(host_losses[0], host_losses[1], N * 4) == 0, "%dx%d: the losses differ from the two-pass "
+               "kernel's", N, V);
+        EXPECT(memcmp(host[0], host[1], n * sizeof(bf16)) == 0, "%dx%d: the dlogits differ from the two-pass "
+               "kernel's", N, V);
+        if (N >= 4096) {
+            float old_ms = median_ms([&] {
+                two_pass_cross_entropy_kernel<<<N, CE_THREADS>>>(d_old, d_losses_old, d_targets, V, d_loss);
+            });
+            float new_ms = median_ms([&] { cross_entropy(d_new, d_losses_new, d_targets, N, V, d_loss, 0); });
+            double gb = 2.0 * n * sizeof(bf16) / 1e9;  // one read and one write of the chunk
+            printf("    %dx%d: two-pass %.3f ms, one read %.3f ms (%.0f and %.0f GB/s of one read + one write)\n",
+                   N, V, old_ms, new_ms, gb / old_ms * 1e3, gb / new_ms * 1e3);
+        }
+        free(host[0]); free(host[1]); free(host_losses[0]); free(host_losses[1]); free(targets);
+        void* dev[] = {d_old, d_new, d_targets, d_losses_old, d_losses_new};
+        for (void* d : dev) CUDA_CHECK(cudaFree(d));
     }
     return TEST_RESULT;
 }
@@ -1802,6 +1921,7 @@ static const TestCase model_tests[] = {
     {"gpu_kernel_attention", test_kernel_attention},
     {"gpu_kernel_swiglu", test_kernel_swiglu},
     {"gpu_kernel_cross_entropy", test_kernel_cross_entropy},
+    {"gpu_kernel_cross_entropy_matches_two_pass", test_kernel_cross_entropy_matches_two_pass},
     {"gpu_kernel_matmuls", test_kernel_matmuls},
     {"gpu_kernel_matmul_fp8", test_kernel_matmul_fp8},
     {"gpu_kernel_embedding_and_reductions", test_kernel_embedding_and_reductions},
