@@ -15,6 +15,10 @@
  *      a block per tile.
  *   4  version 3's kernel on a persistent grid (a block per SM) walking the tiles in groups of 8
  *      tile rows; a block's next tile loads while this one's epilogue stores.
+ *   5  version 4 whose epilogue stages C in shared memory and stores it by TMA (fp32 dW added in
+ *      L2 by a TMA reduction), the stores running on under the next tile's products; where there
+ *      are fewer tiles than half the SMs, K is split and the fp32 partials summed in a fixed order
+ *      by a second kernel.
  * Versions 2-4 (and cuBLASLt here) take sides that are multiples of 8; a shape a version cannot
  * take is skipped, with a word. Resource use (-Xptxas -v) and the figures: doc/matmul.md.
  *
@@ -29,18 +33,18 @@
  * forward is timed without the residual that the trainer adds in attn_out's and down's.
  *
  * Checks: first small awkward shapes (sides that are not multiples of the tiles, K not a multiple
- * of 64, more tiles than SMs, 8 x 8 x 8, odd sides for the naive version), every entry; then each
- * trainer shape on a 64 x 64 grid of sampled entries (the first and last row and column among
- * them). Inputs are uniform with unit variance; the reference sums the exact bf16 inputs in fp64.
- * An entry passes when |gpu - ref| <= 2^-7 |ref| + 2^-10 sqrt(sum_k (a_k b_k)^2): the first term
- * is twice the rounding of a bf16 output (bf16 keeps 8 significant bits: a relative error up to
- * 2^-8); the second covers the fp32 accumulation in any order (its rounding errors grow like
- * sqrt(K) 2^-24 times the partial sums, under 2^-16 of that norm for K <= 65536). Simulated on the
- * CPU (fp32 sums in k order, then bf16; K = 8 .. 50304, 300 dot products each), correct results
+ * of 64, more tiles than SMs, few tiles on a long K, 8 x 8 x 8, odd sides for the naive version),
+ * every entry; then each trainer shape on a 64 x 64 grid of sampled entries (the first and last row
+ * and column among them). Inputs are uniform with unit variance; the reference sums the exact bf16
+ * inputs in fp64. An entry passes when |gpu - ref| <= 2^-7 |ref| + 2^-10 sqrt(sum_k (a_k b_k)^2):
+ * the first term is twice the rounding of a bf16 output (bf16 keeps 8 significant bits: a relative
+ * error up to 2^-8); the second covers the fp32 accumulation in any order (its rounding errors grow
+ * like sqrt(K) 2^-24 times the partial sums, under 2^-16 of that norm for K <= 65536). Simulated on
+ * the CPU (fp32 sums in k order, then bf16; K = 8 .. 50304, 300 dot products each), correct results
  * stay under 0.44 of the tolerance, while one k-block of 64 lost puts the median entry at 3.7 (K =
- * 50304) to 30 (K = 768) times it: among the thousands of entries checked such a bug cannot hide.
- * A bf16 output is poisoned with NaN before each checked run; an fp32 dW is filled with known
- * values, which it accumulates onto.
+ * 50304) to 30 (K = 768) times it: among the thousands of entries checked such a bug cannot hide. A
+ * bf16 output is poisoned with NaN before each checked run; an fp32 dW is filled with known values,
+ * which it accumulates onto.
  *
  * Timing: CUDA events, the median of 10 runs after 3 warm-ups (naive: its checked run alone);
  * TFLOP/s = 2 M N K / time; "x" is cuBLASLt's time over the version's (1.00: level with it).
@@ -99,10 +103,12 @@ static const Impl IMPLS[] = {
     {1, "naive", mm_forward<NaiveMatmul>, mm_backward_input<NaiveMatmul>, mm_backward_weight<NaiveMatmul>, false, 0,
      0},
     {2, "mma.sync", mm_forward<MmaMatmul>, mm_backward_input<MmaMatmul>, mm_backward_weight<MmaMatmul>, true, 3, 10},
-    {3, "wgmma", mm_forward<HopperMatmul<false>>, mm_backward_input<HopperMatmul<false>>,
-     mm_backward_weight<HopperMatmul<false>>, true, 3, 10},
-    {4, "wgmma persistent", mm_forward<HopperMatmul<true>>, mm_backward_input<HopperMatmul<true>>,
-     mm_backward_weight<HopperMatmul<true>>, true, 3, 10},
+    {3, "wgmma", mm_forward<HopperMatmul<3>>, mm_backward_input<HopperMatmul<3>>, mm_backward_weight<HopperMatmul<3>>,
+     true, 3, 10},
+    {4, "wgmma persistent", mm_forward<HopperMatmul<4>>, mm_backward_input<HopperMatmul<4>>,
+     mm_backward_weight<HopperMatmul<4>>, true, 3, 10},
+    {5, "TMA store, split", mm_forward<HopperMatmul<5>>, mm_backward_input<HopperMatmul<5>>,
+     mm_backward_weight<HopperMatmul<5>>, true, 3, 10},
 };
 static const int N_IMPLS = sizeof(IMPLS) / sizeof(IMPLS[0]);
 
@@ -177,6 +183,8 @@ static void add_check_cases(std::vector<Case>& cases) {
         {200, 200, 120},
         {128, 1024, 256},  // k-blocks wrap the rings several times
         {1416, 24, 3080},  // more 128 x 256 tiles than SMs: the persistent walk comes round again
+        {2000, 136, 200},  // dW: 2 tiles, K = 2000 (32 k-blocks): version 5 splits K in 4 (fp32 partials)
+        {136, 200, 2000},  // dx: the same in bf16
         {8, 8, 8},
         {77, 19, 33},      // odd sides: the naive version only
     };
@@ -509,9 +517,9 @@ int main(int argc, char** argv) {
     std::vector<int> chosen = {0};  // indices into IMPLS; cuBLASLt first, always
     for (int i = 1; i < N_IMPLS; ++i)
         if (!*want || strchr(want, '0' + IMPLS[i].version)) chosen.push_back(i);
-    if (*want && (strspn(want, "01234") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')))) {
+    if (*want && (strspn(want, "012345") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')))) {
         fprintf(stderr, "usage: %s [versions] [check]; versions are digits of 0 cuBLASLt, 1 naive, 2 mma.sync, "
-                        "3 wgmma, 4 wgmma persistent (not '%s')\n", argv[0], want);
+                        "3 wgmma, 4 wgmma persistent, 5 TMA store and split K (not '%s')\n", argv[0], want);
         return 1;
     }
 
