@@ -19,7 +19,7 @@
  *      L2 by a TMA reduction), the stores running on under the next tile's products; where there
  *      are fewer tiles than half the SMs, K is split and the fp32 partials summed in a fixed order
  *      by a second kernel.
- * Versions 2-4 (and cuBLASLt here) take sides that are multiples of 8; a shape a version cannot
+ * Versions 2-5 (and cuBLASLt here) take sides that are multiples of 8; a shape a version cannot
  * take is skipped, with a word. Resource use (-Xptxas -v) and the figures: doc/matmul.md.
  *
  * Usage: ./dev/matmul            check and time every version
@@ -107,7 +107,7 @@ static const Impl IMPLS[] = {
      true, 3, 10},
     {4, "wgmma persistent", mm_forward<HopperMatmul<4>>, mm_backward_input<HopperMatmul<4>>,
      mm_backward_weight<HopperMatmul<4>>, true, 3, 10},
-    {5, "TMA store, split", mm_forward<HopperMatmul<5>>, mm_backward_input<HopperMatmul<5>>,
+    {5, "TMA+split-K", mm_forward<HopperMatmul<5>>, mm_backward_input<HopperMatmul<5>>,
      mm_backward_weight<HopperMatmul<5>>, true, 3, 10},
 };
 static const int N_IMPLS = sizeof(IMPLS) / sizeof(IMPLS[0]);
