@@ -44,7 +44,8 @@
  * stay under 0.44 of the tolerance, while one k-block of 64 lost puts the median entry at 3.7 (K =
  * 50304) to 30 (K = 768) times it: among the thousands of entries checked such a bug cannot hide. A
  * bf16 output is poisoned with NaN before each checked run; an fp32 dW is filled with known values,
- * which it accumulates onto.
+ * which it accumulates onto. A second run from the same start must then give the same bits, as
+ * the trainer's determinism asks (a split K summed in an order that timing sets would not).
  *
  * Timing: CUDA events, the median of 10 runs after 3 warm-ups (naive: its checked run alone);
  * TFLOP/s = 2 M N K / time; "x" is cuBLASLt's time over the version's (1.00: level with it).
@@ -290,6 +291,10 @@ static const char* case_label(const Case& c, char* buf, size_t len) {
     return buf;
 }
 
+static const char* mm_error_text(int error) {
+    return error == MM_TIMEOUT ? "an mbarrier wait timed out" : "shared memory not 1024-byte aligned";
+}
+
 // Compares against the reference; prints the worst entry of a failed check. Returns OK or WRONG.
 static Status check_output(const Impl& im, const Case& c, const void* out, float* worst) {
     const std::vector<float> got = gather_checked(c, out);
@@ -321,6 +326,51 @@ static void run_form(const Impl& im, const Case& c, void* out, const bf16* a, co
     }
 }
 
+// The output before a run: an fp32 dW its known starting values, a bf16 output NaN.
+static void reset_output(const Case& c, void* out) {
+    const size_t n = (size_t)c.M * c.N;
+    if (c.form == BACKWARD_WEIGHT) fill_uniform_device((float*)out, n, c.seed + 2, 1.0f);
+    else poison(out, n * sizeof(bf16));
+}
+
+__global__ void count_differences_kernel(const uint16_t* x, const uint16_t* y, size_t n, unsigned long long* count) {
+    unsigned long long mine = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        mine += x[i] != y[i];
+    if (mine) atomicAdd(count, mine);
+}
+
+// The trainer is deterministic, so every version must be: a second run from the same starting
+// values must give the same bits in every entry (a split K summed in an order set by timing would
+// not). OK, or WRONG with a line saying how many 16-bit words differ.
+static Status check_repeatable(const Impl& im, const Case& c, void* out, const bf16* a, const bf16* b) {
+    const size_t bytes = (size_t)c.M * c.N * (c.form == BACKWARD_WEIGHT ? sizeof(float) : sizeof(bf16));
+    void* first;
+    unsigned long long *count, differ = 0;
+    CUDA_CHECK(cudaMalloc(&first, bytes));
+    CUDA_CHECK(cudaMalloc(&count, sizeof *count));
+    CUDA_CHECK(cudaMemcpy(first, out, bytes, cudaMemcpyDeviceToDevice));
+    CUDA_CHECK(cudaMemset(count, 0, sizeof *count));
+    reset_output(c, out);
+    run_form(im, c, out, a, b);
+    count_differences_kernel<<<256, 256>>>((const uint16_t*)first, (const uint16_t*)out, bytes / 2, count);
+    LAUNCH_CHECK();
+    CUDA_CHECK(cudaMemcpy(&differ, count, sizeof differ, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaFree(first));
+    CUDA_CHECK(cudaFree(count));
+    const int error = mm_error_take();
+    if (differ == 0 && error == MM_OK) return OK;
+    char label[96];
+    if (error != MM_OK) {
+        printf("FAIL v%d %s, %s, its second run: %s\n", im.version, im.name, case_label(c, label, sizeof label),
+               mm_error_text(error));
+        return TIMEOUT;
+    }
+    printf("FAIL v%d %s, %s: a second run differs from the first in %llu of %zu 16-bit words\n", im.version,
+           im.name, case_label(c, label, sizeof label), differ, bytes / 2);
+    return WRONG;
+}
+
 // Checks (and, for a trainer shape, times) one version at one case.
 static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     Record r = {index, NOT_RUN, 0, 0};
@@ -340,8 +390,7 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     CUDA_CHECK(cudaMalloc(&out, c_n * (weight ? sizeof(float) : sizeof(bf16))));
     fill_uniform_device(a, a_n, c.seed, UNIT_UNIFORM);
     fill_uniform_device(b, b_n, c.seed + 1, UNIT_UNIFORM);
-    if (weight) fill_uniform_device((float*)out, c_n, c.seed + 2, 1.0f);
-    else poison(out, c_n * sizeof(bf16));
+    reset_output(c, out);
     CUDA_CHECK(cudaDeviceSynchronize());
     mm_error_take();
 
@@ -358,11 +407,11 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     CUDA_CHECK(cudaEventDestroy(stop));
     const int error = mm_error_take();
     if (error != MM_OK) {
-        printf("FAIL v%d %s, %s: %s\n", im.version, im.name, case_label(c, label, sizeof label),
-               error == MM_TIMEOUT ? "an mbarrier wait timed out" : "shared memory not 1024-byte aligned");
+        printf("FAIL v%d %s, %s: %s\n", im.version, im.name, case_label(c, label, sizeof label), mm_error_text(error));
         r.status = TIMEOUT;
     } else {
         r.status = check_output(im, c, out, &r.err);
+        if (r.status == OK) r.status = check_repeatable(im, c, out, a, b);
     }
     if (r.status == OK && c.timed && timing)
         r.ms = im.reps == 0 ? checked_ms : time_median_ms([&] { run_form(im, c, out, a, b); }, im.warmup, im.reps);
