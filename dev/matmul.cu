@@ -566,9 +566,12 @@ int main(int argc, char** argv) {
     std::vector<int> chosen = {0};  // indices into IMPLS; cuBLASLt first, always
     for (int i = 1; i < N_IMPLS; ++i)
         if (!*want || strchr(want, '0' + IMPLS[i].version)) chosen.push_back(i);
-    if (*want && (strspn(want, "012345") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')))) {
+    const bool bad_versions =
+        *want && (strspn(want, "012345") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
+    if (bad_versions || argc > 3 || (argc == 3 && timing)) {
         fprintf(stderr, "usage: %s [versions] [check]; versions are digits of 0 cuBLASLt, 1 naive, 2 mma.sync, "
-                        "3 wgmma, 4 wgmma persistent, 5 TMA store and split K (not '%s')\n", argv[0], want);
+                        "3 wgmma, 4 wgmma persistent, 5 TMA store and split K, in one word (not '%s'%s)\n", argv[0],
+                want, argc > 2 ? " followed by more than `check`" : "");
         return 1;
     }
 
