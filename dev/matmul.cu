@@ -15,7 +15,11 @@
  *      a block per tile.
  *   4  version 3's kernel on a persistent grid (a block per SM) walking the tiles in groups of 8
  *      tile rows; a block's next tile loads while this one's epilogue stores.
- * Versions 2-4 (and cuBLASLt here) take sides that are multiples of 8; a shape a version cannot
+ *   5  version 4 whose epilogue stages C in shared memory and stores it by TMA (fp32 dW added in
+ *      L2 by a TMA reduction), the stores running on under the next tile's products; where there
+ *      are fewer tiles than half the SMs, K is split and the fp32 partials summed in a fixed order
+ *      by a second kernel.
+ * Versions 2-5 (and cuBLASLt here) take sides that are multiples of 8; a shape a version cannot
  * take is skipped, with a word. Resource use (-Xptxas -v) and the figures: doc/matmul.md.
  *
  * Usage: ./dev/matmul            check and time every version
@@ -29,18 +33,19 @@
  * forward is timed without the residual that the trainer adds in attn_out's and down's.
  *
  * Checks: first small awkward shapes (sides that are not multiples of the tiles, K not a multiple
- * of 64, more tiles than SMs, 8 x 8 x 8, odd sides for the naive version), every entry; then each
- * trainer shape on a 64 x 64 grid of sampled entries (the first and last row and column among
- * them). Inputs are uniform with unit variance; the reference sums the exact bf16 inputs in fp64.
- * An entry passes when |gpu - ref| <= 2^-7 |ref| + 2^-10 sqrt(sum_k (a_k b_k)^2): the first term
- * is twice the rounding of a bf16 output (bf16 keeps 8 significant bits: a relative error up to
- * 2^-8); the second covers the fp32 accumulation in any order (its rounding errors grow like
- * sqrt(K) 2^-24 times the partial sums, under 2^-16 of that norm for K <= 65536). Simulated on the
- * CPU (fp32 sums in k order, then bf16; K = 8 .. 50304, 300 dot products each), correct results
+ * of 64, more tiles than SMs, few tiles on a long K, 8 x 8 x 8, odd sides for the naive version),
+ * every entry; then each trainer shape on a 64 x 64 grid of sampled entries (the first and last row
+ * and column among them). Inputs are uniform with unit variance; the reference sums the exact bf16
+ * inputs in fp64. An entry passes when |gpu - ref| <= 2^-7 |ref| + 2^-10 sqrt(sum_k (a_k b_k)^2):
+ * the first term is twice the rounding of a bf16 output (bf16 keeps 8 significant bits: a relative
+ * error up to 2^-8); the second covers the fp32 accumulation in any order (its rounding errors grow
+ * like sqrt(K) 2^-24 times the partial sums, under 2^-16 of that norm for K <= 65536). Simulated on
+ * the CPU (fp32 sums in k order, then bf16; K = 8 .. 50304, 300 dot products each), correct results
  * stay under 0.44 of the tolerance, while one k-block of 64 lost puts the median entry at 3.7 (K =
- * 50304) to 30 (K = 768) times it: among the thousands of entries checked such a bug cannot hide.
- * A bf16 output is poisoned with NaN before each checked run; an fp32 dW is filled with known
- * values, which it accumulates onto.
+ * 50304) to 30 (K = 768) times it: among the thousands of entries checked such a bug cannot hide. A
+ * bf16 output is poisoned with NaN before each checked run; an fp32 dW is filled with known values,
+ * which it accumulates onto. A second run from the same start must then give the same bits, as
+ * the trainer's determinism asks (a split K summed in an order that timing sets would not).
  *
  * Timing: CUDA events, the median of 10 runs after 3 warm-ups (naive: its checked run alone);
  * TFLOP/s = 2 M N K / time; "x" is cuBLASLt's time over the version's (1.00: level with it).
@@ -99,10 +104,12 @@ static const Impl IMPLS[] = {
     {1, "naive", mm_forward<NaiveMatmul>, mm_backward_input<NaiveMatmul>, mm_backward_weight<NaiveMatmul>, false, 0,
      0},
     {2, "mma.sync", mm_forward<MmaMatmul>, mm_backward_input<MmaMatmul>, mm_backward_weight<MmaMatmul>, true, 3, 10},
-    {3, "wgmma", mm_forward<HopperMatmul<false>>, mm_backward_input<HopperMatmul<false>>,
-     mm_backward_weight<HopperMatmul<false>>, true, 3, 10},
-    {4, "wgmma persistent", mm_forward<HopperMatmul<true>>, mm_backward_input<HopperMatmul<true>>,
-     mm_backward_weight<HopperMatmul<true>>, true, 3, 10},
+    {3, "wgmma", mm_forward<HopperMatmul<3>>, mm_backward_input<HopperMatmul<3>>, mm_backward_weight<HopperMatmul<3>>,
+     true, 3, 10},
+    {4, "wgmma persistent", mm_forward<HopperMatmul<4>>, mm_backward_input<HopperMatmul<4>>,
+     mm_backward_weight<HopperMatmul<4>>, true, 3, 10},
+    {5, "TMA+split-K", mm_forward<HopperMatmul<5>>, mm_backward_input<HopperMatmul<5>>,
+     mm_backward_weight<HopperMatmul<5>>, true, 3, 10},
 };
 static const int N_IMPLS = sizeof(IMPLS) / sizeof(IMPLS[0]);
 
@@ -177,6 +184,8 @@ static void add_check_cases(std::vector<Case>& cases) {
         {200, 200, 120},
         {128, 1024, 256},  // k-blocks wrap the rings several times
         {1416, 24, 3080},  // more 128 x 256 tiles than SMs: the persistent walk comes round again
+        {2000, 136, 200},  // dW: 2 tiles, K = 2000 (32 k-blocks): version 5 splits K in 4 (fp32 partials)
+        {136, 200, 2000},  // dx: the same in bf16
         {8, 8, 8},
         {77, 19, 33},      // odd sides: the naive version only
     };
@@ -282,6 +291,10 @@ static const char* case_label(const Case& c, char* buf, size_t len) {
     return buf;
 }
 
+static const char* mm_error_text(int error) {
+    return error == MM_TIMEOUT ? "an mbarrier wait timed out" : "shared memory not 1024-byte aligned";
+}
+
 // Compares against the reference; prints the worst entry of a failed check. Returns OK or WRONG.
 static Status check_output(const Impl& im, const Case& c, const void* out, float* worst) {
     const std::vector<float> got = gather_checked(c, out);
@@ -313,6 +326,51 @@ static void run_form(const Impl& im, const Case& c, void* out, const bf16* a, co
     }
 }
 
+// The output before a run: an fp32 dW its known starting values, a bf16 output NaN.
+static void reset_output(const Case& c, void* out) {
+    const size_t n = (size_t)c.M * c.N;
+    if (c.form == BACKWARD_WEIGHT) fill_uniform_device((float*)out, n, c.seed + 2, 1.0f);
+    else poison(out, n * sizeof(bf16));
+}
+
+__global__ void count_differences_kernel(const uint16_t* x, const uint16_t* y, size_t n, unsigned long long* count) {
+    unsigned long long mine = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        mine += x[i] != y[i];
+    if (mine) atomicAdd(count, mine);
+}
+
+// The trainer is deterministic, so every version must be: a second run from the same starting
+// values must give the same bits in every entry (a split K summed in an order set by timing would
+// not). OK, or WRONG with a line saying how many 16-bit words differ.
+static Status check_repeatable(const Impl& im, const Case& c, void* out, const bf16* a, const bf16* b) {
+    const size_t bytes = (size_t)c.M * c.N * (c.form == BACKWARD_WEIGHT ? sizeof(float) : sizeof(bf16));
+    void* first;
+    unsigned long long *count, differ = 0;
+    CUDA_CHECK(cudaMalloc(&first, bytes));
+    CUDA_CHECK(cudaMalloc(&count, sizeof *count));
+    CUDA_CHECK(cudaMemcpy(first, out, bytes, cudaMemcpyDeviceToDevice));
+    CUDA_CHECK(cudaMemset(count, 0, sizeof *count));
+    reset_output(c, out);
+    run_form(im, c, out, a, b);
+    count_differences_kernel<<<256, 256>>>((const uint16_t*)first, (const uint16_t*)out, bytes / 2, count);
+    LAUNCH_CHECK();
+    CUDA_CHECK(cudaMemcpy(&differ, count, sizeof differ, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaFree(first));
+    CUDA_CHECK(cudaFree(count));
+    const int error = mm_error_take();
+    if (differ == 0 && error == MM_OK) return OK;
+    char label[96];
+    if (error != MM_OK) {
+        printf("FAIL v%d %s, %s, its second run: %s\n", im.version, im.name, case_label(c, label, sizeof label),
+               mm_error_text(error));
+        return TIMEOUT;
+    }
+    printf("FAIL v%d %s, %s: a second run differs from the first in %llu of %zu 16-bit words\n", im.version,
+           im.name, case_label(c, label, sizeof label), differ, bytes / 2);
+    return WRONG;
+}
+
 // Checks (and, for a trainer shape, times) one version at one case.
 static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     Record r = {index, NOT_RUN, 0, 0};
@@ -332,8 +390,7 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     CUDA_CHECK(cudaMalloc(&out, c_n * (weight ? sizeof(float) : sizeof(bf16))));
     fill_uniform_device(a, a_n, c.seed, UNIT_UNIFORM);
     fill_uniform_device(b, b_n, c.seed + 1, UNIT_UNIFORM);
-    if (weight) fill_uniform_device((float*)out, c_n, c.seed + 2, 1.0f);
-    else poison(out, c_n * sizeof(bf16));
+    reset_output(c, out);
     CUDA_CHECK(cudaDeviceSynchronize());
     mm_error_take();
 
@@ -350,11 +407,11 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     CUDA_CHECK(cudaEventDestroy(stop));
     const int error = mm_error_take();
     if (error != MM_OK) {
-        printf("FAIL v%d %s, %s: %s\n", im.version, im.name, case_label(c, label, sizeof label),
-               error == MM_TIMEOUT ? "an mbarrier wait timed out" : "shared memory not 1024-byte aligned");
+        printf("FAIL v%d %s, %s: %s\n", im.version, im.name, case_label(c, label, sizeof label), mm_error_text(error));
         r.status = TIMEOUT;
     } else {
         r.status = check_output(im, c, out, &r.err);
+        if (r.status == OK) r.status = check_repeatable(im, c, out, a, b);
     }
     if (r.status == OK && c.timed && timing)
         r.ms = im.reps == 0 ? checked_ms : time_median_ms([&] { run_form(im, c, out, a, b); }, im.warmup, im.reps);
@@ -509,9 +566,12 @@ int main(int argc, char** argv) {
     std::vector<int> chosen = {0};  // indices into IMPLS; cuBLASLt first, always
     for (int i = 1; i < N_IMPLS; ++i)
         if (!*want || strchr(want, '0' + IMPLS[i].version)) chosen.push_back(i);
-    if (*want && (strspn(want, "01234") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')))) {
+    const bool bad_versions =
+        *want && (strspn(want, "012345") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
+    if (bad_versions || argc > 3 || (argc == 3 && timing)) {
         fprintf(stderr, "usage: %s [versions] [check]; versions are digits of 0 cuBLASLt, 1 naive, 2 mma.sync, "
-                        "3 wgmma, 4 wgmma persistent (not '%s')\n", argv[0], want);
+                        "3 wgmma, 4 wgmma persistent, 5 TMA store and split K, in one word (not '%s'%s)\n", argv[0],
+                want, argc > 2 ? " followed by more than `check`" : "");
         return 1;
     }
 

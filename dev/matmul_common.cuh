@@ -37,7 +37,7 @@ static void mm_backward_weight(float* dW, const bf16* dy, const bf16* x, int N, 
     V::template gemm<false, false>(dW, dy, x, O, I, N, s);
 }
 
-// Versions 2-4 move 16-byte chunks (cp.async, TMA), so every row of every operand starts on 16
+// Versions 2-5 move 16-byte chunks (cp.async, TMA), so every row of every operand starts on 16
 // bytes: each of M, N and K, the row length of some operand in some form, is a multiple of 8 (the
 // trainer's sides all are). NULL when (M, N, K) is fine, else why not.
 static const char* mm_tiled_shape_problem(int M, int N, int K) {

@@ -2,9 +2,9 @@
  * lib/ptx.cuh - inline-PTX wrappers for the Hopper (sm_90a) instructions CUDA C++ does not expose:
  * warpgroup matrix products (wgmma: fence, commit, wait, shared-memory descriptors, the products
  * with both operands in shared memory and with A in registers), mbarriers, TMA tensor loads (and
- * cuTensorMapEncodeTiled, fetched through the runtime to encode their maps), setmaxnreg, bulk copies
- * and bulk reductions with their waits, named barriers, the gpu-scope acquire / release pair, and
- * the async-proxy fences.
+ * cuTensorMapEncodeTiled, fetched through the runtime to encode their maps) and stores, setmaxnreg,
+ * bulk copies and bulk reductions with their waits, named barriers, the gpu-scope acquire / release
+ * pair, and the async-proxy fences.
  *
  * How it fits: lib/attention.cuh builds its kernels on these, and so do the wgmma versions of the
  * dev/ attention ladder and the Hopper matmul of the dev/ matmul ladder (dev/matmul_wgmma.cuh); each
@@ -186,7 +186,8 @@ static __device__ __forceinline__ void wg_mma_rs_n64_tb(float (&d)[N8][4], const
 
 // ----------------------------------------------------------------------------------------------
 // mbarrier, TMA and bulk-copy wrappers (PTX ISA: "mbarrier", "cp.async.bulk", "cp.async.bulk.tensor",
-// "cp.reduce.async.bulk"), named barriers, and the acquire / release pair of the backward's dQ order.
+// "cp.reduce.async.bulk", "cp.reduce.async.bulk.tensor"), named barriers, and the acquire / release
+// pair of the backward's dQ order.
 
 static __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -264,6 +265,29 @@ template <bool READ>
 static __device__ __forceinline__ void bulk_wait() {
     if constexpr (READ) asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     else asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
+// Waits until at most N of this thread's bulk groups have not yet read their shared source, so
+// that the buffer of every older group may be written again.
+template <int N>
+static __device__ __forceinline__ void bulk_wait_read_but() {
+    asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// One box of a 3-D tensor map from shared memory at src to global memory at (column c0, row t0,
+// batch b), as one committed bulk group of this thread: stored (ADD false) or added to what is
+// there (ADD true, in L2, in the map's type). Elements outside the tensor are not written; src has
+// the map's swizzle, written by this block's threads, whose writes a fence.proxy.async.shared::cta
+// and a barrier must order before the copy.
+template <bool ADD>
+static __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint32_t src, int c0, int t0, int b) {
+    if constexpr (ADD)
+        asm volatile("cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+                     ::"l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(c0), "r"(t0), "r"(b)
+                     : "memory");
+    else
+        asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+                     ::"l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(c0), "r"(t0), "r"(b)
+                     : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
 static __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
