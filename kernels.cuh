@@ -283,21 +283,28 @@ static void rmsnorm_forward(bf16* out, float* rstd, const bf16* in, const bf16* 
 //   dL/dx = rstd * (g - x_hat * mean(g * x_hat))      (the mean over the row's C channels)
 //   dL/dw = sum over rows of dy * x_hat
 // dL/dx is added into d_residual (the norm reads the residual stream, whose gradient already holds
-// the contribution of the skip connection). Each block takes RMSNORM_BWD_ROWS consecutive rows;
-// each of its 4 warps keeps its own fp32 dw row in shared memory, and the block writes their sum
-// as its partial (sum_partials adds the blocks' partials in order).
-#define RMSNORM_BWD_ROWS 64
+// the contribution of the skip connection). Each block takes `rows` consecutive rows (from
+// rmsnorm_bwd_rows); each of its 4 warps keeps its own fp32 dw row in shared memory, and the block
+// writes their sum as its partial (sum_partials adds the blocks' partials in order).
+// The kernel is bound by memory latency, so it needs many warps in flight: 64 rows a block when
+// that makes 512 blocks or more (the default config's 32768 rows), fewer down to 16 otherwise (at
+// 1b's 8192 rows, 64 left 128 blocks of 4 warps for 132 SMs, at 0.7 TB/s: 5% of an FP8 step).
+static int rmsnorm_bwd_rows(int N) {
+    int rows = 64;
+    while (rows > 16 && ceil_div(N, rows) < 512) rows /= 2;
+    return rows;
+}
 #define RMSNORM_MAX_C 8192  // the widest row: 4 warps keep one fp32 row each in shared memory (128 KiB)
 #define RMSNORM_BWD_WARPS 4
 __global__ void rmsnorm_backward_kernel(bf16* d_residual, float* dw_partials, const bf16* dy, const bf16* in,
-                                        const bf16* weight, const float* rstd, int N, int C) {
+                                        const bf16* weight, const float* rstd, int N, int C, int rows) {
     extern __shared__ float dw_warp[];  // [RMSNORM_BWD_WARPS][C]
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     float* my_dw = dw_warp + warp * C;
     for (int c = lane; c < C; c += 32) my_dw[c] = 0.0f;
     __syncwarp();
-    int row_end = min(N, (blockIdx.x + 1) * RMSNORM_BWD_ROWS);
-    for (int row = blockIdx.x * RMSNORM_BWD_ROWS + warp; row < row_end; row += RMSNORM_BWD_WARPS) {
+    int row_end = min(N, (blockIdx.x + 1) * rows);
+    for (int row = blockIdx.x * rows + warp; row < row_end; row += RMSNORM_BWD_WARPS) {
         const bf16* x = in + (size_t)row * C;
         const bf16* g_out = dy + (size_t)row * C;
         bf16* d_res = d_residual + (size_t)row * C;
@@ -329,10 +336,10 @@ __global__ void rmsnorm_backward_kernel(bf16* d_residual, float* dw_partials, co
     }
 }
 
-// dw_partials must hold ceil(N / RMSNORM_BWD_ROWS) * C floats.
+// dw_partials must hold ceil(N / rmsnorm_bwd_rows(N)) * C floats.
 static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partials, const bf16* dy, const bf16* in,
                              const bf16* weight, const float* rstd, int N, int C, cudaStream_t s) {
-    int blocks = ceil_div(N, RMSNORM_BWD_ROWS);
+    int rows = rmsnorm_bwd_rows(N), blocks = ceil_div(N, rows);
     size_t smem = RMSNORM_BWD_WARPS * C * sizeof(float);
     static bool configured = false;  // once, for the widest row allowed, so no launch sets it again
     if (!configured) {
@@ -341,7 +348,7 @@ static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partia
         configured = true;
     }
     rmsnorm_backward_kernel<<<blocks, 32 * RMSNORM_BWD_WARPS, smem, s>>>(d_residual, dw_partials, dy, in, weight,
-                                                                         rstd, N, C);
+                                                                         rstd, N, C, rows);
     LAUNCH_CHECK();
     sum_partials(d_weight, dw_partials, blocks, C, C, s);
 }

@@ -618,7 +618,7 @@ static int test_kernel_rmsnorm(void) {
         CUDA_CHECK(cudaMalloc(&d_dw, C * 4));
         double* dw0 = random_array(C, 1.0);  // accumulates into what is there
         CUDA_CHECK(cudaMemcpy(d_dw, to_device_f32(dw0, C), C * 4, cudaMemcpyDeviceToDevice));
-        float* partials = (float*)device_alloc_poisoned((size_t)ceil_div(N, RMSNORM_BWD_ROWS) * C * 4);
+        float* partials = (float*)device_alloc_poisoned((size_t)ceil_div(N, rmsnorm_bwd_rows(N)) * C * 4);
         rmsnorm_forward(d_y, d_rstd, d_x, d_w, N, C, 1e-6f, 0);
         rmsnorm_backward(d_dres, d_dw, partials, d_dy, d_x, d_w, d_rstd, N, C, 0);
         double *y = (double*)malloc((size_t)N * C * 8), *rstd = (double*)malloc(N * 8);

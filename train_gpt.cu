@@ -590,7 +590,7 @@ static void activations_layout(Activations* a, Arena* kept, Arena* scratch, cons
     a->d_gate_up = (bf16*)shared;
     a->d_attn_out = (bf16*)shared;
     a->d_qkv = shared ? (bf16*)(shared + (N * A * 2 + 255) / 256 * 256) : NULL;
-    size_t norm_partials = (size_t)ceil_div(N, RMSNORM_BWD_ROWS) * C;
+    size_t norm_partials = (size_t)ceil_div(N, rmsnorm_bwd_rows(N)) * C;
     size_t qk_partials = (size_t)ceil_div(N * (c->n_head + c->n_kv_head), QK_BWD_TASKS) * 2 * c->head_dim;
     size_t partials = norm_partials > qk_partials ? norm_partials : qk_partials;
     a->partials = (float*)arena_take(scratch, (partials > REDUCE_BLOCKS ? partials : REDUCE_BLOCKS) * 4);
