@@ -19,18 +19,26 @@
  *      L2 by a TMA reduction), the stores running on under the next tile's products; where there
  *      are fewer tiles than half the SMs, K is split and the fp32 partials summed in a fixed order
  *      by a second kernel.
- * Versions 2-5 (and cuBLASLt here) take sides that are multiples of 8; a shape a version cannot
- * take is skipped, with a word. Resource use (-Xptxas -v) and the figures: doc/matmul.md.
+ *   6  version 5's kernel with the next kernel's work fused into its epilogue, in the two forwards
+ *      where the trainer runs one after the product: the residual added (attn_out, down: y = x W^T +
+ *      residual, as cuBLASLt's beta = 1) and SwiGLU (gate_up: a tile takes 128 gate and the same
+ *      128 up features, and stores gate_up and act = silu(gate) * up). It has only these fused
+ *      forms (its plain ones would be version 5's), timed against cuBLASLt plus the trainer's
+ *      separate step, in a table of their own.
+ * Versions 2-6 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too); a shape a
+ * version cannot take is skipped, with a word. Resource use (-Xptxas -v) and the figures:
+ * doc/matmul.md.
  *
  * Usage: ./dev/matmul            check and time every version
- *        ./dev/matmul N          version N only, cuBLASLt beside it (digits: "34" runs 3 and 4)
+ *        ./dev/matmul N          version N only, cuBLASLt beside it (digits: "56" runs 5 and 6)
  *        a second argument `check` skips the timing (./dev/matmul 3 check)
  *
  * Shapes: the trainer's, from its own parameter table (param_shape, qkv_dim in train_gpt.cu), for
  * the default config (batch 32 x 1024 tokens) and for 1b (the scripts' --d-model 2048 --heads 32
  * --kv-heads 8 --head-dim 64 --ffn 8192 --batch 8): the layers' qkv, attn_out, gate_up and down
- * matrices and the output head, whose rows go LOSS_CHUNK at a time; each in its three forms. The
- * forward is timed without the residual that the trainer adds in attn_out's and down's.
+ * matrices and the output head, whose rows go LOSS_CHUNK at a time; each in its three forms, and
+ * the fused forms of attn_out, down (fwd+res) and gate_up (fwd+swiglu). The plain forward is timed
+ * without the residual that the trainer adds in attn_out's and down's.
  *
  * Checks: first small awkward shapes (sides that are not multiples of the tiles, K not a multiple
  * of 64, more tiles than SMs, few tiles on a long K, 8 x 8 x 8, odd sides for the naive version),
@@ -45,7 +53,10 @@
  * 50304) to 30 (K = 768) times it: among the thousands of entries checked such a bug cannot hide. A
  * bf16 output is poisoned with NaN before each checked run; an fp32 dW is filled with known values,
  * which it accumulates onto. A second run from the same start must then give the same bits, as
- * the trainer's determinism asks (a split K summed in an order that timing sets would not).
+ * the trainer's determinism asks (a split K summed in an order that timing sets would not), with
+ * no bf16 entry left NaN. The residual form's reference adds the bf16 residual; SwiGLU's gate_up is
+ * checked as the product, and its act, whole, against the trainer's swiglu_forward run on that
+ * gate_up on the GPU: the same bits, or it fails.
  *
  * Timing: CUDA events, the median of 10 runs after 3 warm-ups (naive: its checked run alone);
  * TFLOP/s = 2 M N K / time; "x" is cuBLASLt's time over the version's (1.00: level with it).
@@ -79,18 +90,29 @@ static const int MAX_CHILD_DEATHS = 3;       // crashed or killed children befor
 // ----------------------------------------------------------------------------------------------
 // The forms, the versions
 
-typedef enum { FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, N_FORMS } Form;
-static const char* FORM_NAMES[N_FORMS] = {"fwd", "dx", "dW"};
-static const bool A_KMAJOR[N_FORMS] = {true, true, false}, B_KMAJOR[N_FORMS] = {true, false, false};
+// The three products, then the fused forms: forwards with the next kernel's work done in the
+// epilogue (version 6), the residual added (attn_out's and down's: y = x W^T + residual) or SwiGLU
+// applied (gate_up's: gate_up = x W^T and act = silu(gate) * up), timed against cuBLASLt with that
+// work done as the trainer does it (beta = 1; swiglu_forward after the product).
+typedef enum { FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD_RESIDUAL, FORWARD_SWIGLU, N_FORMS } Form;
+static const char* FORM_NAMES[N_FORMS] = {"fwd", "dx", "dW", "fwd+res", "fwd+swiglu"};
+static const bool A_KMAJOR[N_FORMS] = {true, true, false, true, true};
+static const bool B_KMAJOR[N_FORMS] = {true, false, false, true, true};
+static bool fused_form(Form f) { return f == FORWARD_RESIDUAL || f == FORWARD_SWIGLU; }
 
 typedef void (*Bf16Fn)(bf16* out, const bf16* a, const bf16* b, int N, int I, int O, cudaStream_t s);
 typedef void (*WeightFn)(float* dW, const bf16* dy, const bf16* x, int N, int I, int O, cudaStream_t s);
+typedef void (*ResidualFn)(bf16* y, const bf16* x, const bf16* W, const bf16* residual, int N, int I, int O,
+                           cudaStream_t s);
+typedef void (*SwigluFn)(bf16* gate_up, bf16* act, const bf16* x, const bf16* W, int N, int I, int O, cudaStream_t s);
 
 typedef struct {
     int version;
     const char* name;
     Bf16Fn forward, backward_input;  // forward(y, x, W, ...), backward_input(dx, dy, W, ...)
     WeightFn backward_weight;        // backward_weight(dW, dy, x, ...)
+    ResidualFn forward_residual;     // the fused forms (NULL: the version has none; nor has version 6 the
+    SwigluFn forward_swiglu;         // plain three, which are version 5's)
     bool sides_of_8;                 // runs only shapes whose sides are multiples of 8
     int warmup, reps;                // timing; reps 0: the checked run's own time (the naive version)
 } Impl;
@@ -98,20 +120,41 @@ typedef struct {
 static void cublaslt_forward(bf16* y, const bf16* x, const bf16* W, int N, int I, int O, cudaStream_t s) {
     linear_forward(y, x, W, NULL, N, I, O, s);
 }
+// The trainer's own two steps: the product, then swiglu_forward on the stored gate_up (O = 2F).
+static void cublaslt_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const bf16* W, int N, int I, int O,
+                                    cudaStream_t s) {
+    linear_forward(gate_up, x, W, NULL, N, I, O, s);
+    swiglu_forward(act, gate_up, N, O / 2, s);
+}
 
 static const Impl IMPLS[] = {
-    {0, "cuBLASLt", cublaslt_forward, linear_backward_input, linear_backward_weight, true, 3, 10},
-    {1, "naive", mm_forward<NaiveMatmul>, mm_backward_input<NaiveMatmul>, mm_backward_weight<NaiveMatmul>, false, 0,
-     0},
-    {2, "mma.sync", mm_forward<MmaMatmul>, mm_backward_input<MmaMatmul>, mm_backward_weight<MmaMatmul>, true, 3, 10},
-    {3, "wgmma", mm_forward<HopperMatmul<3>>, mm_backward_input<HopperMatmul<3>>, mm_backward_weight<HopperMatmul<3>>,
+    {0, "cuBLASLt", cublaslt_forward, linear_backward_input, linear_backward_weight, linear_forward,
+     cublaslt_forward_swiglu, true, 3, 10},
+    {1, "naive", mm_forward<NaiveMatmul>, mm_backward_input<NaiveMatmul>, mm_backward_weight<NaiveMatmul>, NULL, NULL,
+     false, 0, 0},
+    {2, "mma.sync", mm_forward<MmaMatmul>, mm_backward_input<MmaMatmul>, mm_backward_weight<MmaMatmul>, NULL, NULL,
      true, 3, 10},
+    {3, "wgmma", mm_forward<HopperMatmul<3>>, mm_backward_input<HopperMatmul<3>>, mm_backward_weight<HopperMatmul<3>>,
+     NULL, NULL, true, 3, 10},
     {4, "wgmma persistent", mm_forward<HopperMatmul<4>>, mm_backward_input<HopperMatmul<4>>,
-     mm_backward_weight<HopperMatmul<4>>, true, 3, 10},
+     mm_backward_weight<HopperMatmul<4>>, NULL, NULL, true, 3, 10},
     {5, "TMA+split-K", mm_forward<HopperMatmul<5>>, mm_backward_input<HopperMatmul<5>>,
-     mm_backward_weight<HopperMatmul<5>>, true, 3, 10},
+     mm_backward_weight<HopperMatmul<5>>, NULL, NULL, true, 3, 10},
+    {6, "fused epilogues", NULL, NULL, NULL, hopper_forward_residual, hopper_forward_swiglu, true, 3, 10},
 };
 static const int N_IMPLS = sizeof(IMPLS) / sizeof(IMPLS[0]);
+
+static bool has_form(const Impl& im, Form f) {
+    switch (f) {
+    case FORWARD: return im.forward;
+    case BACKWARD_INPUT: return im.backward_input;
+    case BACKWARD_WEIGHT: return im.backward_weight;
+    case FORWARD_RESIDUAL: return im.forward_residual;
+    default: return im.forward_swiglu;
+    }
+}
+static bool has_plain_forms(const Impl& im) { return im.forward; }
+static bool has_fused_forms(const Impl& im) { return im.forward_residual; }
 
 // ----------------------------------------------------------------------------------------------
 // Cases: one form at one shape, with the entries it checks and their reference.
@@ -119,10 +162,10 @@ static const int N_IMPLS = sizeof(IMPLS) / sizeof(IMPLS[0]);
 typedef struct {
     std::string name;  // "default qkv", "check"
     Form form;
-    int tok, I, O;     // the trainer's N, I, O (x [N, I], W [O, I])
+    int tok, I, O;     // the trainer's N, I, O (x [N, I], W [O, I]; SwiGLU: O = 2F)
     int M, N, K;       // the GEMM: C[M][N] (+)= A[M][K] B[K][N] (matmul_common.cuh)
     bool timed;        // a trainer shape: sampled entries checked, then timed
-    uint64_t seed;     // A's values come from seed, B's from seed + 1, an fp32 C's from seed + 2
+    uint64_t seed;     // A's values come from seed, B's from seed + 1, an fp32 C's or a residual's from seed + 2
     std::vector<int> rows, cols;    // the entries checked: every (rows[i], cols[j])
     std::vector<double> ref, norm;  // for each: the fp64 reference, and sqrt(sum_k (a_k b_k)^2)
 } Case;
@@ -132,7 +175,7 @@ static Case make_case(const std::string& name, Form form, int tok, int I, int O,
     c.name = name;
     c.form = form;
     c.tok = tok, c.I = I, c.O = O;
-    if (form == FORWARD) c.M = tok, c.N = O, c.K = I;
+    if (form == FORWARD || fused_form(form)) c.M = tok, c.N = O, c.K = I;
     else if (form == BACKWARD_INPUT) c.M = tok, c.N = I, c.K = O;
     else c.M = O, c.N = I, c.K = tok;
     c.timed = timed;
@@ -171,8 +214,12 @@ static void add_trainer_cases(std::vector<Case>& cases) {
             const int tokens = cf.batch * cf.cfg.seq_len;
             const int tok = kind == P_EMBED ? std::min(LOSS_CHUNK, tokens) : tokens;
             const std::string name = std::string(cf.name) + " " + (kind == P_EMBED ? "head" : PARAM_KINDS[kind].name);
-            for (int f = 0; f < N_FORMS; ++f)
+            for (int f = 0; f <= BACKWARD_WEIGHT; ++f)
                 cases.push_back(make_case(name, (Form)f, tok, (int)cols, (int)rows, true, 1000 + 10 * cases.size()));
+            const bool residual = kind == P_ATTN_OUT || kind == P_DOWN;  // the trainer's residual adds
+            if (residual || kind == P_GATE_UP)
+                cases.push_back(make_case(name, residual ? FORWARD_RESIDUAL : FORWARD_SWIGLU, tok, (int)cols,
+                                          (int)rows, true, 1000 + 10 * cases.size()));
         }
 }
 
@@ -185,11 +232,11 @@ static void add_check_cases(std::vector<Case>& cases) {
         {128, 1024, 256},  // k-blocks wrap the rings several times
         {1416, 24, 3080},  // more 128 x 256 tiles than SMs: the persistent walk comes round again
         {2000, 136, 200},  // dW: 2 tiles, K = 2000 (32 k-blocks): version 5 splits K in 4 (fp32 partials)
-        {136, 200, 2000},  // dx: the same in bf16
+        {136, 200, 2000},  // dx: the same in bf16; SwiGLU's F = 1000, its last tile 104 features
         {8, 8, 8},
         {77, 19, 33},      // odd sides: the naive version only
     };
-    for (const auto& s : shapes)
+    for (const auto& s : shapes)  // fused forms too: SwiGLU where F = O / 2 is a multiple of 8
         for (int f = 0; f < N_FORMS; ++f) cases.push_back(make_case("check", (Form)f, s[0], s[1], s[2], false, 7 + 10 * cases.size()));
 }
 
@@ -226,8 +273,9 @@ static void case_reference(Case* c) {
                 sum += p;
                 sq += p * p;
             }
-            if (c->form == BACKWARD_WEIGHT)  // dW += ...: onto its fp32 starting values
-                sum += uniform_at(c->seed + 2, (size_t)c->rows[i] * N + c->cols[j], 1.0f);
+            const size_t at = (size_t)c->rows[i] * N + c->cols[j];
+            if (c->form == BACKWARD_WEIGHT) sum += uniform_at(c->seed + 2, at, 1.0f);  // dW += ...: onto its start
+            if (c->form == FORWARD_RESIDUAL) sum += operand_at(c->seed + 2, at);       // + the bf16 residual
             c->ref[i * nc + j] = sum;
             c->norm[i * nc + j] = sqrt(sq);
         }
@@ -246,8 +294,10 @@ static void compute_references(std::vector<Case>& cases) {
 // ----------------------------------------------------------------------------------------------
 // Running one version on one case (in a child process)
 
-typedef enum { NOT_RUN, OK, WRONG, TIMEOUT, SKIPPED, CRASHED, HUNG } Status;
-static const char* STATUS_NAMES[] = {"not run", "ok", "FAIL", "TIMEOUT", "skip", "CRASHED", "HUNG"};
+// NO_FORM: the version has no such form (the fused ones but for cuBLASLt and version 6, the plain
+// ones in version 6); such cases are left out of its counts.
+typedef enum { NOT_RUN, OK, WRONG, TIMEOUT, SKIPPED, CRASHED, HUNG, NO_FORM } Status;
+static const char* STATUS_NAMES[] = {"not run", "ok", "FAIL", "TIMEOUT", "skip", "CRASHED", "HUNG", "-"};
 
 typedef struct {  // what a child reports of one case, through its pipe
     int index;
@@ -318,46 +368,88 @@ static Status check_output(const Impl& im, const Case& c, const void* out, float
     return WRONG;
 }
 
-static void run_form(const Impl& im, const Case& c, void* out, const bf16* a, const bf16* b) {
+// A case's buffers on the device: the operands, the output, and the fused forms' second operand:
+// the residual [M][N] (read) or act [M][N/2] (written).
+typedef struct {
+    bf16 *a, *b;
+    void* out;
+    bf16* extra;
+} Buffers;
+
+static void run_form(const Impl& im, const Case& c, const Buffers& d) {
     switch (c.form) {
-    case FORWARD: im.forward((bf16*)out, a, b, c.tok, c.I, c.O, 0); break;                 // y = x W^T
-    case BACKWARD_INPUT: im.backward_input((bf16*)out, a, b, c.tok, c.I, c.O, 0); break;   // dx = dy W
-    default: im.backward_weight((float*)out, a, b, c.tok, c.I, c.O, 0); break;             // dW += dy^T x
+    case FORWARD: im.forward((bf16*)d.out, d.a, d.b, c.tok, c.I, c.O, 0); break;                // y = x W^T
+    case BACKWARD_INPUT: im.backward_input((bf16*)d.out, d.a, d.b, c.tok, c.I, c.O, 0); break;  // dx = dy W
+    case BACKWARD_WEIGHT: im.backward_weight((float*)d.out, d.a, d.b, c.tok, c.I, c.O, 0); break;  // dW += dy^T x
+    case FORWARD_RESIDUAL: im.forward_residual((bf16*)d.out, d.a, d.b, d.extra, c.tok, c.I, c.O, 0); break;
+    default: im.forward_swiglu((bf16*)d.out, d.extra, d.a, d.b, c.tok, c.I, c.O, 0); break;  // gate_up, act
     }
 }
 
-// The output before a run: an fp32 dW its known starting values, a bf16 output NaN.
-static void reset_output(const Case& c, void* out) {
+// The outputs before a run: an fp32 dW its known starting values, bf16 outputs (act too) NaN.
+static void reset_output(const Case& c, const Buffers& d) {
     const size_t n = (size_t)c.M * c.N;
-    if (c.form == BACKWARD_WEIGHT) fill_uniform_device((float*)out, n, c.seed + 2, 1.0f);
-    else poison(out, n * sizeof(bf16));
+    if (c.form == BACKWARD_WEIGHT) fill_uniform_device((float*)d.out, n, c.seed + 2, 1.0f);
+    else poison(d.out, n * sizeof(bf16));
+    if (c.form == FORWARD_SWIGLU) poison(d.extra, n / 2 * sizeof(bf16));
 }
 
-__global__ void count_differences_kernel(const uint16_t* x, const uint16_t* y, size_t n, unsigned long long* count) {
+// Counts the 16-bit words in which x and y differ and, where they are bf16 values, those of x that
+// are not finite (so that an output left at its NaN poison counts, whatever y holds).
+__global__ void count_differences_kernel(const uint16_t* x, const uint16_t* y, size_t n, bool bf16_words,
+                                         unsigned long long* count) {
     unsigned long long mine = 0;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        mine += x[i] != y[i];
+        mine += x[i] != y[i] || (bf16_words && (x[i] & 0x7F80) == 0x7F80);
     if (mine) atomicAdd(count, mine);
 }
 
-// The trainer is deterministic, so every version must be: a second run from the same starting
-// values must give the same bits in every entry (a split K summed in an order set by timing would
-// not). OK, or WRONG with a line saying how many 16-bit words differ.
-static Status check_repeatable(const Impl& im, const Case& c, void* out, const bf16* a, const bf16* b) {
-    const size_t bytes = (size_t)c.M * c.N * (c.form == BACKWARD_WEIGHT ? sizeof(float) : sizeof(bf16));
-    void* first;
+static unsigned long long count_differences(const void* x, const void* y, size_t words, bool bf16_words) {
     unsigned long long *count, differ = 0;
-    CUDA_CHECK(cudaMalloc(&first, bytes));
     CUDA_CHECK(cudaMalloc(&count, sizeof *count));
-    CUDA_CHECK(cudaMemcpy(first, out, bytes, cudaMemcpyDeviceToDevice));
     CUDA_CHECK(cudaMemset(count, 0, sizeof *count));
-    reset_output(c, out);
-    run_form(im, c, out, a, b);
-    count_differences_kernel<<<256, 256>>>((const uint16_t*)first, (const uint16_t*)out, bytes / 2, count);
+    count_differences_kernel<<<256, 256>>>((const uint16_t*)x, (const uint16_t*)y, words, bf16_words, count);
     LAUNCH_CHECK();
     CUDA_CHECK(cudaMemcpy(&differ, count, sizeof differ, cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaFree(first));
     CUDA_CHECK(cudaFree(count));
+    return differ;
+}
+
+// SwiGLU's act, checked whole against a second, independent path: the trainer's swiglu_forward run
+// on the version's own gate_up (itself checked against the reference), which must give the very
+// same bits (both round through swiglu8). OK, or WRONG with a line saying how many entries differ.
+static Status check_swiglu_act(const Impl& im, const Case& c, const Buffers& d) {
+    const int F = c.N / 2;
+    const size_t n = (size_t)c.M * F;
+    bf16* act;
+    CUDA_CHECK(cudaMalloc(&act, n * sizeof(bf16)));
+    swiglu_forward(act, (const bf16*)d.out, c.M, F, 0);
+    const unsigned long long differ = count_differences(d.extra, act, n, true);
+    CUDA_CHECK(cudaFree(act));
+    if (differ == 0) return OK;
+    char label[96];
+    printf("FAIL v%d %s, %s: act differs from swiglu_forward on its gate_up (or is not finite) in %llu of %zu "
+           "entries\n", im.version, im.name, case_label(c, label, sizeof label), differ, n);
+    return WRONG;
+}
+
+// The trainer is deterministic, so every version must be: a second run from the same starting
+// values must give the same bits in every entry, act's too (a split K summed in an order set by
+// timing would not), and no bf16 entry may be left NaN. OK, or WRONG with a line saying how many
+// 16-bit words differ.
+static Status check_repeatable(const Impl& im, const Case& c, const Buffers& d) {
+    const bool weight = c.form == BACKWARD_WEIGHT, swiglu = c.form == FORWARD_SWIGLU;
+    const size_t bytes = (size_t)c.M * c.N * (weight ? sizeof(float) : sizeof(bf16));
+    const size_t act_bytes = swiglu ? bytes / 2 : 0;
+    unsigned char* first;  // the first run's output, then its act
+    CUDA_CHECK(cudaMalloc(&first, bytes + act_bytes));
+    CUDA_CHECK(cudaMemcpy(first, d.out, bytes, cudaMemcpyDeviceToDevice));
+    if (swiglu) CUDA_CHECK(cudaMemcpy(first + bytes, d.extra, act_bytes, cudaMemcpyDeviceToDevice));
+    reset_output(c, d);
+    run_form(im, c, d);
+    unsigned long long differ = count_differences(first, d.out, bytes / 2, !weight);
+    if (swiglu) differ += count_differences(first + bytes, d.extra, act_bytes / 2, true);
+    CUDA_CHECK(cudaFree(first));
     const int error = mm_error_take();
     if (differ == 0 && error == MM_OK) return OK;
     char label[96];
@@ -366,8 +458,8 @@ static Status check_repeatable(const Impl& im, const Case& c, void* out, const b
                mm_error_text(error));
         return TIMEOUT;
     }
-    printf("FAIL v%d %s, %s: a second run differs from the first in %llu of %zu 16-bit words\n", im.version,
-           im.name, case_label(c, label, sizeof label), differ, bytes / 2);
+    printf("FAIL v%d %s, %s: a second run differs from the first (or is NaN) in %llu of %zu 16-bit words\n",
+           im.version, im.name, case_label(c, label, sizeof label), differ, (bytes + act_bytes) / 2);
     return WRONG;
 }
 
@@ -375,7 +467,13 @@ static Status check_repeatable(const Impl& im, const Case& c, void* out, const b
 static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     Record r = {index, NOT_RUN, 0, 0};
     char label[96];
+    if (!has_form(im, c.form)) {
+        r.status = NO_FORM;
+        return r;
+    }
     const char* problem = im.sides_of_8 ? mm_tiled_shape_problem(c.M, c.N, c.K) : NULL;
+    if (!problem && c.form == FORWARD_SWIGLU && c.N % 16 != 0)  // both halves of a row start on 16 bytes
+        problem = "SwiGLU needs F = O / 2 a multiple of 8";
     if (problem) {
         printf("skip v%d %s, %s: %s\n", im.version, im.name, case_label(c, label, sizeof label), problem);
         r.status = SKIPPED;
@@ -383,14 +481,15 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     }
     const bool weight = c.form == BACKWARD_WEIGHT;
     const size_t a_n = (size_t)c.M * c.K, b_n = (size_t)c.K * c.N, c_n = (size_t)c.M * c.N;
-    bf16 *a, *b;
-    void* out;
-    CUDA_CHECK(cudaMalloc(&a, a_n * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&b, b_n * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&out, c_n * (weight ? sizeof(float) : sizeof(bf16))));
-    fill_uniform_device(a, a_n, c.seed, UNIT_UNIFORM);
-    fill_uniform_device(b, b_n, c.seed + 1, UNIT_UNIFORM);
-    reset_output(c, out);
+    Buffers d = {NULL, NULL, NULL, NULL};
+    CUDA_CHECK(cudaMalloc(&d.a, a_n * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&d.b, b_n * sizeof(bf16)));
+    CUDA_CHECK(cudaMalloc(&d.out, c_n * (weight ? sizeof(float) : sizeof(bf16))));
+    if (fused_form(c.form)) CUDA_CHECK(cudaMalloc(&d.extra, c_n * sizeof(bf16)));  // residual [M][N], act [M][N/2]
+    fill_uniform_device(d.a, a_n, c.seed, UNIT_UNIFORM);
+    fill_uniform_device(d.b, b_n, c.seed + 1, UNIT_UNIFORM);
+    if (c.form == FORWARD_RESIDUAL) fill_uniform_device(d.extra, c_n, c.seed + 2, UNIT_UNIFORM);
+    reset_output(c, d);
     CUDA_CHECK(cudaDeviceSynchronize());
     mm_error_take();
 
@@ -398,7 +497,7 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     CUDA_CHECK(cudaEventCreate(&start));
     CUDA_CHECK(cudaEventCreate(&stop));
     CUDA_CHECK(cudaEventRecord(start));
-    run_form(im, c, out, a, b);
+    run_form(im, c, d);
     CUDA_CHECK(cudaEventRecord(stop));
     CUDA_CHECK(cudaDeviceSynchronize());
     float checked_ms = 0;
@@ -410,14 +509,16 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
         printf("FAIL v%d %s, %s: %s\n", im.version, im.name, case_label(c, label, sizeof label), mm_error_text(error));
         r.status = TIMEOUT;
     } else {
-        r.status = check_output(im, c, out, &r.err);
-        if (r.status == OK) r.status = check_repeatable(im, c, out, a, b);
+        r.status = check_output(im, c, d.out, &r.err);
+        if (r.status == OK && c.form == FORWARD_SWIGLU) r.status = check_swiglu_act(im, c, d);
+        if (r.status == OK) r.status = check_repeatable(im, c, d);
     }
     if (r.status == OK && c.timed && timing)
-        r.ms = im.reps == 0 ? checked_ms : time_median_ms([&] { run_form(im, c, out, a, b); }, im.warmup, im.reps);
-    CUDA_CHECK(cudaFree(a));
-    CUDA_CHECK(cudaFree(b));
-    CUDA_CHECK(cudaFree(out));
+        r.ms = im.reps == 0 ? checked_ms : time_median_ms([&] { run_form(im, c, d); }, im.warmup, im.reps);
+    CUDA_CHECK(cudaFree(d.a));
+    CUDA_CHECK(cudaFree(d.b));
+    CUDA_CHECK(cudaFree(d.out));
+    CUDA_CHECK(cudaFree(d.extra));
     return r;
 }
 
@@ -511,14 +612,14 @@ static void run_isolated(const Impl& im, const std::vector<Case>& cases, bool ti
 // ----------------------------------------------------------------------------------------------
 // The report
 
-static bool failed(int status) { return status != OK && status != SKIPPED; }
+static bool failed(int status) { return status != OK && status != SKIPPED && status != NO_FORM; }
 
 static void print_summary(const Impl& im, const std::vector<Case>& cases, const std::vector<Record>& res) {
     for (int timed = 0; timed < 2; ++timed) {
         int n = 0, ok = 0, skipped = 0;
         double worst = 0;
         for (size_t i = 0; i < cases.size(); ++i) {
-            if (cases[i].timed != (bool)timed) continue;
+            if (cases[i].timed != (bool)timed || !has_form(im, cases[i].form)) continue;
             ++n;
             ok += res[i].status == OK;
             skipped += res[i].status == SKIPPED;
@@ -530,26 +631,38 @@ static void print_summary(const Impl& im, const std::vector<Case>& cases, const 
     }
 }
 
-static void print_table(const std::vector<int>& chosen, const std::vector<Case>& cases,
+// One table: the timed cases of the plain forms (fused false) or of the fused ones, for the chosen
+// versions that have such forms, cuBLASLt first.
+static void print_table(bool fused, const std::vector<int>& chosen, const std::vector<Case>& cases,
                         const std::vector<std::vector<Record>>& res) {
-    printf("\nTFLOP/s (x: cuBLASLt's time / the version's) at the trainer's shapes; C[M][N] (+)= A[M][K] B[K][N]\n");
-    printf("%-16s %-4s %6s %6s %6s | %-16s", "shape", "form", "M", "N", "K", "v0 cuBLASLt");
-    for (size_t v = 1; v < chosen.size(); ++v) printf(" | v%d %-13.13s", IMPLS[chosen[v]].version, IMPLS[chosen[v]].name);
-    printf("\n%-16s %-4s %6s %6s %6s | %7s %8s", "", "", "", "", "", "ms", "TFLOP/s");
-    for (size_t v = 1; v < chosen.size(); ++v) printf(" | %8s %7s", "TFLOP/s", "x");
+    std::vector<size_t> cols;  // indices into chosen, after cuBLASLt's
+    for (size_t v = 1; v < chosen.size(); ++v)
+        if (fused ? has_fused_forms(IMPLS[chosen[v]]) : has_plain_forms(IMPLS[chosen[v]])) cols.push_back(v);
+    if (fused && cols.empty()) return;
+    if (fused)
+        printf("\nFused forms: the product and the next kernel's work; cuBLASLt's column is the trainer's way (the "
+               "residual with beta = 1; swiglu_forward after the product), TFLOP/s count the product's 2 M N K\n");
+    else
+        printf("\nTFLOP/s (x: cuBLASLt's time / the version's) at the trainer's shapes; "
+               "C[M][N] (+)= A[M][K] B[K][N]\n");
+    printf("%-16s %-10s %6s %6s %6s | %-16s", "shape", "form", "M", "N", "K", "v0 cuBLASLt");
+    for (size_t v : cols) printf(" | v%d %-13.13s", IMPLS[chosen[v]].version, IMPLS[chosen[v]].name);
+    printf("\n%-16s %-10s %6s %6s %6s | %7s %8s", "", "", "", "", "", "ms", "TFLOP/s");
+    for (size_t v = 0; v < cols.size(); ++v) printf(" | %8s %7s", fused ? "ms" : "TFLOP/s", "x");
     printf("\n");
     for (size_t i = 0; i < cases.size(); ++i) {
         const Case& c = cases[i];
-        if (!c.timed) continue;
+        if (!c.timed || fused_form(c.form) != fused) continue;
         const double flop = 2.0 * c.M * c.N * c.K;
         const Record& ref = res[0][i];
-        printf("%-16s %-4s %6d %6d %6d | ", c.name.c_str(), FORM_NAMES[c.form], c.M, c.N, c.K);
+        printf("%-16s %-10s %6d %6d %6d | ", c.name.c_str(), FORM_NAMES[c.form], c.M, c.N, c.K);
         if (ref.status == OK && ref.ms > 0) printf("%7.3f %8.1f", ref.ms, flop / ref.ms / 1e9);
         else printf("%16s", STATUS_NAMES[ref.status]);
-        for (size_t v = 1; v < chosen.size(); ++v) {
+        for (size_t v : cols) {
             const Record& r = res[v][i];
             if (r.status == OK && r.ms > 0) {
-                printf(" | %8.1f", flop / r.ms / 1e9);
+                if (fused) printf(" | %8.3f", r.ms);
+                else printf(" | %8.1f", flop / r.ms / 1e9);
                 if (ref.status == OK && ref.ms > 0) printf(" %6.2fx", ref.ms / r.ms);
                 else printf(" %7s", "-");
             } else {
@@ -567,10 +680,11 @@ int main(int argc, char** argv) {
     for (int i = 1; i < N_IMPLS; ++i)
         if (!*want || strchr(want, '0' + IMPLS[i].version)) chosen.push_back(i);
     const bool bad_versions =
-        *want && (strspn(want, "012345") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
+        *want && (strspn(want, "0123456") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
     if (bad_versions || argc > 3 || (argc == 3 && timing)) {
         fprintf(stderr, "usage: %s [versions] [check]; versions are digits of 0 cuBLASLt, 1 naive, 2 mma.sync, "
-                        "3 wgmma, 4 wgmma persistent, 5 TMA store and split K, in one word (not '%s'%s)\n", argv[0],
+                        "3 wgmma, 4 wgmma persistent, 5 TMA store and split K, 6 fused epilogues, in one word "
+                        "(not '%s'%s)\n", argv[0],
                 want, argc > 2 ? " followed by more than `check`" : "");
         return 1;
     }
@@ -596,9 +710,13 @@ int main(int argc, char** argv) {
     int failures = 0;
     for (size_t v = 0; v < chosen.size(); ++v) {
         print_summary(IMPLS[chosen[v]], cases, results[v]);
-        for (const Record& r : results[v]) failures += failed(r.status);
+        for (size_t i = 0; i < cases.size(); ++i)
+            failures += has_form(IMPLS[chosen[v]], cases[i].form) && failed(results[v][i].status);
     }
-    if (timing) print_table(chosen, cases, results);
+    if (timing) {
+        print_table(false, chosen, cases, results);
+        print_table(true, chosen, cases, results);
+    }
     printf("%s: %d failed checks\n", failures ? "CHECK FAILED" : "all checks passed", failures);
     return failures ? 1 : 0;
 }
