@@ -288,7 +288,7 @@ static void rmsnorm_forward(bf16* out, float* rstd, const bf16* in, const bf16* 
 // writes their sum as its partial (sum_partials adds the blocks' partials in order).
 // The kernel is bound by memory latency, so it needs many warps in flight: 64 rows a block when
 // that makes 512 blocks or more (the default config's 32768 rows), fewer down to 16 otherwise (at
-// 1b's 8192 rows, 64 left 128 blocks of 4 warps for 132 SMs, at 0.7 TB/s: 5% of an FP8 step).
+// 1b's 8192 rows, 64 left 128 blocks of 4 warps for 132 SMs, at 0.9 TB/s: 5% of an FP8 step).
 static int rmsnorm_bwd_rows(int N) {
     int rows = 64;
     while (rows > 16 && ceil_div(N, rows) < 512) rows /= 2;
