@@ -1,0 +1,511 @@
+/*
+ * lib/matmul_hopper.cuh - our own Hopper GEMM (sm_90a): one kernel template, TMA loads into a ring
+ * of shared-memory stages guarded by mbarriers, warpgroup matrix products (wgmma) reading both
+ * operands from shared memory, a producer warpgroup and two consumer warpgroups, on a persistent
+ * grid; its epilogue, a template parameter, stores through shared memory and TMA, with the next
+ * kernel's work fused in where that pays.
+ *
+ * How it fits: the trainer runs one instantiation of it, the gate/up forward with SwiGLU in its
+ * epilogue (hopper_forward_swiglu, at the bottom: gate_up and act = silu(gate) * up in one launch,
+ * 1.27x cuBLASLt plus swiglu_forward at the default config, 1.14x at 1b; doc/matmul.md); every other
+ * matmul of the trainer stays with cuBLASLt through kernels.cuh's matmul(). The kernel is the
+ * matmul ladder's (dev/matmul.cu): its versions 3 to 6 are this kernel's launch configurations and
+ * epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and splits K), 6 adds
+ * the residual or applies SwiGLU. train_gpt.cu includes this file after kernels.cuh, whose swiglu8
+ * and lib/attention.cuh helpers (the tensor-map cache, shared addresses, bf16 packing) it uses.
+ *
+ * Work split: a 128 x 256 output tile, k-blocks of 64, a 4-stage ring of A [128 x 64] and B
+ * [256 x 64] tiles (4 x 48 KiB = 192 KiB of shared memory), 384 threads:
+ *   warpgroup 0, the producer, shrinks to 40 registers; one thread waits for a free stage (its
+ *     empty barrier), announces the bytes to come on the stage's full barrier and issues the TMA
+ *     loads, k-block after k-block and tile after tile;
+ *   warpgroups 1 and 2, the consumers, grow to 232 registers; consumer c owns rows 64c .. 64c+63
+ *     of the tile (a 64 x 256 fp32 accumulator, 128 registers a thread). Per k-block it waits for
+ *     the full barrier, issues 4 wgmma m64n256k16 (one per 16 k), commits them, waits for the
+ *     previous k-block's group, and hands that stage back (one arrive per warp). At the end of a
+ *     tile it stores the accumulator (the epilogues, below).
+ * The stage and barrier phase of k-block t (counted over the block's whole walk) are t % 4 and
+ * (t / 4) & 1 on both sides, so the ring runs on from one tile into the next. A persistent block
+ * walks tiles blockIdx, blockIdx + grid, ... in groups of 8 tile rows (hopper_tile_of), so that the
+ * operands of the tiles in flight stay in L2, and loads its next tile while this one's epilogue
+ * stores.
+ *
+ * Shared-memory layouts (TMA writes them with the 128-byte swizzle, wgmma reads them through
+ * descriptors; lib/ptx.cuh): a K-major operand tile is [rows][64 k], 128-byte rows, one TMA box; a
+ * k-step of 16 advances the descriptor 32 bytes. An MN-major tile is 64-column panels [64 k][64 mn]
+ * of 8 KiB, one box each: consumer c's A is panel c; B's four panels are one wgmma operand whose
+ * descriptor's leading offset is the panel size; a k-step advances 16 rows, 2048 bytes. Boxes
+ * that cross the matrix's edge are zero-filled by TMA (and still count their full bytes); panels
+ * wholly past M or N are not loaded, and only feed rows or columns the epilogue does not store.
+ *
+ * The TMA epilogue: each consumer writes its 64 x 256 accumulator in chunks of 64 rows x 128 bytes
+ * (64 bf16 or 32 fp32 columns) into one of its two 8 KiB staging buffers (32 KiB in all, 224 KiB
+ * with the ring), in the 128-byte swizzle, which puts the 8 rows a warp's store touches in 8
+ * different bank groups; its first thread then issues one TMA store of the chunk (bf16 C: a store;
+ * fp32 C: a reduction that adds it to C in L2, so dW += needs no load) and goes on. A buffer is
+ * written again only once the store of two chunks before has read it (cp.async.bulk.wait_group.read
+ * 1), so the last stores of a tile drain while the next tile's products run. TMA clips the boxes
+ * at the matrix's edges. The fused epilogues, for the forward (one split of K):
+ *   SwiGLU: W [2F][K] holds the gate rows, then the up rows. A tile takes features f .. f+127: its
+ *     256-row B tile is W's gate rows f .. f+127 and up rows F+f .., two TMA boxes a stage through
+ *     two maps (each half's edge zero-filled at F), so that in wgmma's m64n256 accumulator the
+ *     thread holding gate column c of a row also holds up column c + 128. Per 64 features the
+ *     epilogue stores three chunks: gate and up (gate_up [M][2F], kept for the backward, through two
+ *     maps of row stride 2F) and act = swiglu8(gate, up) of the bf16-rounded values [M][F], the
+ *     very function and inputs of swiglu_forward, so the bits are the trainer's.
+ *   residual (the ladder's only: it ties cuBLASLt's beta = 1, doc/matmul.md): y = acc + residual,
+ *     rounded once to bf16. Each thread reads the residual entries of its own accumulator straight
+ *     from global memory, a chunk ahead: the first chunk's before the tile's products, chunk q+1's
+ *     before chunk q is staged, so the loads fly under other work.
+ *
+ * Determinism: with one split of K (all the trainer runs) each output is one fp32 sum over k in a
+ * fixed order, whatever the grid; the ladder's split K sums its partials in a fixed order too.
+ *
+ * No wait can hang: every mbarrier wait gives up after HOP_WAIT_TRIES tries of at most
+ * HOP_WAIT_HINT_NS each (about a second; no legitimate wait here lasts a millisecond), raises
+ * MM_TIMEOUT in mm_error and returns, so that a broken pipeline ends as a raised flag (the ladder
+ * reads it after each shape, the trainer with each step's figures) rather than a hung program.
+ */
+#ifndef MATMUL_HOPPER_CUH
+#define MATMUL_HOPPER_CUH
+
+#include <stdint.h>
+#include <algorithm>
+#include "../kernels.cuh"  // swiglu8, bf16x8; through it lib/attention.cuh: tma_tensor_map (the
+                           // encoded-map cache), attn_smem_u32, attn_allow_smem, attn_pack_bf16
+
+constexpr int HOP_BM = 128, HOP_BN = 256, HOP_BK = 64, HOP_STAGES = 4, HOP_THREADS = 384;
+constexpr int HOP_PANEL_BYTES = 64 * 64 * 2;         // one [64][64] bf16 panel
+constexpr int HOP_A_BYTES = HOP_BM * HOP_BK * 2;       // 16 KiB: 2 panels
+constexpr int HOP_B_BYTES = HOP_BN * HOP_BK * 2;       // 32 KiB: 4 panels
+constexpr int HOP_RING_BYTES = HOP_STAGES * (HOP_A_BYTES + HOP_B_BYTES);
+constexpr int HOP_OUT_BUF_BYTES = 64 * 128, HOP_OUT_BUFS = 2;               // version 5: a consumer's staging
+constexpr int HOP_OUT_BYTES = 2 * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES;         // 32 KiB for the two consumers
+// The ring, version 5's staging buffers, and the barriers: 192 KiB + 64 B, or 224 KiB + 64 B (of 227 KiB).
+constexpr int hopper_smem_bytes(bool tma_store) {
+    return HOP_RING_BYTES + (tma_store ? HOP_OUT_BYTES : 0) + 2 * HOP_STAGES * 8;
+}
+constexpr int HOP_PROD_REGS = 40, HOP_CONS_REGS = 232;  // 128 * 40 + 256 * 232 = 64512 <= 65536
+constexpr int HOP_GROUP_M = 8;                          // versions 4 and 5: tile rows per group
+constexpr int HOP_WAIT_TRIES = 1 << 20, HOP_WAIT_HINT_NS = 1000;
+
+// Why a kernel gave up, raised in mm_error (0: it did not). A wait that runs past its bound raises
+// MM_TIMEOUT and returns; MM_MISALIGNED: the shared memory was not 1024-byte aligned, as the
+// 128-byte swizzle needs. The flag stays raised until mm_error_take clears it.
+enum { MM_OK = 0, MM_TIMEOUT = 1, MM_MISALIGNED = 2 };
+__device__ int mm_error;
+
+static int mm_error_take(void) {  // reads and clears the flag (the device must be idle)
+    int e = MM_OK;
+    CUDA_CHECK(cudaMemcpyFromSymbol(&e, mm_error, sizeof(int)));
+    const int zero = MM_OK;
+    CUDA_CHECK(cudaMemcpyToSymbol(mm_error, &zero, sizeof(int)));
+    return e;
+}
+
+static const char* mm_error_text(int error) {
+    return error == MM_TIMEOUT ? "an mbarrier wait timed out" : "shared memory not 1024-byte aligned";
+}
+
+// The register epilogue's store (the ladder's versions 2 to 4): c[at], c[at + 1] = v0, v1 as bf16,
+// or += in fp32. The caller checks bounds; a pair starts at an even column of a row of even
+// length, so it is 4- or 8-byte aligned.
+template <typename OutT>
+static __device__ __forceinline__ void mm_store_pair(OutT* c, long at, float v0, float v1) {
+    if constexpr (sizeof(OutT) == 2) {
+        *reinterpret_cast<__nv_bfloat162*>(c + at) = __floats2bfloat162_rn(v0, v1);
+    } else {
+        float2* p = reinterpret_cast<float2*>(c + at);
+        float2 old = *p;
+        old.x += v0;
+        old.y += v1;
+        *p = old;
+    }
+}
+
+// Tile t of the walk, as (tile row tm, tile column tn): groups of group_m tile rows, each group
+// walked column by column (group_m = 1: row by row, in launch order). Consecutive tiles share B's
+// column tile and, within a column, A's row tiles of one group, so a grid's worth of tiles in
+// flight reads about group_m row tiles of A and grid/group_m column tiles of B.
+static __host__ __device__ __forceinline__ void hopper_tile_of(int t, int tiles_m, int tiles_n, int group_m, int* tm,
+                                                           int* tn) {
+    const int per_group = group_m * tiles_n, first = t / per_group * group_m;
+    const int rows = min(tiles_m - first, group_m), in_group = t % per_group;
+    *tm = first + in_group % rows;
+    *tn = in_group / rows;
+}
+
+// Unit `unit` of a walk of tiles x splits units: its tile's first row m0 and column n0, its split,
+// and the split's k-blocks kb0 .. kb1-1 (k_blocks cut in `splits` nearly equal runs, none empty
+// while splits <= k_blocks).
+struct HopperUnit {
+    int m0, n0, split, kb0, kb1;
+};
+static __device__ __forceinline__ HopperUnit hopper_unit(int unit, int tiles_m, int tiles_n, int tile_n, int group_m,
+                                                         int k_blocks, int splits) {
+    const int tiles = tiles_m * tiles_n, split = unit / tiles;
+    int tm, tn;
+    hopper_tile_of(unit % tiles, tiles_m, tiles_n, group_m, &tm, &tn);
+    return {tm * HOP_BM, tn * tile_n, split, split * k_blocks / splits, (split + 1) * k_blocks / splits};
+}
+
+// mbar wait that gives up: false (and MM_TIMEOUT raised) after HOP_WAIT_TRIES tries, or at once
+// (within 1024 tries) when some other thread of the launch has given up already, so that a broken
+// pipeline costs a launch about one bound, not one per wave of blocks.
+static __device__ __forceinline__ bool hopper_wait(uint32_t bar, uint32_t parity) {
+    for (int i = 0; i < HOP_WAIT_TRIES; ++i) {
+        if (mbar_try_wait(bar, parity, HOP_WAIT_HINT_NS)) return true;
+        if ((i & 1023) == 1023 && *(volatile int*)&mm_error != MM_OK) return false;
+    }
+    atomicExch(&mm_error, MM_TIMEOUT);
+    return false;
+}
+
+// The epilogues (the kernel's EPI): versions 3 and 4 store from registers; version 5 stages C in
+// shared memory and stores it by TMA; version 6 does the same with the next kernel's work fused in:
+// the residual added (y = x W^T + residual), or SwiGLU (gate_up and act = silu(gate) * up).
+enum HopperEpilogue { HOP_EPI_REGISTERS, HOP_EPI_TMA, HOP_EPI_RESIDUAL, HOP_EPI_SWIGLU };
+
+// Version 6's operands beyond A, B and C (unused by the other epilogues). SwiGLU: the kernel's B
+// map (tm_b) is W's gate half [F][K] and b_up its up half, C's map (tm_c) gate_up's gate half [M][F]
+// (row stride 2F) and c_up its up half, act the map of act [M][F]. Residual: [M][N], C's shape.
+struct HopperFusion {
+    CUtensorMap b_up, c_up, act;
+    const bf16* residual;
+};
+
+// Where thread tid (0..127) of a consumer holds its accumulator (lib/ptx.cuh): rows r and r + 8 of
+// the consumer's 64, columns 8j + 2i and 8j + 2i + 1 of d[j]. Since (r + 8) % 8 = r % 8, both rows
+// fall in the same swizzle phase.
+static __device__ __forceinline__ int hopper_row_of(int tid) { return (tid >> 5) * 16 + ((tid & 31) >> 2); }
+static __device__ __forceinline__ int hopper_pair_of(int tid) { return tid & 3; }
+
+// One chunk of a consumer's epilogue, run by all 128 threads of consumer cw: 64 rows x 128 bytes of
+// T (64 bf16 or 32 fp32 columns), whose word for row r + 8h and columns 8jj + 2i, +1 is word(jj, h)
+// (two bf16 packed in a uint32_t, or a float2), staged in one of the consumer's two buffers in the
+// 128-byte swizzle and stored by one TMA copy at (c0, t0, batch) of map (added to C when add).
+// *chunks counts the consumer's chunks over its walk: chunk e goes to buffer e % 2, once the copy of
+// chunk e - 2 has read it.
+template <typename T, typename Word>
+static __device__ __forceinline__ void hopper_stage_store(unsigned char* bufs, int cw, int* chunks,
+                                                          const CUtensorMap* map, int c0, int t0, int batch, bool add,
+                                                          Word word) {
+    constexpr int J_PER_CHUNK = 128 / sizeof(T) / 8;  // the chunk's d[j]
+    const int tid = threadIdx.x & 127, r = hopper_row_of(tid), i = hopper_pair_of(tid);
+    unsigned char* buf = bufs + (*chunks % HOP_OUT_BUFS) * HOP_OUT_BUF_BYTES;
+    if (tid == 0) bulk_wait_read_but<HOP_OUT_BUFS - 1>();  // the copy that used buf last has read it
+    named_barrier(1 + cw, 128);
+#pragma unroll
+    for (int jj = 0; jj < J_PER_CHUNK; ++jj) {
+        // columns 8jj + 2i, +1: byte b of a 128-byte row, stored (128-byte swizzle) in 16-byte slot
+        // (b / 16) ^ (row % 8); the 8 rows of one warp's store fall in 8 different bank groups
+        const int b = (8 * jj + 2 * i) * (int)sizeof(T);
+        const int at = ((((b >> 4) ^ (r & 7)) << 4) | (b & 15)) + r * 128;
+        *reinterpret_cast<decltype(word(0, 0))*>(buf + at) = word(jj, 0);
+        *reinterpret_cast<decltype(word(0, 0))*>(buf + at + 8 * 128) = word(jj, 1);
+    }
+    wg_fence_proxy_async();  // the writes above, before the copy engine reads them
+    named_barrier(1 + cw, 128);
+    if (tid == 0) {
+        if (add) tma_store_3d<true>(map, attn_smem_u32(buf), c0, t0, batch);
+        else tma_store_3d<false>(map, attn_smem_u32(buf), c0, t0, batch);
+    }
+    ++*chunks;
+}
+
+// Version 6's residual for one chunk of 64 bf16 columns from col0: the pairs this thread adds, rows
+// row0 + r (h = 0) and row0 + r + 8 (h = 1), columns col0 + 8jj + 2i, +1; zero outside [M][N]. Read
+// one chunk ahead of its use, so that the loads fly while the chunk before is staged.
+static __device__ __forceinline__ void hopper_load_residual(uint32_t (&res)[8][2], const bf16* residual, int row0,
+                                                            int col0, int M, int N) {
+    const int tid = threadIdx.x & 127, r = hopper_row_of(tid), i = hopper_pair_of(tid);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + r + 8 * h, col = col0 + 8 * jj + 2 * i;  // N even: the pair is in the row
+            const unsigned* at = reinterpret_cast<const unsigned*>(residual + (long)row * N + col);
+            res[jj][h] = row < M && col < N ? __ldg(at) : 0u;
+        }
+}
+
+static __device__ __forceinline__ float hopper_bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+static __device__ __forceinline__ float hopper_bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+// Versions 5 and 6's epilogue, run by all 128 threads of consumer cw: its 64 x 256 accumulator
+// (rows row0 .. row0+63, columns from n0; splits > 1: split `batch`'s partial) in chunks of 128
+// bytes a row. EPI_TMA: C itself, bf16 or fp32 (added to C when add). EPI_RESIDUAL: bf16 acc +
+// residual, whose chunk 0 the caller read into res[0] before the tile's products. EPI_SWIGLU: the
+// 256 columns are gate columns n0 .. n0+127 (d[0..15]) and the up columns of the same features
+// (d[16..31]), so this thread holds gate and up of each feature it holds; per 64 features it stores
+// gate, up and act = swiglu8(gate, up) of the bf16-rounded values, as swiglu_forward computes from
+// the stored gate_up. Chunks wholly past M or N (SwiGLU: F) are skipped, the same for the whole
+// warpgroup; TMA clips the others.
+template <int EPI, typename T>
+static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_BN / 8][4], uint32_t (&res)[2][8][2],
+                                                        const CUtensorMap* tm_c, const HopperFusion& fuse,
+                                                        unsigned char* bufs, int cw, int row0, int n0, int batch,
+                                                        bool add, int M, int N, int* chunks) {
+    constexpr int COLS = 128 / sizeof(T), J_PER_CHUNK = COLS / 8;  // a chunk's columns, and its d[j]
+    if (row0 >= M) return;
+    if constexpr (EPI == HOP_EPI_SWIGLU) {
+#pragma unroll
+        for (int q = 0; q < HOP_BN / 2 / COLS; ++q) {
+            const int f0 = n0 + q * COLS;
+            if (f0 >= N) break;
+            uint32_t gate[J_PER_CHUNK][2], up[J_PER_CHUNK][2], act[J_PER_CHUNK][2];
+#pragma unroll
+            for (int jj = 0; jj < J_PER_CHUNK; ++jj)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int j = q * J_PER_CHUNK + jj;
+                    gate[jj][h] = attn_pack_bf16(acc[j][2 * h], acc[j][2 * h + 1]);
+                    up[jj][h] = attn_pack_bf16(acc[j + HOP_BN / 16][2 * h], acc[j + HOP_BN / 16][2 * h + 1]);
+                }
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int p = 0; p < J_PER_CHUNK / 4; ++p) {  // 8 features at a time, as swiglu8 takes them
+                    bf16x8 g, u;
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+                        reinterpret_cast<uint32_t*>(g.v)[w] = gate[4 * p + w][h];
+                        reinterpret_cast<uint32_t*>(u.v)[w] = up[4 * p + w][h];
+                    }
+                    const bf16x8 y = swiglu8(g, u);
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) act[4 * p + w][h] = reinterpret_cast<const uint32_t*>(y.v)[w];
+                }
+            const CUtensorMap* maps[3] = {tm_c, &fuse.c_up, &fuse.act};  // gate, up, act: 64 features each
+            const uint32_t(*words[3])[2] = {gate, up, act};
+#pragma unroll
+            for (int o = 0; o < 3; ++o)
+                hopper_stage_store<T>(bufs, cw, chunks, maps[o], f0, row0, 0, false,
+                                      [&](int jj, int h) { return words[o][jj][h]; });
+        }
+    } else {
+#pragma unroll
+        for (int q = 0; q < HOP_BN / COLS; ++q) {
+            const int col0 = n0 + q * COLS;
+            if (col0 >= N) break;
+            if constexpr (EPI == HOP_EPI_RESIDUAL) {
+                if (q + 1 < HOP_BN / COLS)  // the next chunk's, in flight while this one is staged
+                    hopper_load_residual(res[(q + 1) % 2], fuse.residual, row0, col0 + COLS, M, N);
+                hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, false, [&](int jj, int h) {
+                    const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
+                    const uint32_t rw = res[q % 2][jj][h];
+                    return attn_pack_bf16(d[2 * h] + hopper_bf16_lo(rw), d[2 * h + 1] + hopper_bf16_hi(rw));
+                });
+            } else if constexpr (sizeof(T) == 2) {
+                hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, add, [&](int jj, int h) {
+                    const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
+                    return attn_pack_bf16(d[2 * h], d[2 * h + 1]);
+                });
+            } else {
+                hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, add, [&](int jj, int h) {
+                    const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
+                    return make_float2(d[2 * h], d[2 * h + 1]);
+                });
+            }
+        }
+    }
+}
+
+// EPI (HopperEpilogue): HOP_EPI_REGISTERS, versions 3 and 4, stores to c from registers (tm_c
+// unused); the others store through tm_c (c unused): HOP_EPI_TMA (version 5) bf16 C, fp32 C added
+// to (splits 1), or the fp32 partials of `splits` > 1 (batch = split); version 6's fused epilogues
+// (splits 1) with the operands of `fuse`. HOP_EPI_SWIGLU walks tiles of 128 features (N = F): its
+// B tile is W's 128 gate rows of them and the 128 up rows (tm_b and fuse.b_up), two boxes a stage.
+template <bool A_K, bool B_K, typename OutT, int EPI>
+__global__ void __launch_bounds__(HOP_THREADS, 1)
+    hopper_matmul_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
+                         const __grid_constant__ CUtensorMap tm_c, const __grid_constant__ HopperFusion fuse,
+                         OutT* __restrict__ c, int M, int N, int K, int group_m, int splits) {
+    constexpr bool TMA_STORE = EPI != HOP_EPI_REGISTERS, SWIGLU = EPI == HOP_EPI_SWIGLU;
+    constexpr int TILE_N = SWIGLU ? HOP_BN / 2 : HOP_BN;  // the columns of C (SwiGLU: features) a tile covers
+    static_assert(!SWIGLU || (A_K && B_K), "SwiGLU fuses into the forward, whose operands are K-major");
+    extern __shared__ __align__(1024) unsigned char hopper_smem[];
+    const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * HOP_A_BYTES;
+    unsigned char* out_bufs = hopper_smem + HOP_RING_BYTES;  // version 5: consumer c's are the c-th pair
+    const uint32_t full = a_tiles + HOP_RING_BYTES + (TMA_STORE ? HOP_OUT_BYTES : 0);  // 8 bytes a barrier
+    const uint32_t empty = full + 8 * HOP_STAGES;
+    if (a_tiles % 1024 != 0) {  // the same for every thread: all leave
+        if (threadIdx.x == 0) atomicExch(&mm_error, MM_MISALIGNED);
+        return;
+    }
+    const int tiles_m = (M + HOP_BM - 1) / HOP_BM, tiles_n = (N + TILE_N - 1) / TILE_N;
+    const int units = tiles_m * tiles_n * splits, k_blocks = (K + HOP_BK - 1) / HOP_BK;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < HOP_STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);   // the producer's arrive (with the expected bytes)
+            mbar_init(empty + 8 * s, 8);  // one arrive per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // producer
+        setmaxnreg_dec<HOP_PROD_REGS>();
+        if (threadIdx.x == 0) {
+            int t = 0;  // k-blocks loaded so far
+            for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+                const HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
+                const int a_panels = min(2, (M - u.m0 + 63) / 64), b_panels = min(4, (N - u.n0 + 63) / 64);
+                const uint32_t bytes = (A_K ? HOP_A_BYTES : a_panels * HOP_PANEL_BYTES) +
+                                       (B_K ? HOP_B_BYTES : b_panels * HOP_PANEL_BYTES);
+                for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
+                    const int st = t % HOP_STAGES, use = t / HOP_STAGES;
+                    const uint32_t bar = full + 8 * st;
+                    // the stage's previous use (k-block t - STAGES) is done once its phase use-1 completed
+                    if (use > 0 && !hopper_wait(empty + 8 * st, (use - 1) & 1)) return;
+                    mbar_expect_tx(bar, bytes);
+                    const uint32_t as = a_tiles + st * HOP_A_BYTES, bs = b_tiles + st * HOP_B_BYTES;
+                    const int k0 = kb * HOP_BK;
+                    if constexpr (A_K) {
+                        tma_load_3d(as, &tm_a, k0, u.m0, 0, bar);  // box {64 k, 128 m}
+                    } else {
+                        for (int p = 0; p < a_panels; ++p)  // boxes {64 m, 64 k}
+                            tma_load_3d(as + p * HOP_PANEL_BYTES, &tm_a, u.m0 + 64 * p, k0, 0, bar);
+                    }
+                    if constexpr (SWIGLU) {  // boxes {64 k, 128 features}: gate rows, then up rows
+                        tma_load_3d(bs, &tm_b, k0, u.n0, 0, bar);
+                        tma_load_3d(bs + HOP_B_BYTES / 2, &fuse.b_up, k0, u.n0, 0, bar);
+                    } else if constexpr (B_K) {
+                        tma_load_3d(bs, &tm_b, k0, u.n0, 0, bar);  // box {64 k, 256 n}
+                    } else {
+                        for (int p = 0; p < b_panels; ++p)  // boxes {64 n, 64 k}
+                            tma_load_3d(bs + p * HOP_PANEL_BYTES, &tm_b, u.n0 + 64 * p, k0, 0, bar);
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    // consumers
+    setmaxnreg_inc<HOP_CONS_REGS>();
+    const int cw = wg - 1;
+    const bool store_thread = TMA_STORE && (threadIdx.x & 127) == 0;  // issues the consumer's TMA stores
+    float acc[HOP_BN / 8][4];  // wgmma's accumulator layout (lib/ptx.cuh): d[j] holds columns 8j .. 8j+7
+    int t = 0;                // k-blocks consumed so far
+    int chunks = 0;           // versions 5, 6: chunks this consumer has staged
+    uint32_t res[2][8][2];    // version 6, residual: a chunk's residual pairs, read one chunk ahead
+    for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+        const HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
+#pragma unroll
+        for (int j = 0; j < HOP_BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+        if constexpr (EPI == HOP_EPI_RESIDUAL)  // the first chunk's, read under the tile's products
+            hopper_load_residual(res[0], fuse.residual, u.m0 + 64 * cw, u.n0, M, N);
+        for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
+            const int st = t % HOP_STAGES;
+            if (!hopper_wait(full + 8 * st, (t / HOP_STAGES) & 1)) {
+                wg_wait<0>();                          // leave no product in flight
+                if (store_thread) bulk_wait<false>();  // nor a store reading shared memory
+                return;
+            }
+            const uint32_t as = a_tiles + st * HOP_A_BYTES + cw * (A_K ? 64 * 128 : HOP_PANEL_BYTES);
+            const uint32_t bs = b_tiles + st * HOP_B_BYTES;
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < HOP_BK / 16; ++kk) {
+                const uint64_t da = wg_desc(as + (A_K ? kk * 32 : kk * 16 * 128));
+                const uint64_t db = B_K ? wg_desc(bs + kk * 32) : wg_desc(bs + kk * 16 * 128, HOP_PANEL_BYTES);
+                wg_mma_ss<HOP_BN, 1, A_K ? 0 : 1, B_K ? 0 : 1>(acc, da, db);
+            }
+            wg_commit();
+            wg_wait<1>();  // k-block kb-1's products are done: its stage can be refilled
+            if (kb > u.kb0 && lane == 0) mbar_arrive(empty + 8 * ((t - 1) % HOP_STAGES));
+        }
+        wg_wait<0>();
+        wg_fence_regs(acc);
+        if (u.kb1 > u.kb0 && lane == 0) mbar_arrive(empty + 8 * ((t - 1) % HOP_STAGES));
+
+        if constexpr (TMA_STORE) {
+            hopper_store_tma<EPI, OutT>(acc, res, &tm_c, fuse, out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw,
+                                        u.m0 + 64 * cw, u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M, N,
+                                        &chunks);
+        } else {
+            // Versions 3 and 4: warp w of the consumer holds rows 16w + g and 16w + g + 8 of its 64,
+            // columns 8j + 2i and 8j + 2i + 1 of d[j] (lane = 4g + i).
+            const int row = u.m0 + cw * 64 + (warp & 3) * 16 + (lane >> 2), col0 = u.n0 + 2 * (lane & 3);
+#pragma unroll
+            for (int j = 0; j < HOP_BN / 8; ++j) {
+                const int col = col0 + 8 * j;
+                if (col >= N) continue;
+                if (row < M) mm_store_pair(c, (long)row * N + col, acc[j][0], acc[j][1]);
+                if (row + 8 < M) mm_store_pair(c, (long)(row + 8) * N + col, acc[j][2], acc[j][3]);
+            }
+        }
+    }
+    if (store_thread) bulk_wait<false>();  // every store done before the block's shared memory goes
+}
+
+// One launch of the kernel, its shared memory allowed first (past the 48 KiB default).
+template <bool A_K, bool B_K, typename OutT, int EPI>
+static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
+                          const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
+                          cudaStream_t s) {
+    constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS);
+    attn_allow_smem(hopper_matmul_kernel<A_K, B_K, OutT, EPI>, smem);
+    hopper_matmul_kernel<A_K, B_K, OutT, EPI>
+        <<<grid, HOP_THREADS, smem, s>>>(tm_a, tm_b, tm_c, fuse, c, M, N, K, group_m, splits);
+    LAUNCH_CHECK();
+}
+
+// The SMs of the current device: the persistent grid's size.
+static int hopper_sms(void) {
+    static int sms = 0;
+    if (!sms) {
+        int device;
+        CUDA_CHECK(cudaGetDevice(&device));
+        CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    }
+    return sms;
+}
+
+// What the fused gate/up forward needs of its operands, or NULL when they are fine: TMA's row
+// strides and base addresses are multiples of 16 bytes, so I and F = O / 2 are multiples of 8 (the
+// up halves of W and gate_up start F elements in) and every pointer is 16-byte aligned. The rows N
+// may be any number: TMA zero-fills and clips the edge tiles. The one place these are checked: the
+// trainer takes the fused path only where this says NULL, and the ladder skips what it refuses.
+static const char* hopper_swiglu_problem(const bf16* gate_up, const bf16* act, const bf16* x, const bf16* W, int N,
+                                         int I, int O) {
+    if (N < 1 || I < 1 || O < 2) return "empty matrices";
+    if (I % 8) return "the input width I must be a multiple of 8";
+    if (O % 16) return "the features F = O / 2 must be a multiple of 8";
+    const void* pointers[] = {gate_up, act, x, W};
+    for (const void* p : pointers)
+        if ((uintptr_t)p % 16) return "every operand must be 16-byte aligned";
+    return NULL;
+}
+
+// The gate/up forward with SwiGLU fused (the ladder's version 6, the trainer's BF16 gate/up
+// forward): gate_up[N, 2F] = x[N, I] W[2F, I]^T and act[N, F] = silu(gate) * up, with the bits of
+// kernels.cuh's swiglu_forward run on the stored gate_up, in one launch; for operands that
+// hopper_swiglu_problem accepts (else it exits with that line). A tile takes 128 features: W's gate
+// rows and up rows of them, each half of W, gate_up and act a map of its own, whose edges TMA
+// zero-fills (loads) and clips (stores). One split of K, so the result repeats bit for bit.
+static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const bf16* W, int N, int I, int O,
+                                  cudaStream_t s) {
+    if (const char* problem = hopper_swiglu_problem(gate_up, act, x, W, N, I, O)) {
+        fprintf(stderr, "hopper_forward_swiglu: %s (N %d, I %d, O %d)\n", problem, N, I, O);
+        exit(1);
+    }
+    const int M = N, F = O / 2, K = I;
+    HopperFusion fuse;
+    fuse.b_up = tma_tensor_map(W + (size_t)F * K, K, K, F, 1, HOP_BN / 2);
+    fuse.c_up = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, 64);
+    fuse.act = tma_tensor_map(act, F, F, M, 1, 64);
+    fuse.residual = nullptr;
+    const int tiles = ceil_div(M, HOP_BM) * ceil_div(F, HOP_BN / 2);
+    hopper_launch<true, true, bf16, HOP_EPI_SWIGLU>(
+        tma_tensor_map(x, K, K, M, 1, HOP_BM), tma_tensor_map(W, K, K, F, 1, HOP_BN / 2),
+        tma_tensor_map(gate_up, F, 2 * F, M, 1, 64), fuse, gate_up, M, F, K, std::min(tiles, hopper_sms()), HOP_GROUP_M,
+        1, s);
+}
+
+#endif
