@@ -12,7 +12,8 @@
  *   loss   = mean cross-entropy of the next token
  *
  * What lives where: kernels.cuh holds the CUDA kernels, the optimizers' kernels and the one matmul
- * wrapper; lib/fp8.cuh FP8's casts and scales; lib/config.h the ModelConfig and its reading from
+ * wrapper; lib/matmul_hopper.cuh our own Hopper GEMM, which runs the BF16 gate/up forward with SwiGLU
+ * in its epilogue; lib/fp8.cuh FP8's casts and scales; lib/config.h the ModelConfig and its reading from
  * JSON; data.h the token shards and loader; comm.h data parallelism over NCCL (ranks, collectives,
  * ZeRO's shard arithmetic); ckpt.h the safetensors and checkpoint files; doc/map.md is the map of
  * the whole repository. This file, in reading order: the config; the parameter table, which lays
@@ -44,6 +45,7 @@
 #include <cuda_fp16.h>
 #include "kernels.cuh"
 #include "lib/fp8.cuh"
+#include "lib/matmul_hopper.cuh"
 #include "data.h"
 #include "lib/tokenizer.h"
 #include "ckpt.h"
@@ -1281,6 +1283,34 @@ static void layer_forward(GPT* m, ParamKind kind, int l, int N, bf16* y, const b
            1.0f, O, N, I, true, false, m->stream, f->fast_accum);
 }
 
+// The MLP's gate/up product and SwiGLU in layer l: gate_up = xnorm_mlp W_gate_up^T [N, 2F], which
+// the backward keeps, and mlp_act = silu(gate) * up [N, F]. In BF16 one kernel of our own does both
+// (lib/matmul_hopper.cuh): act is made in the product's epilogue, so gate_up is not read back, 1.27x
+// cuBLASLt plus swiglu_forward at the default config (doc/matmul.md); its act has the very bits
+// swiglu_forward makes from the stored gate_up, which is what the backward's recompute runs. It
+// never splits K, so it repeats bit for bit. Where hopper_swiglu_problem refuses the operands, and
+// in FP8, the product goes through layer_forward; FP8's fused casts then make SwiGLU themselves
+// (fp8_input), else swiglu_forward does.
+static bool gate_up_fused(const GPT* m, int l) {
+    const ParamTensor* t = param(&m->table, P_GATE_UP, l);
+    const Activations* a = &m->act;
+    return !fp8_product(m, P_GATE_UP) && !hopper_swiglu_problem(a->gate_up[l], a->mlp_act[l], a->xnorm_mlp[l],
+                                                                m->params + t->offset, m->N, (int)t->cols,
+                                                                (int)t->rows);
+}
+
+static void mlp_gate_up(GPT* m, int l) {
+    Activations* a = &m->act;
+    if (gate_up_fused(m, l)) {
+        const ParamTensor* t = param(&m->table, P_GATE_UP, l);
+        hopper_forward_swiglu(a->gate_up[l], a->mlp_act[l], a->xnorm_mlp[l], m->params + t->offset, m->N,
+                              (int)t->cols, (int)t->rows, m->stream);
+        return;
+    }
+    layer_forward(m, P_GATE_UP, l, m->N, a->gate_up[l], a->xnorm_mlp[l], NULL);
+    if (!fp8_fused(m)) mlp_swiglu(m, l);
+}
+
 // dW += dy^T x and dx = dy W, for dy [N, O] and the matrix's input x [N, I] (as the forward saw it).
 // On the fused FP8 path a layer's codes come from fp8_input and fp8_grad, made from what the
 // forward kept (x unused, and GATE_UP's dy too); the head's are cast as they are.
@@ -1380,8 +1410,7 @@ static void forward_layers(GPT* m, const Batch* batch) {
         layer_forward(m, P_ATTN_OUT, l, N, a->residual_mid[l], a->attn_out[l], a->residual[l]);
         // MLP block: residual' = residual_mid + swiglu(rmsnorm(residual_mid) W_gate_up^T) W_down^T
         if (!fused) mlp_norm(m, l);
-        layer_forward(m, P_GATE_UP, l, N, a->gate_up[l], a->xnorm_mlp[l], NULL);
-        if (!fused) mlp_swiglu(m, l);
+        mlp_gate_up(m, l);
         layer_forward(m, P_DOWN, l, N, a->residual[l + 1], a->mlp_act[l], a->residual_mid[l]);
     }
     rmsnorm_forward(a->xnorm_final, a->rstd_final, a->residual[c->n_layer], P(m, P_FINAL_NORM, 0), N, C,
@@ -2759,6 +2788,7 @@ typedef struct {
     TokenList prompt;
     FILE* log;
     OptimScalars* readback;     // pinned [STEPS_IN_FLIGHT]: the device's scalars after each step
+    int* matmul_errors;         // pinned [STEPS_IN_FLIGHT]: mm_error after each step (lib/matmul_hopper.cuh)
     Fp8Scale* scales_readback;  // --fp8-log-scales: pinned [STEPS_IN_FLIGHT][ranks][fp8_n_scales]
     Fp8Scale* scales_gathered;  // and on several GPUs, every rank's scales on the device [ranks][...]
     cudaEvent_t step_start[STEPS_IN_FLIGHT], step_end[STEPS_IN_FLIGHT];  // a step's time is between them
@@ -2905,6 +2935,7 @@ static void trainer_open(Trainer* t, const Options* o, const CommEnv* env) {
     t->step = t->logged = t->start_step;
     uploader_create(&t->up, N, o->model.vocab_size);
     CUDA_CHECK(cudaMallocHost(&t->readback, STEPS_IN_FLIGHT * sizeof(OptimScalars)));
+    CUDA_CHECK(cudaMallocHost(&t->matmul_errors, STEPS_IN_FLIGHT * sizeof(int)));
     if (o->fp8_log_scales) {
         size_t bytes = env->world * fp8_n_scales(&o->model) * sizeof(Fp8Scale);
         CUDA_CHECK(cudaMallocHost(&t->scales_readback, STEPS_IN_FLIGHT * bytes));
@@ -3030,6 +3061,8 @@ static void train_step(Trainer* t) {
     }
     CUDA_CHECK(cudaMemcpyAsync(&t->readback[slot], m->scalars, sizeof(OptimScalars), cudaMemcpyDeviceToHost,
                                m->stream));
+    CUDA_CHECK(cudaMemcpyFromSymbolAsync(&t->matmul_errors[slot], mm_error, sizeof(int), 0, cudaMemcpyDeviceToHost,
+                                         m->stream));
     fp8_scales_readback(t, slot);
     CUDA_CHECK(cudaEventRecord(t->step_end[slot], m->stream));
     t->step++;
@@ -3111,6 +3144,8 @@ static void log_one_step(Trainer* t, int index) {
     const Options* o = &t->o;
     int slot = index % STEPS_IN_FLIGHT, total = o->optim.total_steps, done = index + 1;
     CUDA_CHECK(cudaEventSynchronize(t->step_end[slot]));
+    if (t->matmul_errors[slot] != MM_OK)  // a wait of our GEMM gave up: its outputs are wrong
+        die("step %d: the gate/up matmul failed (%s)", index + 1, mm_error_text(t->matmul_errors[slot]));
     float ms;
     CUDA_CHECK(cudaEventElapsedTime(&ms, t->step_start[slot], t->step_end[slot]));
     const OptimScalars* s = &t->readback[slot];
@@ -3256,6 +3291,7 @@ static void trainer_close(Trainer* t) {
         CUDA_CHECK(cudaEventDestroy(t->step_end[i]));
     }
     CUDA_CHECK(cudaFreeHost(t->readback));
+    CUDA_CHECK(cudaFreeHost(t->matmul_errors));
     CUDA_CHECK(cudaFreeHost(t->scales_readback));
     CUDA_CHECK(cudaFree(t->scales_gathered));
     free(t->synthetic);
