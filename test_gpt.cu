@@ -311,6 +311,33 @@ static int test_learning_rate_schedules(void) {
     return TEST_RESULT;
 }
 
+// What our Hopper GEMM's fused gate/up forward accepts (lib/matmul_hopper.cuh): the trainer takes
+// that path exactly where hopper_swiglu_problem says NULL, and cuBLASLt's otherwise.
+static int test_hopper_swiglu_requirements(void) {
+    int failed = 0;
+    alignas(16) static bf16 buf[64];
+    bf16 *p = buf, *odd = buf + 1;  // 16-byte aligned, and 2 bytes past that
+    struct {
+        const bf16* x;
+        int N, I, O;
+        bool ok;
+        const char* what;
+    } cases[] = {
+        {p, 1, 8, 16, true, "the smallest shape: one row, I 8, F 8"},
+        {p, 2201, 200, 2000, true, "rows not a multiple of 8 or of a tile; I and F multiples of 8 only"},
+        {p, 0, 8, 16, false, "no rows"},
+        {p, 16, 12, 16, false, "I 12: x's rows do not start on 16 bytes"},
+        {p, 16, 8, 24, false, "F 12: the up halves do not start on 16 bytes"},
+        {p, 16, 8, 15, false, "O odd: no gate/up split"},
+        {odd, 16, 8, 16, false, "x not 16-byte aligned"},
+    };
+    for (auto& tc : cases) {
+        const char* problem = hopper_swiglu_problem(p, p, tc.x, p, tc.N, tc.I, tc.O);
+        EXPECT((problem == NULL) == tc.ok, "%s: %s", tc.what, problem ? problem : "accepted");
+    }
+    return TEST_RESULT;
+}
+
 static int test_flops_per_token(void) {
     int failed = 0;
     // the same count written out for the default model, as the PyTorch baseline counts it:
@@ -1041,6 +1068,73 @@ static int test_kernel_matmul_fp8(void) {
     return TEST_RESULT;
 }
 
+// The trainer's gate/up forward in BF16 (mlp_gate_up: our Hopper GEMM with SwiGLU in its epilogue,
+// lib/matmul_hopper.cuh) on awkward shapes it allows: gate_up against the fp64 product, and
+// mlp_act bit for bit against swiglu_forward run on the gate_up it wrote (the bits the backward's
+// recompute makes), both outputs poisoned with NaN first; a second run must repeat the bits.
+// Shapes: rows past a multiple of 8 and of the 128-row tile, K not a multiple of the 64-wide
+// k-block, features not a multiple of the 128-feature tile (the last tile's gate and up boxes
+// cross F), more tiles than an H100 has SMs (the persistent walk comes round), and a K of 16
+// k-blocks (the 4-stage ring wraps), in the last layer of two (the weights' offset).
+static int test_kernel_gate_up_swiglu(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    struct {
+        ModelConfig c;
+        int B;
+    } cases[] = {
+        {{64, 200, 1, 2, 1, 64, 1000, 1100, 1e4f, 1e-6f}, 2},  // N 2200 (18 row tiles, the last 24 rows), K 200,
+                                                              // F 1000 (8 tiles, the last 104): 144 tiles
+        {{64, 72, 1, 2, 1, 64, 8, 13, 1e4f, 1e-6f}, 1},        // N 13, K 72, F 8: one tile, mostly edge
+        {{64, 1024, 2, 2, 1, 64, 264, 150, 1e4f, 1e-6f}, 2},   // N 300, K 1024, F 264 (tiles of 128, 128, 8)
+    };
+    for (auto& tc : cases) {
+        const ModelConfig* c = &tc.c;
+        GPT m;
+        gpt_create(&m, c, tc.B, c->seq_len, 0, 4096, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
+        const int N = m.N, I = c->d_model, F = c->ffn_dim, l = c->n_layer - 1;
+        const size_t n_gu = (size_t)N * 2 * F, n_act = (size_t)N * F;
+        Activations* a = &m.act;
+        EXPECT(gate_up_fused(&m, l), "N %d, I %d, F %d: the fused path refused", N, I, F);
+        double *x = random_array((size_t)N * I, 1.0), *W = random_array((size_t)2 * F * I, 1.0);
+        bf16 *d_x = to_device_bf16(x, (size_t)N * I), *d_W = to_device_bf16(W, (size_t)2 * F * I);
+        CUDA_CHECK(cudaMemcpy(a->xnorm_mlp[l], d_x, (size_t)N * I * 2, cudaMemcpyDeviceToDevice));
+        CUDA_CHECK(cudaMemcpy(P(&m, P_GATE_UP, l), d_W, (size_t)2 * F * I * 2, cudaMemcpyDeviceToDevice));
+        uint16_t* bits[2];  // each run's gate_up, then its act, as stored
+        for (int run = 0; run < 2; run++) {
+            CUDA_CHECK(cudaMemset(a->gate_up[l], 0xFF, n_gu * 2));  // NaN
+            CUDA_CHECK(cudaMemset(a->mlp_act[l], 0xFF, n_act * 2));
+            mlp_gate_up(&m, l);
+            CUDA_CHECK(cudaStreamSynchronize(m.stream));
+            const int error = mm_error_take();
+            EXPECT(error == MM_OK, "N %d, I %d, F %d: %s", N, I, F, mm_error_text(error));
+            bits[run] = (uint16_t*)malloc((n_gu + n_act) * 2);
+            CUDA_CHECK(cudaMemcpy(bits[run], a->gate_up[l], n_gu * 2, cudaMemcpyDeviceToHost));
+            CUDA_CHECK(cudaMemcpy(bits[run] + n_gu, a->mlp_act[l], n_act * 2, cudaMemcpyDeviceToHost));
+        }
+        EXPECT(!memcmp(bits[0], bits[1], (n_gu + n_act) * 2), "N %d, I %d, F %d: a second run differs", N, I, F);
+        double* gu = (double*)malloc(n_gu * 8);
+        ref_linear_forward(gu, x, W, N, I, 2 * F);
+        double* ggu = from_device_bf16(a->gate_up[l], n_gu);
+        char name[96];
+        snprintf(name, sizeof(name), "gate_up N %d, I %d, F %d", N, I, F);
+        CHECK_CLOSE(name, ggu, gu, n_gu, 4e-3);
+        bf16* d_act = (bf16*)device_alloc_poisoned(n_act * 2);
+        swiglu_forward(d_act, a->gate_up[l], N, F, m.stream);
+        uint16_t* want_act = (uint16_t*)malloc(n_act * 2);
+        CUDA_CHECK(cudaMemcpy(want_act, d_act, n_act * 2, cudaMemcpyDeviceToHost));
+        size_t differ = 0;
+        for (size_t i = 0; i < n_act; i++) differ += bits[1][n_gu + i] != want_act[i];
+        EXPECT(differ == 0, "N %d, I %d, F %d: act differs from swiglu_forward on its gate_up in %zu of %zu entries", N,
+               I, F, differ, n_act);
+        free(x); free(W); free(gu); free(ggu); free(want_act); free(bits[0]); free(bits[1]);
+        void* dev[] = {d_x, d_W, d_act};
+        for (void* d : dev) CUDA_CHECK(cudaFree(d));
+        gpt_free(&m);
+    }
+    return TEST_RESULT;
+}
+
 static int test_kernel_embedding_and_reductions(void) {
     REQUIRE_GPU();
     int failed = 0;
@@ -1193,7 +1287,9 @@ static double gpu_forward_backward(GPT* m, Uploader* up, double* p, const uint16
 // relative L2: we allow 3e-2. A norm weight's gradient is a sum over every token (and head) of
 // terms of both signs that mostly cancel, so the same absolute rounding errors are large next to
 // the small total: we measured up to 2.5e-2 and allow 8e-2. A wrong formula or index shows errors
-// of order 1 in either.
+// of order 1 in either. Every case runs its gate/up forward through our fused GEMM (gate_up_fused:
+// d_model and ffn_dim are multiples of 8, the case checks it), the first with N = 154 rows, no
+// multiple of 8; test_fp8_gpu_model_gradients_vs_bf16 checks that FP8 takes cuBLASLt's path.
 static int test_model_matches_reference(void) {
     REQUIRE_GPU();
     int failed = 0;
@@ -1210,6 +1306,7 @@ static int test_model_matches_reference(void) {
         GPT m;
         // loss_chunk 100: several chunks
         gpt_create(&m, c, tc.B, c->seq_len, tc.recompute_layers, 100, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
+        for (int l = 0; l < c->n_layer; l++) EXPECT(gate_up_fused(&m, l), "layer %d's gate/up is not fused", l);
         Uploader up;
         uploader_create(&up, m.N, c->vocab_size);
         double* p = random_params(c, &m.table, 0.08);
@@ -1911,6 +2008,7 @@ static const TestCase model_tests[] = {
     {"param_table_buckets_split_evenly", test_param_table_buckets_split_evenly},
     {"hf_names_cover_every_parameter", test_hf_names_cover_every_parameter},
     {"learning_rate_schedules", test_learning_rate_schedules},
+    {"hopper_swiglu_requirements", test_hopper_swiglu_requirements},
     {"flops_per_token", test_flops_per_token},
     {"recompute_auto_choice", test_recompute_auto_choice},
     {"reference_gradients_match_finite_differences", test_reference_gradients_match_finite_differences},
@@ -1924,6 +2022,7 @@ static const TestCase model_tests[] = {
     {"gpu_kernel_cross_entropy_matches_two_pass", test_kernel_cross_entropy_matches_two_pass},
     {"gpu_kernel_matmuls", test_kernel_matmuls},
     {"gpu_kernel_matmul_fp8", test_kernel_matmul_fp8},
+    {"gpu_kernel_gate_up_swiglu", test_kernel_gate_up_swiglu},
     {"gpu_kernel_embedding_and_reductions", test_kernel_embedding_and_reductions},
     {"gpu_kernel_adamw", test_kernel_adamw},
     {"gpu_model_matches_reference", test_model_matches_reference},
