@@ -1,6 +1,7 @@
 /*
  * kernels.cuh - every CUDA kernel train_gpt runs, the optimizer's kernels, and the one matmul
- * wrapper all matmuls use.
+ * wrapper all matmuls use but one (the BF16 gate/up forward, which runs lib/matmul_hopper.cuh's
+ * GEMM with SwiGLU in its epilogue).
  *
  * Read it top to bottom: small helpers, the deterministic reductions (global gradient norm, loss
  * sum) and initialization; then the kernels in the order of a training step: embedding, RMSNorm,
@@ -954,6 +955,9 @@ static void q8_quantize(uint8_t* codes, float* absmax, const float* x, size_t n,
 //
 // Descriptors, layouts and the heuristic's choice of algorithm are made once per shape and kept
 // in a plan; a call finds its plan, sets the scale pointers, and launches.
+//
+// One product does not come here: the BF16 gate/up forward, whose SwiGLU our own Hopper GEMM
+// computes in its epilogue (lib/matmul_hopper.cuh; train_gpt.cu's mlp_gate_up; doc/matmul.md).
 
 // One operand of a matmul: where it is, its element type, and for FP8 the device pointer of the
 // factor that turns its stored values into real ones (NULL: unscaled). For the result it is the
