@@ -5,14 +5,17 @@
  * grid; its epilogue, a template parameter, stores through shared memory and TMA, with the next
  * kernel's work fused in where that pays.
  *
- * How it fits: the trainer runs one instantiation of it, the gate/up forward with SwiGLU in its
- * epilogue (hopper_forward_swiglu, at the bottom: gate_up and act = silu(gate) * up in one launch,
- * 1.27x cuBLASLt plus swiglu_forward at the default config, 1.14x at 1b; doc/matmul.md); every other
- * matmul of the trainer stays with cuBLASLt through kernels.cuh's matmul(). The kernel is the
- * matmul ladder's (dev/matmul.cu): its versions 3 to 6 are this kernel's launch configurations and
- * epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and splits K), 6 adds
- * the residual or applies SwiGLU. train_gpt.cu includes this file after kernels.cuh, whose swiglu8
- * and lib/attention.cuh helpers (the tensor-map cache, shared addresses, bf16 packing) it uses.
+ * How it fits: the trainer runs two instantiations of it, both at the bottom: the gate/up forward
+ * with SwiGLU in its epilogue (hopper_forward_swiglu: gate_up and act = silu(gate) * up in one
+ * launch, 1.27x cuBLASLt plus swiglu_forward at the default config, 1.14x at 1b; doc/matmul.md), and
+ * its mirror in the backward, the down matrix's input gradient with SwiGLU's backward in its
+ * epilogue (hopper_backward_swiglu: d_gate_up from d_mlp_act = dy W_down, which is never stored);
+ * every other matmul of the trainer stays with cuBLASLt through kernels.cuh's matmul(). The kernel
+ * is the matmul ladder's (dev/matmul.cu): its versions 3 to 6 are this kernel's launch
+ * configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and
+ * splits K), 6 adds the residual or applies SwiGLU or its backward. train_gpt.cu includes this file
+ * after kernels.cuh, whose swiglu8 and swiglu_backward8 and lib/attention.cuh helpers (the
+ * tensor-map cache, shared addresses, bf16 packing) it uses.
  *
  * Work split: a 128 x 256 output tile, k-blocks of 64, a 4-stage ring of A [128 x 64] and B
  * [256 x 64] tiles (4 x 48 KiB = 192 KiB of shared memory), 384 threads:
@@ -45,7 +48,7 @@
  * fp32 C: a reduction that adds it to C in L2, so dW += needs no load) and goes on. A buffer is
  * written again only once the store of two chunks before has read it (cp.async.bulk.wait_group.read
  * 1), so the last stores of a tile drain while the next tile's products run. TMA clips the boxes
- * at the matrix's edges. The fused epilogues, for the forward (one split of K):
+ * at the matrix's edges. The fused epilogues (one split of K):
  *   SwiGLU: W [2F][K] holds the gate rows, then the up rows. A tile takes features f .. f+127: its
  *     256-row B tile is W's gate rows f .. f+127 and up rows F+f .., two TMA boxes a stage through
  *     two maps (each half's edge zero-filled at F), so that in wgmma's m64n256 accumulator the
@@ -53,10 +56,17 @@
  *     epilogue stores three chunks: gate and up (gate_up [M][2F], kept for the backward, through two
  *     maps of row stride 2F) and act = swiglu8(gate, up) of the bf16-rounded values [M][F], the
  *     very function and inputs of swiglu_forward, so the bits are the trainer's.
+ *   SwiGLU's backward, in the down matrix's input gradient d_mlp_act [M][F] = dy [M][K] W [K][F]
+ *     (dy K-major, W N-major): the tile is the plain product's; per 64 features the epilogue rounds
+ *     the accumulator to bf16 (d_mlp_act as it would be stored), takes gate and up of the same
+ *     entries from gate_up [M][2F], and stores d_gate and d_up = swiglu_backward8(gate, up, d_mlp_act)
+ *     into d_gate_up's two halves (two maps of row stride 2F): the very function and inputs of
+ *     swiglu_backward on the stored d_mlp_act, so the bits are the trainer's.
  *   residual (the ladder's only: it ties cuBLASLt's beta = 1, doc/matmul.md): y = acc + residual,
- *     rounded once to bf16. Each thread reads the residual entries of its own accumulator straight
- *     from global memory, a chunk ahead: the first chunk's before the tile's products, chunk q+1's
- *     before chunk q is staged, so the loads fly under other work.
+ *     rounded once to bf16.
+ *   Both reads from global memory (the residual; gate and up) go straight into the registers of the
+ *   thread that holds the matching accumulator entries, a chunk ahead: the first chunk's before the
+ *   tile's products, chunk q+1's before chunk q is staged, so the loads fly under other work.
  *
  * Determinism: with one split of K (all the trainer runs) each output is one fp32 sum over k in a
  * fixed order, whatever the grid; the ladder's split K sums its partials in a fixed order too.
@@ -71,7 +81,7 @@
 
 #include <stdint.h>
 #include <algorithm>
-#include "../kernels.cuh"  // swiglu8, bf16x8; through it lib/attention.cuh: tma_tensor_map (the
+#include "../kernels.cuh"  // swiglu8, swiglu_backward8, bf16x8; through it lib/attention.cuh: tma_tensor_map (the
                            // encoded-map cache), attn_smem_u32, attn_allow_smem, attn_pack_bf16
 
 constexpr int HOP_BM = 128, HOP_BN = 256, HOP_BK = 64, HOP_STAGES = 4, HOP_THREADS = 384;
@@ -163,15 +173,19 @@ static __device__ __forceinline__ bool hopper_wait(uint32_t bar, uint32_t parity
 
 // The epilogues (the kernel's EPI): versions 3 and 4 store from registers; version 5 stages C in
 // shared memory and stores it by TMA; version 6 does the same with the next kernel's work fused in:
-// the residual added (y = x W^T + residual), or SwiGLU (gate_up and act = silu(gate) * up).
-enum HopperEpilogue { HOP_EPI_REGISTERS, HOP_EPI_TMA, HOP_EPI_RESIDUAL, HOP_EPI_SWIGLU };
+// the residual added (y = x W^T + residual), or SwiGLU (gate_up and act = silu(gate) * up), or, in
+// the down matrix's input gradient, SwiGLU's backward (d_gate_up from d_mlp_act = dy W and gate_up).
+enum HopperEpilogue { HOP_EPI_REGISTERS, HOP_EPI_TMA, HOP_EPI_RESIDUAL, HOP_EPI_SWIGLU, HOP_EPI_SWIGLU_BWD };
 
 // Version 6's operands beyond A, B and C (unused by the other epilogues). SwiGLU: the kernel's B
 // map (tm_b) is W's gate half [F][K] and b_up its up half, C's map (tm_c) gate_up's gate half [M][F]
 // (row stride 2F) and c_up its up half, act the map of act [M][F]. Residual: [M][N], C's shape.
+// SwiGLU's backward (N = F): C's map is d_gate_up's gate half [M][F] (row stride 2F) and c_up its up
+// half; gate_up [M][2F], the forward's, is read.
 struct HopperFusion {
     CUtensorMap b_up, c_up, act;
     const bf16* residual;
+    const bf16* gate_up;
 };
 
 // Where thread tid (0..127) of a consumer holds its accumulator (lib/ptx.cuh): rows r and r + 8 of
@@ -213,20 +227,34 @@ static __device__ __forceinline__ void hopper_stage_store(unsigned char* bufs, i
     ++*chunks;
 }
 
-// Version 6's residual for one chunk of 64 bf16 columns from col0: the pairs this thread adds, rows
-// row0 + r (h = 0) and row0 + r + 8 (h = 1), columns col0 + 8jj + 2i, +1; zero outside [M][N]. Read
-// one chunk ahead of its use, so that the loads fly while the chunk before is staged.
-static __device__ __forceinline__ void hopper_load_residual(uint32_t (&res)[8][2], const bf16* residual, int row0,
-                                                            int col0, int M, int N) {
+// The entries of a bf16 matrix [M][N] (row stride ld) that match this thread's accumulator in one
+// chunk of 64 columns from col0: rows row0 + r (h = 0) and row0 + r + 8 (h = 1), columns col0 + 8jj
+// + 2i, +1, a pair a word; zero outside [M][N].
+static __device__ __forceinline__ void hopper_load_pairs(uint32_t (&pairs)[8][2], const bf16* base, long ld, int row0,
+                                                         int col0, int M, int N) {
     const int tid = threadIdx.x & 127, r = hopper_row_of(tid), i = hopper_pair_of(tid);
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + r + 8 * h, col = col0 + 8 * jj + 2 * i;  // N even: the pair is in the row
-            const unsigned* at = reinterpret_cast<const unsigned*>(residual + (long)row * N + col);
-            res[jj][h] = row < M && col < N ? __ldg(at) : 0u;
+            const unsigned* at = reinterpret_cast<const unsigned*>(base + row * ld + col);
+            pairs[jj][h] = row < M && col < N ? __ldg(at) : 0u;
         }
+}
+
+// What version 6's epilogue reads for the chunk of 64 columns from col0, one chunk ahead of its use
+// (the tile's first chunk before its products), so that the loads fly under other work: the
+// residual's entries into pre[0]; SwiGLU's backward, gate's and up's of the same features into pre[0]
+// and pre[1] (gate_up [M][2N], N = F). The other epilogues read nothing.
+template <int EPI>
+static __device__ __forceinline__ void hopper_prefetch(uint32_t (&pre)[2][8][2], const HopperFusion& fuse, int row0,
+                                                       int col0, int M, int N) {
+    if constexpr (EPI == HOP_EPI_RESIDUAL) hopper_load_pairs(pre[0], fuse.residual, N, row0, col0, M, N);
+    if constexpr (EPI == HOP_EPI_SWIGLU_BWD) {
+        hopper_load_pairs(pre[0], fuse.gate_up, 2L * N, row0, col0, M, N);
+        hopper_load_pairs(pre[1], fuse.gate_up + N, 2L * N, row0, col0, M, N);
+    }
 }
 
 static __device__ __forceinline__ float hopper_bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
@@ -235,14 +263,17 @@ static __device__ __forceinline__ float hopper_bf16_hi(uint32_t w) { return __ui
 // Versions 5 and 6's epilogue, run by all 128 threads of consumer cw: its 64 x 256 accumulator
 // (rows row0 .. row0+63, columns from n0; splits > 1: split `batch`'s partial) in chunks of 128
 // bytes a row. EPI_TMA: C itself, bf16 or fp32 (added to C when add). EPI_RESIDUAL: bf16 acc +
-// residual, whose chunk 0 the caller read into res[0] before the tile's products. EPI_SWIGLU: the
+// residual, whose chunk 0 the caller read into pre[0] before the tile's products. EPI_SWIGLU: the
 // 256 columns are gate columns n0 .. n0+127 (d[0..15]) and the up columns of the same features
 // (d[16..31]), so this thread holds gate and up of each feature it holds; per 64 features it stores
 // gate, up and act = swiglu8(gate, up) of the bf16-rounded values, as swiglu_forward computes from
-// the stored gate_up. Chunks wholly past M or N (SwiGLU: F) are skipped, the same for the whole
-// warpgroup; TMA clips the others.
+// the stored gate_up. EPI_SWIGLU_BWD: the 256 columns are d_mlp_act's features n0 .., rounded to
+// bf16 as a stored d_mlp_act would be; with gate and up of the same entries (read a chunk ahead
+// into pre, chunk 0 by the caller) swiglu_backward8 makes d_gate and d_up, stored per 64 features
+// into d_gate_up's two halves: swiglu_backward's bits on that d_mlp_act. Chunks wholly past M or N
+// (SwiGLU: F) are skipped, the same for the whole warpgroup; TMA clips the others.
 template <int EPI, typename T>
-static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_BN / 8][4], uint32_t (&res)[2][8][2],
+static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_BN / 8][4], uint32_t (&pre)[2][2][8][2],
                                                         const CUtensorMap* tm_c, const HopperFusion& fuse,
                                                         unsigned char* bufs, int cw, int row0, int n0, int batch,
                                                         bool add, int M, int N, int* chunks) {
@@ -283,6 +314,39 @@ static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_B
                 hopper_stage_store<T>(bufs, cw, chunks, maps[o], f0, row0, 0, false,
                                       [&](int jj, int h) { return words[o][jj][h]; });
         }
+    } else if constexpr (EPI == HOP_EPI_SWIGLU_BWD) {
+#pragma unroll
+        for (int q = 0; q < HOP_BN / COLS; ++q) {
+            const int f0 = n0 + q * COLS;
+            if (f0 >= N) break;
+            uint32_t d_gate[J_PER_CHUNK][2], d_up[J_PER_CHUNK][2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int p = 0; p < J_PER_CHUNK / 4; ++p) {  // 8 features at a time, as swiglu_backward8 takes them
+                    bf16x8 g, u, dy, dg, du;
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+                        const int jj = 4 * p + w;
+                        const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
+                        reinterpret_cast<uint32_t*>(dy.v)[w] = attn_pack_bf16(d[2 * h], d[2 * h + 1]);
+                        reinterpret_cast<uint32_t*>(g.v)[w] = pre[q % 2][0][jj][h];
+                        reinterpret_cast<uint32_t*>(u.v)[w] = pre[q % 2][1][jj][h];
+                    }
+                    swiglu_backward8(&dg, &du, g, u, dy);
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+                        d_gate[4 * p + w][h] = reinterpret_cast<const uint32_t*>(dg.v)[w];
+                        d_up[4 * p + w][h] = reinterpret_cast<const uint32_t*>(du.v)[w];
+                    }
+                }
+            if (q + 1 < HOP_BN / COLS)  // the next chunk's gate and up, in flight while this one is staged
+                hopper_prefetch<EPI>(pre[(q + 1) % 2], fuse, row0, f0 + COLS, M, N);
+            hopper_stage_store<T>(bufs, cw, chunks, tm_c, f0, row0, 0, false,
+                                  [&](int jj, int h) { return d_gate[jj][h]; });
+            hopper_stage_store<T>(bufs, cw, chunks, &fuse.c_up, f0, row0, 0, false,
+                                  [&](int jj, int h) { return d_up[jj][h]; });
+        }
     } else {
 #pragma unroll
         for (int q = 0; q < HOP_BN / COLS; ++q) {
@@ -290,10 +354,10 @@ static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_B
             if (col0 >= N) break;
             if constexpr (EPI == HOP_EPI_RESIDUAL) {
                 if (q + 1 < HOP_BN / COLS)  // the next chunk's, in flight while this one is staged
-                    hopper_load_residual(res[(q + 1) % 2], fuse.residual, row0, col0 + COLS, M, N);
+                    hopper_prefetch<EPI>(pre[(q + 1) % 2], fuse, row0, col0 + COLS, M, N);
                 hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, false, [&](int jj, int h) {
                     const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
-                    const uint32_t rw = res[q % 2][jj][h];
+                    const uint32_t rw = pre[q % 2][0][jj][h];
                     return attn_pack_bf16(d[2 * h] + hopper_bf16_lo(rw), d[2 * h + 1] + hopper_bf16_hi(rw));
                 });
             } else if constexpr (sizeof(T) == 2) {
@@ -316,6 +380,7 @@ static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_B
 // to (splits 1), or the fp32 partials of `splits` > 1 (batch = split); version 6's fused epilogues
 // (splits 1) with the operands of `fuse`. HOP_EPI_SWIGLU walks tiles of 128 features (N = F): its
 // B tile is W's 128 gate rows of them and the 128 up rows (tm_b and fuse.b_up), two boxes a stage.
+// HOP_EPI_SWIGLU_BWD is the plain input gradient's product (N = F), tile for tile.
 template <bool A_K, bool B_K, typename OutT, int EPI>
 __global__ void __launch_bounds__(HOP_THREADS, 1)
     hopper_matmul_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
@@ -324,6 +389,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     constexpr bool TMA_STORE = EPI != HOP_EPI_REGISTERS, SWIGLU = EPI == HOP_EPI_SWIGLU;
     constexpr int TILE_N = SWIGLU ? HOP_BN / 2 : HOP_BN;  // the columns of C (SwiGLU: features) a tile covers
     static_assert(!SWIGLU || (A_K && B_K), "SwiGLU fuses into the forward, whose operands are K-major");
+    static_assert(EPI != HOP_EPI_SWIGLU_BWD || (A_K && !B_K && sizeof(OutT) == 2),
+                  "SwiGLU's backward fuses into an input gradient: dy K-major, W N-major, bf16 out");
     extern __shared__ __align__(1024) unsigned char hopper_smem[];
     const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * HOP_A_BYTES;
     unsigned char* out_bufs = hopper_smem + HOP_RING_BYTES;  // version 5: consumer c's are the c-th pair
@@ -391,15 +458,14 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     float acc[HOP_BN / 8][4];  // wgmma's accumulator layout (lib/ptx.cuh): d[j] holds columns 8j .. 8j+7
     int t = 0;                // k-blocks consumed so far
     int chunks = 0;           // versions 5, 6: chunks this consumer has staged
-    uint32_t res[2][8][2];    // version 6, residual: a chunk's residual pairs, read one chunk ahead
+    uint32_t pre[2][2][8][2];  // version 6: what a chunk's epilogue reads, one chunk ahead (hopper_prefetch)
     for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
         const HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
 #pragma unroll
         for (int j = 0; j < HOP_BN / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-        if constexpr (EPI == HOP_EPI_RESIDUAL)  // the first chunk's, read under the tile's products
-            hopper_load_residual(res[0], fuse.residual, u.m0 + 64 * cw, u.n0, M, N);
+        hopper_prefetch<EPI>(pre[0], fuse, u.m0 + 64 * cw, u.n0, M, N);  // the first chunk's, under the products
         for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
             const int st = t % HOP_STAGES;
             if (!hopper_wait(full + 8 * st, (t / HOP_STAGES) & 1)) {
@@ -425,7 +491,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
         if (u.kb1 > u.kb0 && lane == 0) mbar_arrive(empty + 8 * ((t - 1) % HOP_STAGES));
 
         if constexpr (TMA_STORE) {
-            hopper_store_tma<EPI, OutT>(acc, res, &tm_c, fuse, out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw,
+            hopper_store_tma<EPI, OutT>(acc, pre, &tm_c, fuse, out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw,
                                         u.m0 + 64 * cw, u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M, N,
                                         &chunks);
         } else {
@@ -467,20 +533,33 @@ static int hopper_sms(void) {
     return sms;
 }
 
-// What the fused gate/up forward needs of its operands, or NULL when they are fine: TMA's row
-// strides and base addresses are multiples of 16 bytes, so I and F = O / 2 are multiples of 8 (the
-// up halves of W and gate_up start F elements in) and every pointer is 16-byte aligned. The rows N
-// may be any number: TMA zero-fills and clips the edge tiles. The one place these are checked: the
-// trainer takes the fused path only where this says NULL, and the ladder skips what it refuses.
-static const char* hopper_swiglu_problem(const bf16* gate_up, const bf16* act, const bf16* x, const bf16* W, int N,
-                                         int I, int O) {
-    if (N < 1 || I < 1 || O < 2) return "empty matrices";
-    if (I % 8) return "the input width I must be a multiple of 8";
-    if (O % 16) return "the features F = O / 2 must be a multiple of 8";
-    const void* pointers[] = {gate_up, act, x, W};
-    for (const void* p : pointers)
+// What the fused SwiGLU products need of their operands, or NULL when they are fine: TMA's row
+// strides and base addresses are multiples of 16 bytes, so the product's inner width K (d_model in
+// both: the gate/up forward's I, the down input gradient's O) and the features F are multiples of 8
+// (the up halves start F elements in), and every operand is 16-byte aligned. The rows N may be any
+// number: TMA zero-fills and clips the edge tiles. The one place these are checked, through the two
+// below: the trainer takes a fused path only where they say NULL, and the ladder skips what they refuse.
+static const char* hopper_swiglu_operands_problem(int N, int K, int F, const bf16* const (&operands)[4]) {
+    if (N < 1 || K < 1 || F < 1) return "empty matrices";
+    if (K % 8) return "the product's inner width (d_model) must be a multiple of 8";
+    if (F % 8) return "the features F must be a multiple of 8";
+    for (const bf16* p : operands)
         if ((uintptr_t)p % 16) return "every operand must be 16-byte aligned";
     return NULL;
+}
+
+// The gate/up forward's (hopper_forward_swiglu): x [N, I], W [O, I] with O = 2F.
+static const char* hopper_swiglu_problem(const bf16* gate_up, const bf16* act, const bf16* x, const bf16* W, int N,
+                                         int I, int O) {
+    if (O % 2) return "O must be even: F gate rows, then F up rows";
+    return hopper_swiglu_operands_problem(N, I, O / 2, {gate_up, act, x, W});
+}
+
+// The down input gradient's (hopper_backward_swiglu): dy [N, O], W [O, I] with I = F, gate_up and
+// d_gate_up [N, 2F].
+static const char* hopper_swiglu_backward_problem(const bf16* d_gate_up, const bf16* dy, const bf16* W,
+                                                  const bf16* gate_up, int N, int I, int O) {
+    return hopper_swiglu_operands_problem(N, O, I, {d_gate_up, dy, W, gate_up});
 }
 
 // The gate/up forward with SwiGLU fused (the ladder's version 6, the trainer's BF16 gate/up
@@ -500,12 +579,37 @@ static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const
     fuse.b_up = tma_tensor_map(W + (size_t)F * K, K, K, F, 1, HOP_BN / 2);
     fuse.c_up = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, 64);
     fuse.act = tma_tensor_map(act, F, F, M, 1, 64);
-    fuse.residual = nullptr;
+    fuse.residual = fuse.gate_up = nullptr;
     const int tiles = ceil_div(M, HOP_BM) * ceil_div(F, HOP_BN / 2);
     hopper_launch<true, true, bf16, HOP_EPI_SWIGLU>(
         tma_tensor_map(x, K, K, M, 1, HOP_BM), tma_tensor_map(W, K, K, F, 1, HOP_BN / 2),
         tma_tensor_map(gate_up, F, 2 * F, M, 1, 64), fuse, gate_up, M, F, K, std::min(tiles, hopper_sms()), HOP_GROUP_M,
         1, s);
+}
+
+// The down matrix's input gradient with SwiGLU's backward fused (the ladder's version 6, the
+// trainer's BF16 MLP backward): d_mlp_act[N, F] = dy[N, O] W[O, I], I = F, never stored, and
+// d_gate_up[N, 2F] = [d_gate | d_up] of swiglu_backward8 on it (rounded to bf16, as it would be
+// stored) and on gate_up [N, 2F]: the bits of kernels.cuh's swiglu_backward run on this kernel's
+// plain product, in one launch; for operands that hopper_swiglu_backward_problem accepts (else it
+// exits with that line). A tile is 128 rows x 256 features of d_mlp_act, as in the plain dx; its
+// epilogue reads their gate and up entries from gate_up and stores d_gate and d_up through a map of
+// each half of d_gate_up. One split of K, so the result repeats bit for bit.
+static void hopper_backward_swiglu(bf16* d_gate_up, const bf16* dy, const bf16* W, const bf16* gate_up, int N, int I,
+                                   int O, cudaStream_t s) {
+    if (const char* problem = hopper_swiglu_backward_problem(d_gate_up, dy, W, gate_up, N, I, O)) {
+        fprintf(stderr, "hopper_backward_swiglu: %s (N %d, I %d, O %d)\n", problem, N, I, O);
+        exit(1);
+    }
+    const int M = N, F = I, K = O;  // the GEMM: d_mlp_act[M][F] = dy[M][K] W[K][F]
+    HopperFusion fuse = {};
+    fuse.c_up = tma_tensor_map(d_gate_up + F, F, 2 * F, M, 1, 64);
+    fuse.gate_up = gate_up;
+    const int tiles = ceil_div(M, HOP_BM) * ceil_div(F, HOP_BN);
+    hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD>(
+        tma_tensor_map(dy, K, K, M, 1, HOP_BM), tma_tensor_map(W, F, F, K, 1, 64),
+        tma_tensor_map(d_gate_up, F, 2 * F, M, 1, 64), fuse, d_gate_up, M, F, K, std::min(tiles, hopper_sms()),
+        HOP_GROUP_M, 1, s);
 }
 
 #endif
