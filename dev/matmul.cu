@@ -19,12 +19,13 @@
  *      L2 by a TMA reduction), the stores running on under the next tile's products; where there
  *      are fewer tiles than half the SMs, K is split and the fp32 partials summed in a fixed order
  *      by a second kernel.
- *   6  version 5's kernel with the next kernel's work fused into its epilogue, in the two forwards
- *      where the trainer runs one after the product: the residual added (attn_out, down: y = x W^T +
- *      residual, as cuBLASLt's beta = 1) and SwiGLU (gate_up: a tile takes 128 gate and the same
- *      128 up features, and stores gate_up and act = silu(gate) * up). It has only these fused
- *      forms (its plain ones would be version 5's), timed against cuBLASLt plus the trainer's
- *      separate step, in a table of their own.
+ *   6  version 5's kernel with the next kernel's work fused into its epilogue, where the trainer
+ *      runs one after the product: the residual added (attn_out, down: y = x W^T + residual, as
+ *      cuBLASLt's beta = 1), SwiGLU (gate_up: a tile takes 128 gate and the same 128 up features,
+ *      and stores gate_up and act = silu(gate) * up) and SwiGLU's backward (down's input gradient
+ *      d_mlp_act = dy W, from which the epilogue makes d_gate_up with gate_up, never storing
+ *      d_mlp_act). It has only these fused forms (its plain ones would be version 5's), timed
+ *      against cuBLASLt plus the trainer's separate step, in a table of their own.
  * Versions 2-6 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too); a shape a
  * version cannot take is skipped, with a word. Resource use (-Xptxas -v) and the figures:
  * doc/matmul.md.
@@ -37,8 +38,8 @@
  * the default config (batch 32 x 1024 tokens) and for 1b (the scripts' --d-model 2048 --heads 32
  * --kv-heads 8 --head-dim 64 --ffn 8192 --batch 8): the layers' qkv, attn_out, gate_up and down
  * matrices and the output head, whose rows go LOSS_CHUNK at a time; each in its three forms, and
- * the fused forms of attn_out, down (fwd+res) and gate_up (fwd+swiglu). The plain forward is timed
- * without the residual that the trainer adds in attn_out's and down's.
+ * the fused forms of attn_out, down (fwd+res), gate_up (fwd+swiglu) and down (dx+swiglu_bwd). The
+ * plain forward is timed without the residual that the trainer adds in attn_out's and down's.
  *
  * Checks: first small awkward shapes (sides that are not multiples of the tiles, K not a multiple
  * of 64, more tiles than SMs, few tiles on a long K, 8 x 8 x 8, odd sides for the naive version),
@@ -56,7 +57,10 @@
  * the trainer's determinism asks (a split K summed in an order that timing sets would not), with
  * no bf16 entry left NaN. The residual form's reference adds the bf16 residual; SwiGLU's gate_up is
  * checked as the product, and its act, whole, against the trainer's swiglu_forward run on that
- * gate_up on the GPU: the same bits, or it fails.
+ * gate_up on the GPU: the same bits, or it fails. SwiGLU's backward: the version's plain dx (version
+ * 6: its kernel unsplit, the same fp32 sums its epilogue rounds) is checked as the product, and the
+ * fused d_gate_up, whole, against the trainer's swiglu_backward run on that dx and gate_up: the
+ * same bits, or it fails.
  *
  * Timing: CUDA events, the median of 10 runs after 3 warm-ups (naive: its checked run alone);
  * TFLOP/s = 2 M N K / time; "x" is cuBLASLt's time over the version's (1.00: level with it).
@@ -94,17 +98,22 @@ static const int MAX_CHILD_DEATHS = 3;       // crashed or killed children befor
 // epilogue (version 6), the residual added (attn_out's and down's: y = x W^T + residual) or SwiGLU
 // applied (gate_up's: gate_up = x W^T and act = silu(gate) * up), timed against cuBLASLt with that
 // work done as the trainer does it (beta = 1; swiglu_forward after the product).
-typedef enum { FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD_RESIDUAL, FORWARD_SWIGLU, N_FORMS } Form;
-static const char* FORM_NAMES[N_FORMS] = {"fwd", "dx", "dW", "fwd+res", "fwd+swiglu"};
-static const bool A_KMAJOR[N_FORMS] = {true, true, false, true, true};
-static const bool B_KMAJOR[N_FORMS] = {true, false, false, true, true};
-static bool fused_form(Form f) { return f == FORWARD_RESIDUAL || f == FORWARD_SWIGLU; }
+// One fused form is a backward: down's input gradient with SwiGLU's backward after it (d_gate_up
+// from d_mlp_act = dy W and gate_up), against cuBLASLt's dx and then swiglu_backward.
+typedef enum { FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD_RESIDUAL, FORWARD_SWIGLU, BACKWARD_INPUT_SWIGLU,
+               N_FORMS } Form;
+static const char* FORM_NAMES[N_FORMS] = {"fwd", "dx", "dW", "fwd+res", "fwd+swiglu", "dx+swiglu_bwd"};
+static const bool A_KMAJOR[N_FORMS] = {true, true, false, true, true, true};
+static const bool B_KMAJOR[N_FORMS] = {true, false, false, true, true, false};
+static bool fused_form(Form f) { return f >= FORWARD_RESIDUAL; }
 
 typedef void (*Bf16Fn)(bf16* out, const bf16* a, const bf16* b, int N, int I, int O, cudaStream_t s);
 typedef void (*WeightFn)(float* dW, const bf16* dy, const bf16* x, int N, int I, int O, cudaStream_t s);
 typedef void (*ResidualFn)(bf16* y, const bf16* x, const bf16* W, const bf16* residual, int N, int I, int O,
                            cudaStream_t s);
 typedef void (*SwigluFn)(bf16* gate_up, bf16* act, const bf16* x, const bf16* W, int N, int I, int O, cudaStream_t s);
+typedef void (*SwigluBackwardFn)(bf16* d_gate_up, bf16* d_act, const bf16* dy, const bf16* W, const bf16* gate_up, int N,
+                                 int I, int O, cudaStream_t s);
 
 typedef struct {
     int version;
@@ -113,6 +122,8 @@ typedef struct {
     WeightFn backward_weight;        // backward_weight(dW, dy, x, ...)
     ResidualFn forward_residual;     // the fused forms (NULL: the version has none; nor has version 6 the
     SwigluFn forward_swiglu;         // plain three, which are version 5's)
+    SwigluBackwardFn backward_swiglu;
+    Bf16Fn swiglu_bwd_product;       // the plain dx whose bf16 output backward_swiglu's SwiGLU step reads
     bool sides_of_8;                 // runs only shapes whose sides are multiples of 8
     int warmup, reps;                // timing; reps 0: the checked run's own time (the naive version)
 } Impl;
@@ -126,21 +137,33 @@ static void cublaslt_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, con
     linear_forward(gate_up, x, W, NULL, N, I, O, s);
     swiglu_forward(act, gate_up, N, O / 2, s);
 }
+// And the backward's: dx = d_mlp_act [N, I = F] into d_act, then swiglu_backward reads it back.
+static void cublaslt_backward_swiglu(bf16* d_gate_up, bf16* d_act, const bf16* dy, const bf16* W, const bf16* gate_up,
+                                     int N, int I, int O, cudaStream_t s) {
+    linear_backward_input(d_act, dy, W, N, I, O, s);
+    swiglu_backward(d_gate_up, d_act, gate_up, N, I, s);
+}
+// Version 6's: one launch, d_mlp_act never stored (d_act unused).
+static void hopper_backward_swiglu_form(bf16* d_gate_up, bf16*, const bf16* dy, const bf16* W, const bf16* gate_up,
+                                        int N, int I, int O, cudaStream_t s) {
+    hopper_backward_swiglu(d_gate_up, dy, W, gate_up, N, I, O, s);
+}
 
 static const Impl IMPLS[] = {
     {0, "cuBLASLt", cublaslt_forward, linear_backward_input, linear_backward_weight, linear_forward,
-     cublaslt_forward_swiglu, true, 3, 10},
+     cublaslt_forward_swiglu, cublaslt_backward_swiglu, linear_backward_input, true, 3, 10},
     {1, "naive", mm_forward<NaiveMatmul>, mm_backward_input<NaiveMatmul>, mm_backward_weight<NaiveMatmul>, NULL, NULL,
-     false, 0, 0},
+     NULL, NULL, false, 0, 0},
     {2, "mma.sync", mm_forward<MmaMatmul>, mm_backward_input<MmaMatmul>, mm_backward_weight<MmaMatmul>, NULL, NULL,
-     true, 3, 10},
-    {3, "wgmma", mm_forward<HopperMatmul<3>>, mm_backward_input<HopperMatmul<3>>, mm_backward_weight<HopperMatmul<3>>,
      NULL, NULL, true, 3, 10},
+    {3, "wgmma", mm_forward<HopperMatmul<3>>, mm_backward_input<HopperMatmul<3>>, mm_backward_weight<HopperMatmul<3>>,
+     NULL, NULL, NULL, NULL, true, 3, 10},
     {4, "wgmma persistent", mm_forward<HopperMatmul<4>>, mm_backward_input<HopperMatmul<4>>,
-     mm_backward_weight<HopperMatmul<4>>, NULL, NULL, true, 3, 10},
+     mm_backward_weight<HopperMatmul<4>>, NULL, NULL, NULL, NULL, true, 3, 10},
     {5, "TMA+split-K", mm_forward<HopperMatmul<5>>, mm_backward_input<HopperMatmul<5>>,
-     mm_backward_weight<HopperMatmul<5>>, NULL, NULL, true, 3, 10},
-    {6, "fused epilogues", NULL, NULL, NULL, hopper_forward_residual, hopper_forward_swiglu, true, 3, 10},
+     mm_backward_weight<HopperMatmul<5>>, NULL, NULL, NULL, NULL, true, 3, 10},
+    {6, "fused epilogues", NULL, NULL, NULL, hopper_forward_residual, hopper_forward_swiglu,
+     hopper_backward_swiglu_form, mm_backward_input<HopperMatmul<6>>, true, 3, 10},
 };
 static const int N_IMPLS = sizeof(IMPLS) / sizeof(IMPLS[0]);
 
@@ -150,7 +173,8 @@ static bool has_form(const Impl& im, Form f) {
     case BACKWARD_INPUT: return im.backward_input;
     case BACKWARD_WEIGHT: return im.backward_weight;
     case FORWARD_RESIDUAL: return im.forward_residual;
-    default: return im.forward_swiglu;
+    case FORWARD_SWIGLU: return im.forward_swiglu;
+    default: return im.backward_swiglu;
     }
 }
 static bool has_plain_forms(const Impl& im) { return im.forward; }
@@ -175,8 +199,8 @@ static Case make_case(const std::string& name, Form form, int tok, int I, int O,
     c.name = name;
     c.form = form;
     c.tok = tok, c.I = I, c.O = O;
-    if (form == FORWARD || fused_form(form)) c.M = tok, c.N = O, c.K = I;
-    else if (form == BACKWARD_INPUT) c.M = tok, c.N = I, c.K = O;
+    if (form == BACKWARD_INPUT || form == BACKWARD_INPUT_SWIGLU) c.M = tok, c.N = I, c.K = O;
+    else if (form == FORWARD || fused_form(form)) c.M = tok, c.N = O, c.K = I;
     else c.M = O, c.N = I, c.K = tok;
     c.timed = timed;
     c.seed = seed;
@@ -220,6 +244,9 @@ static void add_trainer_cases(std::vector<Case>& cases) {
             if (residual || kind == P_GATE_UP)
                 cases.push_back(make_case(name, residual ? FORWARD_RESIDUAL : FORWARD_SWIGLU, tok, (int)cols,
                                           (int)rows, true, 1000 + 10 * cases.size()));
+            if (kind == P_DOWN)  // its input gradient feeds SwiGLU's backward
+                cases.push_back(make_case(name, BACKWARD_INPUT_SWIGLU, tok, (int)cols, (int)rows, true,
+                                          1000 + 10 * cases.size()));
         }
 }
 
@@ -232,11 +259,12 @@ static void add_check_cases(std::vector<Case>& cases) {
         {128, 1024, 256},  // k-blocks wrap the rings several times
         {1416, 24, 3080},  // more 128 x 256 tiles than SMs: the persistent walk comes round again
         {2000, 136, 200},  // dW: 2 tiles, K = 2000 (32 k-blocks): version 5 splits K in 4 (fp32 partials)
-        {136, 200, 2000},  // dx: the same in bf16; SwiGLU's F = 1000, its last tile 104 features
+        {136, 200, 2000},  // dx: the same in bf16; SwiGLU's F = 1000, its last tile 104 features (its
+                           // backward's: F = 200, a tile of 200 features, K = 2000)
         {8, 8, 8},
         {77, 19, 33},      // odd sides: the naive version only
     };
-    for (const auto& s : shapes)  // fused forms too: SwiGLU where F = O / 2 is a multiple of 8
+    for (const auto& s : shapes)  // fused forms too: SwiGLU where F (O / 2; its backward's: I) is a multiple of 8
         for (int f = 0; f < N_FORMS; ++f) cases.push_back(make_case("check", (Form)f, s[0], s[1], s[2], false, 7 + 10 * cases.size()));
 }
 
@@ -364,13 +392,19 @@ static Status check_output(const Impl& im, const Case& c, const void* out, float
     return WRONG;
 }
 
-// A case's buffers on the device: the operands, the output, and the fused forms' second operand:
-// the residual [M][N] (read) or act [M][N/2] (written).
+// A case's buffers on the device: the operands, the output (dx+swiglu_bwd: d_gate_up [M][2N]), and
+// the fused forms' second operand: the residual [M][N] (read), act [M][N/2] (written) or gate_up
+// [M][2N] (read); dx+swiglu_bwd's d_act [M][N] holds cuBLASLt's d_mlp_act and the check's plain product.
 typedef struct {
     bf16 *a, *b;
     void* out;
-    bf16* extra;
+    bf16 *extra, *d_act;
 } Buffers;
+
+// The entries of a case's output: d_gate_up is two of d_mlp_act's [M][N].
+static size_t output_entries(const Case& c) {
+    return (size_t)c.M * c.N * (c.form == BACKWARD_INPUT_SWIGLU ? 2 : 1);
+}
 
 static void run_form(const Impl& im, const Case& c, const Buffers& d) {
     switch (c.form) {
@@ -378,16 +412,18 @@ static void run_form(const Impl& im, const Case& c, const Buffers& d) {
     case BACKWARD_INPUT: im.backward_input((bf16*)d.out, d.a, d.b, c.tok, c.I, c.O, 0); break;  // dx = dy W
     case BACKWARD_WEIGHT: im.backward_weight((float*)d.out, d.a, d.b, c.tok, c.I, c.O, 0); break;  // dW += dy^T x
     case FORWARD_RESIDUAL: im.forward_residual((bf16*)d.out, d.a, d.b, d.extra, c.tok, c.I, c.O, 0); break;
-    default: im.forward_swiglu((bf16*)d.out, d.extra, d.a, d.b, c.tok, c.I, c.O, 0); break;  // gate_up, act
+    case FORWARD_SWIGLU: im.forward_swiglu((bf16*)d.out, d.extra, d.a, d.b, c.tok, c.I, c.O, 0); break;  // gate_up, act
+    default: im.backward_swiglu((bf16*)d.out, d.d_act, d.a, d.b, d.extra, c.tok, c.I, c.O, 0); break;  // d_gate_up
     }
 }
 
-// The outputs before a run: an fp32 dW its known starting values, bf16 outputs (act too) NaN.
+// The outputs before a run: an fp32 dW its known starting values, bf16 outputs (act, d_act too) NaN.
 static void reset_output(const Case& c, const Buffers& d) {
     const size_t n = (size_t)c.M * c.N;
     if (c.form == BACKWARD_WEIGHT) fill_uniform_device((float*)d.out, n, c.seed + 2, 1.0f);
-    else poison(d.out, n * sizeof(bf16));
+    else poison(d.out, output_entries(c) * sizeof(bf16));
     if (c.form == FORWARD_SWIGLU) poison(d.extra, n / 2 * sizeof(bf16));
+    if (c.form == BACKWARD_INPUT_SWIGLU) poison(d.d_act, n * sizeof(bf16));
 }
 
 // Counts the 16-bit words in which x and y differ and, where they are bf16 values, those of x that
@@ -429,13 +465,44 @@ static Status check_swiglu_act(const Impl& im, const Case& c, const Buffers& d) 
     return WRONG;
 }
 
+// SwiGLU's backward, checked in two steps. The version's plain dx (swiglu_bwd_product: cuBLASLt's
+// own, or version 6's kernel with the TMA epilogue and one split of K, whose accumulators the fused
+// epilogue rounds alike: the same products in the same order) goes into d_act and is checked
+// against the reference; then the fused run's d_gate_up, whole, must equal bit for bit the trainer's
+// swiglu_backward_kernel run on the GPU on that d_act and on gate_up. OK, WRONG (with a line saying
+// where) or TIMEOUT; *worst is the product's, as check_output reports it.
+static Status check_swiglu_backward(const Impl& im, const Case& c, const Buffers& d, float* worst) {
+    poison(d.d_act, (size_t)c.M * c.N * sizeof(bf16));
+    im.swiglu_bwd_product(d.d_act, d.a, d.b, c.tok, c.I, c.O, 0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    char label[96];
+    const int error = mm_error_take();
+    if (error != MM_OK) {
+        printf("FAIL v%d %s, %s, its plain product: %s\n", im.version, im.name, case_label(c, label, sizeof label),
+               mm_error_text(error));
+        return TIMEOUT;
+    }
+    const Status product = check_output(im, c, d.d_act, worst);
+    if (product != OK) return product;
+    const size_t n = output_entries(c);
+    bf16* want;
+    CUDA_CHECK(cudaMalloc(&want, n * sizeof(bf16)));
+    swiglu_backward(want, d.d_act, d.extra, c.M, c.N, 0);
+    const unsigned long long differ = count_differences(d.out, want, n, true);
+    CUDA_CHECK(cudaFree(want));
+    if (differ == 0) return OK;
+    printf("FAIL v%d %s, %s: d_gate_up differs from swiglu_backward on its plain product (or is not finite) in %llu "
+           "of %zu entries\n", im.version, im.name, case_label(c, label, sizeof label), differ, n);
+    return WRONG;
+}
+
 // The trainer is deterministic, so every version must be: a second run from the same starting
 // values must give the same bits in every entry, act's too (a split K summed in an order set by
 // timing would not), and no bf16 entry may be left NaN. OK, or WRONG with a line saying how many
 // 16-bit words differ.
 static Status check_repeatable(const Impl& im, const Case& c, const Buffers& d) {
     const bool weight = c.form == BACKWARD_WEIGHT, swiglu = c.form == FORWARD_SWIGLU;
-    const size_t bytes = (size_t)c.M * c.N * (weight ? sizeof(float) : sizeof(bf16));
+    const size_t bytes = output_entries(c) * (weight ? sizeof(float) : sizeof(bf16));
     const size_t act_bytes = swiglu ? bytes / 2 : 0;
     unsigned char* first;  // the first run's output, then its act
     CUDA_CHECK(cudaMalloc(&first, bytes + act_bytes));
@@ -470,6 +537,8 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     const char* problem = im.sides_of_8 ? mm_tiled_shape_problem(c.M, c.N, c.K) : NULL;
     if (!problem && c.form == FORWARD_SWIGLU)  // its operands are allocated below, 256-byte aligned
         problem = hopper_swiglu_problem(NULL, NULL, NULL, NULL, c.tok, c.I, c.O);
+    if (!problem && c.form == BACKWARD_INPUT_SWIGLU)
+        problem = hopper_swiglu_backward_problem(NULL, NULL, NULL, NULL, c.tok, c.I, c.O);
     if (problem) {
         printf("skip v%d %s, %s: %s\n", im.version, im.name, case_label(c, label, sizeof label), problem);
         r.status = SKIPPED;
@@ -477,14 +546,18 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     }
     const bool weight = c.form == BACKWARD_WEIGHT;
     const size_t a_n = (size_t)c.M * c.K, b_n = (size_t)c.K * c.N, c_n = (size_t)c.M * c.N;
-    Buffers d = {NULL, NULL, NULL, NULL};
+    const bool swiglu_bwd = c.form == BACKWARD_INPUT_SWIGLU;
+    Buffers d = {NULL, NULL, NULL, NULL, NULL};
     CUDA_CHECK(cudaMalloc(&d.a, a_n * sizeof(bf16)));
     CUDA_CHECK(cudaMalloc(&d.b, b_n * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&d.out, c_n * (weight ? sizeof(float) : sizeof(bf16))));
-    if (fused_form(c.form)) CUDA_CHECK(cudaMalloc(&d.extra, c_n * sizeof(bf16)));  // residual [M][N], act [M][N/2]
+    CUDA_CHECK(cudaMalloc(&d.out, output_entries(c) * (weight ? sizeof(float) : sizeof(bf16))));
+    if (fused_form(c.form))  // residual [M][N], act [M][N/2], gate_up [M][2N]
+        CUDA_CHECK(cudaMalloc(&d.extra, (swiglu_bwd ? 2 : 1) * c_n * sizeof(bf16)));
+    if (swiglu_bwd) CUDA_CHECK(cudaMalloc(&d.d_act, c_n * sizeof(bf16)));
     fill_uniform_device(d.a, a_n, c.seed, UNIT_UNIFORM);
     fill_uniform_device(d.b, b_n, c.seed + 1, UNIT_UNIFORM);
-    if (c.form == FORWARD_RESIDUAL) fill_uniform_device(d.extra, c_n, c.seed + 2, UNIT_UNIFORM);
+    if (c.form == FORWARD_RESIDUAL || swiglu_bwd)
+        fill_uniform_device(d.extra, (swiglu_bwd ? 2 : 1) * c_n, c.seed + 2, UNIT_UNIFORM);
     reset_output(c, d);
     CUDA_CHECK(cudaDeviceSynchronize());
     mm_error_take();
@@ -505,7 +578,7 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
         printf("FAIL v%d %s, %s: %s\n", im.version, im.name, case_label(c, label, sizeof label), mm_error_text(error));
         r.status = TIMEOUT;
     } else {
-        r.status = check_output(im, c, d.out, &r.err);
+        r.status = swiglu_bwd ? check_swiglu_backward(im, c, d, &r.err) : check_output(im, c, d.out, &r.err);
         if (r.status == OK && c.form == FORWARD_SWIGLU) r.status = check_swiglu_act(im, c, d);
         if (r.status == OK) r.status = check_repeatable(im, c, d);
     }
@@ -515,6 +588,7 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     CUDA_CHECK(cudaFree(d.b));
     CUDA_CHECK(cudaFree(d.out));
     CUDA_CHECK(cudaFree(d.extra));
+    CUDA_CHECK(cudaFree(d.d_act));
     return r;
 }
 
@@ -637,13 +711,14 @@ static void print_table(bool fused, const std::vector<int>& chosen, const std::v
     if (fused && cols.empty()) return;
     if (fused)
         printf("\nFused forms: the product and the next kernel's work; cuBLASLt's column is the trainer's way (the "
-               "residual with beta = 1; swiglu_forward after the product), TFLOP/s count the product's 2 M N K\n");
+               "residual with beta = 1; swiglu_forward after the product, swiglu_backward after dx), TFLOP/s count "
+               "the product's 2 M N K\n");
     else
         printf("\nTFLOP/s (x: cuBLASLt's time / the version's) at the trainer's shapes; "
                "C[M][N] (+)= A[M][K] B[K][N]\n");
-    printf("%-16s %-10s %6s %6s %6s | %-16s", "shape", "form", "M", "N", "K", "v0 cuBLASLt");
+    printf("%-16s %-13s %6s %6s %6s | %-16s", "shape", "form", "M", "N", "K", "v0 cuBLASLt");
     for (size_t v : cols) printf(" | v%d %-13.13s", IMPLS[chosen[v]].version, IMPLS[chosen[v]].name);
-    printf("\n%-16s %-10s %6s %6s %6s | %7s %8s", "", "", "", "", "", "ms", "TFLOP/s");
+    printf("\n%-16s %-13s %6s %6s %6s | %7s %8s", "", "", "", "", "", "ms", "TFLOP/s");
     for (size_t v = 0; v < cols.size(); ++v) printf(" | %8s %7s", fused ? "ms" : "TFLOP/s", "x");
     printf("\n");
     for (size_t i = 0; i < cases.size(); ++i) {
@@ -651,7 +726,7 @@ static void print_table(bool fused, const std::vector<int>& chosen, const std::v
         if (!c.timed || fused_form(c.form) != fused) continue;
         const double flop = 2.0 * c.M * c.N * c.K;
         const Record& ref = res[0][i];
-        printf("%-16s %-10s %6d %6d %6d | ", c.name.c_str(), FORM_NAMES[c.form], c.M, c.N, c.K);
+        printf("%-16s %-13s %6d %6d %6d | ", c.name.c_str(), FORM_NAMES[c.form], c.M, c.N, c.K);
         if (ref.status == OK && ref.ms > 0) printf("%7.3f %8.1f", ref.ms, flop / ref.ms / 1e9);
         else printf("%16s", STATUS_NAMES[ref.status]);
         for (size_t v : cols) {

@@ -11,8 +11,9 @@
  *      off and leave running under the next tile's products, and with K split where there are
  *      fewer tiles than SMs (below);
  *   6  version 5 with the next kernel's work in the epilogue: the residual added
- *      (hopper_forward_residual, here: it ties cuBLASLt, so the trainer does not run it) and SwiGLU
- *      (hopper_forward_swiglu, lib/matmul_hopper.cuh: the one the trainer runs).
+ *      (hopper_forward_residual, here: it ties cuBLASLt, so the trainer does not run it), SwiGLU
+ *      (hopper_forward_swiglu) and SwiGLU's backward in down's input gradient
+ *      (hopper_backward_swiglu), both in lib/matmul_hopper.cuh, both run by the trainer.
  *
  * Version 5's split of K: a product with fewer tiles than half the SMs (a weight gradient of a small
  * matrix: 18 tiles for 132 SMs, K = 32768) cuts each tile's k-blocks into `splits` runs, so that
@@ -28,7 +29,7 @@
 #ifndef DEV_MATMUL_WGMMA_CUH
 #define DEV_MATMUL_WGMMA_CUH
 
-#include "../lib/matmul_hopper.cuh"  // the kernel, hopper_launch, hopper_forward_swiglu
+#include "../lib/matmul_hopper.cuh"  // the kernel, hopper_launch, hopper_forward_swiglu, hopper_backward_swiglu
 #include "matmul_common.cuh"
 
 constexpr int HOP_MIN_SPLIT_KB = 8;  // version 5: k-blocks a split runs at least (its partial costs a tile's traffic)
@@ -99,7 +100,9 @@ static int hopper_splits(int tiles, int k_blocks, int sms) {
 
 
 // VERSION 3: a block per tile, row-major order; 4: persistent, grouped walk; 5: 4 with the TMA
-// epilogue and split K.
+// epilogue and split K; 6: 5 never split, the plain product whose accumulators version 6's fused
+// epilogues round (each output one fp32 sum in k order, as theirs), against which the ladder checks
+// the bits of SwiGLU's fused backward.
 template <int VERSION>
 struct HopperMatmul {
     template <bool A_K, bool B_K, typename OutT>
@@ -115,7 +118,7 @@ struct HopperMatmul {
                                                              grid, VERSION == 4 ? HOP_GROUP_M : 1, 1, s);
             return;
         }
-        const int splits = hopper_splits(tiles, ceil_div(K, HOP_BK), sms);
+        const int splits = VERSION == 6 ? 1 : hopper_splits(tiles, ceil_div(K, HOP_BK), sms);
         if (splits == 1) {  // C's own map: bf16 boxes {64, 64} (the attention cache's), or fp32 {32, 64}
             CUtensorMap tm_c;
             if constexpr (sizeof(OutT) == 2) tm_c = tma_tensor_map(c, N, N, M, 1, 64);
