@@ -1345,6 +1345,40 @@ static void layer_backward(GPT* m, ParamKind kind, int l, int N, bf16* dx, const
            I, N, O, true, false, m->stream);
 }
 
+// The down matrix's backward and SwiGLU's in layer l, from dy = d_residual [N, C]: dW_down += dy^T
+// mlp_act, d_mlp_act = dy W_down [N, F], and d_gate_up = [d_gate | d_up] [N, 2F] from d_mlp_act and
+// gate_up (kernels.cuh's swiglu_backward). In BF16 the input gradient is one kernel of our own
+// (lib/matmul_hopper.cuh), the mirror of the forward's mlp_gate_up: SwiGLU's backward runs in its
+// epilogue on d_mlp_act rounded to bf16 as a stored one would be, so d_mlp_act is neither written
+// nor read, and d_gate_up has the very bits swiglu_backward makes from the kernel's plain product.
+// It reads gate_up, which every layer keeps whatever --recompute says (activations_layout), so
+// recompute changes nothing here. It never splits K, so it repeats bit for bit. Where
+// hopper_swiglu_backward_problem refuses the operands, and in FP8, the product goes through
+// layer_backward into d_mlp_act; FP8's fused casts then run SwiGLU's backward themselves
+// (fp8_grad), else swiglu_backward does.
+static bool down_swiglu_fused(const GPT* m, int l) {
+    const ParamTensor* t = param(&m->table, P_DOWN, l);
+    const Activations* a = &m->act;
+    return !fp8_product(m, P_DOWN) && !hopper_swiglu_backward_problem(a->d_gate_up, a->d_residual,
+                                                                      m->params + t->offset, a->gate_up[l], m->N,
+                                                                      (int)t->cols, (int)t->rows);
+}
+
+static void mlp_down_backward(GPT* m, int l) {
+    Activations* a = &m->act;
+    if (down_swiglu_fused(m, l)) {
+        const ParamTensor* t = param(&m->table, P_DOWN, l);
+        int O = (int)t->rows, I = (int)t->cols;
+        linear_backward_weight(G(m, P_DOWN, l), a->d_residual, a->mlp_act[l], m->N, I, O, m->stream);
+        hopper_backward_swiglu(a->d_gate_up, a->d_residual, m->params + t->offset, a->gate_up[l], m->N, I, O,
+                               m->stream);
+        return;
+    }
+    layer_backward(m, P_DOWN, l, m->N, a->d_mlp_act, a->d_residual, a->mlp_act[l]);
+    if (!fp8_fused(m))  // fused: SwiGLU's backward runs inside GATE_UP's cast of its output gradient
+        swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], m->N, m->cfg.ffn_dim, m->stream);
+}
+
 // After an optimizer step: the weights changed, and (delayed) the step's amaxes join the history.
 static void fp8_step_done(GPT* m) {
     GptFp8* f = &m->fp8;
@@ -1475,7 +1509,7 @@ static void grads_ready(GPT* m, int b) {
 static void backward(GPT* m, const Batch* batch) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
-    int N = m->N, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c);
+    int N = m->N, C = c->d_model, Q = qkv_dim(c);
     int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim, L = c->n_layer;
     bool fused = fp8_fused(m);  // the FP8 casts make the norms' and SwiGLU's outputs: nothing to recompute
     CUDA_CHECK(cudaMemsetAsync(a->d_residual, 0, (size_t)N * C * sizeof(bf16), m->stream));
@@ -1489,9 +1523,7 @@ static void backward(GPT* m, const Batch* batch) {
             mlp_norm(m, l);
             mlp_swiglu(m, l);
         }
-        layer_backward(m, P_DOWN, l, N, a->d_mlp_act, a->d_residual, a->mlp_act[l]);
-        if (!fused)  // fused: SwiGLU's backward runs inside GATE_UP's cast of its output gradient
-            swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], N, F, m->stream);
+        mlp_down_backward(m, l);
         layer_backward(m, P_GATE_UP, l, N, a->d_xnorm, a->d_gate_up, a->xnorm_mlp[l]);
         rmsnorm_backward(a->d_residual, G(m, P_MLP_NORM, l), a->partials, a->d_xnorm, a->residual_mid[l],
                          P(m, P_MLP_NORM, l), a->rstd_mlp[l], N, C, m->stream);
@@ -3145,7 +3177,8 @@ static void log_one_step(Trainer* t, int index) {
     int slot = index % STEPS_IN_FLIGHT, total = o->optim.total_steps, done = index + 1;
     CUDA_CHECK(cudaEventSynchronize(t->step_end[slot]));
     if (t->matmul_errors[slot] != MM_OK)  // a wait of our GEMM gave up: its outputs are wrong
-        die("step %d: the gate/up matmul failed (%s)", index + 1, mm_error_text(t->matmul_errors[slot]));
+        die("step %d: our Hopper matmul (the MLP's gate/up forward or down backward) failed (%s)", index + 1,
+            mm_error_text(t->matmul_errors[slot]));
     float ms;
     CUDA_CHECK(cudaEventElapsedTime(&ms, t->step_start[slot], t->step_end[slot]));
     const OptimScalars* s = &t->readback[slot];
