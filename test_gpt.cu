@@ -311,28 +311,37 @@ static int test_learning_rate_schedules(void) {
     return TEST_RESULT;
 }
 
-// What our Hopper GEMM's fused gate/up forward accepts (lib/matmul_hopper.cuh): the trainer takes
-// that path exactly where hopper_swiglu_problem says NULL, and cuBLASLt's otherwise.
+// What our Hopper GEMM's fused gate/up forward and down backward accept (lib/matmul_hopper.cuh):
+// the trainer takes those paths exactly where hopper_swiglu_problem and
+// hopper_swiglu_backward_problem say NULL, and cuBLASLt's otherwise.
 static int test_hopper_swiglu_requirements(void) {
     int failed = 0;
     alignas(16) static bf16 buf[64];
     bf16 *p = buf, *odd = buf + 1;  // 16-byte aligned, and 2 bytes past that
     struct {
-        const bf16* x;
+        bool backward;      // the down input gradient's (dy [N, O], W [O, I], I = F), else the gate/up forward's
+        const bf16* tested;  // the forward's x, the backward's gate_up; the other operands are p
         int N, I, O;
         bool ok;
         const char* what;
     } cases[] = {
-        {p, 1, 8, 16, true, "the smallest shape: one row, I 8, F 8"},
-        {p, 2201, 200, 2000, true, "rows not a multiple of 8 or of a tile; I and F multiples of 8 only"},
-        {p, 0, 8, 16, false, "no rows"},
-        {p, 16, 12, 16, false, "I 12: x's rows do not start on 16 bytes"},
-        {p, 16, 8, 24, false, "F 12: the up halves do not start on 16 bytes"},
-        {p, 16, 8, 15, false, "O odd: no gate/up split"},
-        {odd, 16, 8, 16, false, "x not 16-byte aligned"},
+        {false, p, 1, 8, 16, true, "the smallest shape: one row, I 8, F 8"},
+        {false, p, 2201, 200, 2000, true, "rows not a multiple of 8 or of a tile; I and F multiples of 8 only"},
+        {false, p, 0, 8, 16, false, "no rows"},
+        {false, p, 16, 12, 16, false, "I 12: x's rows do not start on 16 bytes"},
+        {false, p, 16, 8, 24, false, "F 12: the up halves do not start on 16 bytes"},
+        {false, p, 16, 8, 15, false, "O odd: no gate/up split"},
+        {false, odd, 16, 8, 16, false, "x not 16-byte aligned"},
+        {true, p, 1, 8, 8, true, "backward, the smallest shape: one row, F 8, d_model 8"},
+        {true, p, 2201, 1000, 200, true, "backward, rows no multiple of 8 or of a tile; F and d_model multiples of 8"},
+        {true, p, 0, 8, 8, false, "backward, no rows"},
+        {true, p, 16, 12, 8, false, "backward, F 12: the up halves do not start on 16 bytes"},
+        {true, p, 16, 8, 12, false, "backward, d_model 12: dy's rows do not start on 16 bytes"},
+        {true, odd, 16, 8, 8, false, "backward, gate_up not 16-byte aligned"},
     };
     for (auto& tc : cases) {
-        const char* problem = hopper_swiglu_problem(p, p, tc.x, p, tc.N, tc.I, tc.O);
+        const char* problem = tc.backward ? hopper_swiglu_backward_problem(p, p, p, tc.tested, tc.N, tc.I, tc.O)
+                                          : hopper_swiglu_problem(p, p, tc.tested, p, tc.N, tc.I, tc.O);
         EXPECT((problem == NULL) == tc.ok, "%s: %s", tc.what, problem ? problem : "accepted");
     }
     return TEST_RESULT;
@@ -1068,27 +1077,30 @@ static int test_kernel_matmul_fp8(void) {
     return TEST_RESULT;
 }
 
-// The trainer's gate/up forward in BF16 (mlp_gate_up: our Hopper GEMM with SwiGLU in its epilogue,
-// lib/matmul_hopper.cuh) on awkward shapes it allows: gate_up against the fp64 product, and
-// mlp_act bit for bit against swiglu_forward run on the gate_up it wrote (the bits the backward's
-// recompute makes), both outputs poisoned with NaN first; a second run must repeat the bits.
-// Shapes: rows past a multiple of 8 and of the 128-row tile, K not a multiple of the 64-wide
-// k-block, features not a multiple of the 128-feature tile (the last tile's gate and up boxes
-// cross F), more tiles than an H100 has SMs (the persistent walk comes round), and a K of 16
-// k-blocks (the 4-stage ring wraps), in the last layer of two (the weights' offset).
+// Awkward shapes for the tests of the trainer's two fused MLP GEMMs (lib/matmul_hopper.cuh), as a
+// model config and a batch, run in the last layer of the model (the weights' offset): rows past a
+// multiple of 8 and of the 128-row tile, K = d_model not a multiple of the 64-wide k-block, features
+// not a multiple of a tile (the forward's 128, the backward's 256: the last tile's boxes cross F),
+// more tiles than an H100 has SMs (the persistent walk comes round), a K of 16 k-blocks (the
+// 4-stage ring wraps).
+static const struct {
+    ModelConfig c;
+    int B;
+} FUSED_MLP_SHAPES[] = {
+    {{64, 200, 2, 2, 1, 64, 2000, 1100, 1e4f, 1e-6f}, 2},  // N 2200 (18 row tiles, the last 24 rows), K 200, F 2000:
+                                                          // forward 288 tiles, backward 144 (the last 208 features)
+    {{64, 72, 1, 2, 1, 64, 8, 13, 1e4f, 1e-6f}, 1},        // N 13, K 72, F 8: one tile, mostly edge
+    {{64, 1024, 2, 2, 1, 64, 264, 150, 1e4f, 1e-6f}, 2},   // N 300, K 1024, F 264 (features 128 + 128 + 8, 256 + 8)
+};
+
+// The trainer's gate/up forward in BF16 (mlp_gate_up: our Hopper GEMM with SwiGLU in its epilogue)
+// on FUSED_MLP_SHAPES: gate_up against the fp64 product, and mlp_act bit for bit against
+// swiglu_forward run on the gate_up it wrote (the bits the backward's recompute makes), both
+// outputs poisoned with NaN first; a second run must repeat the bits.
 static int test_kernel_gate_up_swiglu(void) {
     REQUIRE_GPU();
     int failed = 0;
-    struct {
-        ModelConfig c;
-        int B;
-    } cases[] = {
-        {{64, 200, 1, 2, 1, 64, 1000, 1100, 1e4f, 1e-6f}, 2},  // N 2200 (18 row tiles, the last 24 rows), K 200,
-                                                              // F 1000 (8 tiles, the last 104): 144 tiles
-        {{64, 72, 1, 2, 1, 64, 8, 13, 1e4f, 1e-6f}, 1},        // N 13, K 72, F 8: one tile, mostly edge
-        {{64, 1024, 2, 2, 1, 64, 264, 150, 1e4f, 1e-6f}, 2},   // N 300, K 1024, F 264 (tiles of 128, 128, 8)
-    };
-    for (auto& tc : cases) {
+    for (auto& tc : FUSED_MLP_SHAPES) {
         const ModelConfig* c = &tc.c;
         GPT m;
         gpt_create(&m, c, tc.B, c->seq_len, 0, 4096, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
@@ -1129,6 +1141,63 @@ static int test_kernel_gate_up_swiglu(void) {
                I, F, differ, n_act);
         free(x); free(W); free(gu); free(ggu); free(want_act); free(bits[0]); free(bits[1]);
         void* dev[] = {d_x, d_W, d_act};
+        for (void* d : dev) CUDA_CHECK(cudaFree(d));
+        gpt_free(&m);
+    }
+    return TEST_RESULT;
+}
+
+// The trainer's down backward in BF16 (mlp_down_backward: dW_down by cuBLASLt, then our Hopper GEMM
+// for d_mlp_act = dy W_down with SwiGLU's backward in its epilogue) on FUSED_MLP_SHAPES, against the
+// fp64 reference: d_gate_up = swiglu_backward(dy W_down, gate_up) and dW_down += dy^T mlp_act.
+// d_gate_up is poisoned with NaN first, and a second run must repeat its bits. Tolerance: d_gate_up
+// carries two bf16 roundings, d_mlp_act's (in the epilogue) and its own, each of relative RMS about
+// 2^-8 / sqrt(3) = 2.3e-3 (bf16 keeps 8 significant bits), so about 3.2e-3 together: we allow
+// 6e-3; a wrong row, feature or half gives errors of order 1. (The bits against swiglu_backward
+// on the kernel's own plain product: the ladder's check, dev/matmul.cu.)
+static int test_kernel_down_swiglu_backward(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    for (auto& tc : FUSED_MLP_SHAPES) {
+        const ModelConfig* c = &tc.c;
+        GPT m;
+        gpt_create(&m, c, tc.B, c->seq_len, 0, 4096, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
+        const int N = m.N, C = c->d_model, F = c->ffn_dim, l = c->n_layer - 1;
+        const size_t n_gu = (size_t)N * 2 * F, n_dy = (size_t)N * C, n_act = (size_t)N * F, n_w = (size_t)C * F;
+        Activations* a = &m.act;
+        EXPECT(down_swiglu_fused(&m, l), "N %d, C %d, F %d: the fused path refused", N, C, F);
+        double *dy = random_array(n_dy, 1.0), *W = random_array(n_w, 1.0);
+        double *gu = random_array(n_gu, 1.0), *act = random_array(n_act, 1.0);
+        bf16 *d_dy = to_device_bf16(dy, n_dy), *d_W = to_device_bf16(W, n_w);
+        bf16 *d_gu = to_device_bf16(gu, n_gu), *d_act = to_device_bf16(act, n_act);
+        CUDA_CHECK(cudaMemcpy(a->d_residual, d_dy, n_dy * 2, cudaMemcpyDeviceToDevice));
+        CUDA_CHECK(cudaMemcpy(P(&m, P_DOWN, l), d_W, n_w * 2, cudaMemcpyDeviceToDevice));
+        CUDA_CHECK(cudaMemcpy(a->gate_up[l], d_gu, n_gu * 2, cudaMemcpyDeviceToDevice));
+        CUDA_CHECK(cudaMemcpy(a->mlp_act[l], d_act, n_act * 2, cudaMemcpyDeviceToDevice));
+        uint16_t* bits[2];  // each run's d_gate_up, as stored
+        for (int run = 0; run < 2; run++) {
+            CUDA_CHECK(cudaMemset(a->d_gate_up, 0xFF, n_gu * 2));  // NaN
+            CUDA_CHECK(cudaMemset(G(&m, P_DOWN, l), 0, n_w * 4));
+            mlp_down_backward(&m, l);
+            CUDA_CHECK(cudaStreamSynchronize(m.stream));
+            const int error = mm_error_take();
+            EXPECT(error == MM_OK, "N %d, C %d, F %d: %s", N, C, F, mm_error_text(error));
+            bits[run] = (uint16_t*)malloc(n_gu * 2);
+            CUDA_CHECK(cudaMemcpy(bits[run], a->d_gate_up, n_gu * 2, cudaMemcpyDeviceToHost));
+        }
+        EXPECT(!memcmp(bits[0], bits[1], n_gu * 2), "N %d, C %d, F %d: a second run differs", N, C, F);
+        double *d_mlp_act = (double*)malloc(n_act * 8), *dW = (double*)calloc(n_w, 8), *dgu = (double*)malloc(n_gu * 8);
+        ref_linear_backward(d_mlp_act, dW, dy, act, W, N, F, C);
+        ref_swiglu_backward(dgu, d_mlp_act, gu, N, F);
+        double *g_dgu = from_device_bf16(a->d_gate_up, n_gu), *g_dW = from_device_f32(G(&m, P_DOWN, l), n_w);
+        char name[96];
+        snprintf(name, sizeof(name), "d_gate_up N %d, C %d, F %d", N, C, F);
+        CHECK_CLOSE(name, g_dgu, dgu, n_gu, 6e-3);
+        snprintf(name, sizeof(name), "dW_down N %d, C %d, F %d", N, C, F);
+        CHECK_CLOSE(name, g_dW, dW, n_w, 1e-4);  // fp32 sums of exact bf16 products
+        free(dy); free(W); free(gu); free(act); free(d_mlp_act); free(dW); free(dgu); free(g_dgu); free(g_dW);
+        free(bits[0]); free(bits[1]);
+        void* dev[] = {d_dy, d_W, d_gu, d_act};
         for (void* d : dev) CUDA_CHECK(cudaFree(d));
         gpt_free(&m);
     }
@@ -1287,9 +1356,10 @@ static double gpu_forward_backward(GPT* m, Uploader* up, double* p, const uint16
 // relative L2: we allow 3e-2. A norm weight's gradient is a sum over every token (and head) of
 // terms of both signs that mostly cancel, so the same absolute rounding errors are large next to
 // the small total: we measured up to 2.5e-2 and allow 8e-2. A wrong formula or index shows errors
-// of order 1 in either. Every case runs its gate/up forward through our fused GEMM (gate_up_fused:
-// d_model and ffn_dim are multiples of 8, the case checks it), the first with N = 154 rows, no
-// multiple of 8; test_fp8_gpu_model_gradients_vs_bf16 checks that FP8 takes cuBLASLt's path.
+// of order 1 in either. Every case runs its gate/up forward and its down backward through our fused
+// GEMMs (gate_up_fused, down_swiglu_fused: d_model and ffn_dim are multiples of 8, the case checks
+// it), the first with N = 154 rows, no multiple of 8; test_fp8_gpu_model_gradients_vs_bf16 checks
+// that FP8 takes cuBLASLt's path.
 static int test_model_matches_reference(void) {
     REQUIRE_GPU();
     int failed = 0;
@@ -1306,7 +1376,10 @@ static int test_model_matches_reference(void) {
         GPT m;
         // loss_chunk 100: several chunks
         gpt_create(&m, c, tc.B, c->seq_len, tc.recompute_layers, 100, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
-        for (int l = 0; l < c->n_layer; l++) EXPECT(gate_up_fused(&m, l), "layer %d's gate/up is not fused", l);
+        for (int l = 0; l < c->n_layer; l++) {
+            EXPECT(gate_up_fused(&m, l), "layer %d's gate/up is not fused", l);
+            EXPECT(down_swiglu_fused(&m, l), "layer %d's down backward is not fused", l);
+        }
         Uploader up;
         uploader_create(&up, m.N, c->vocab_size);
         double* p = random_params(c, &m.table, 0.08);
@@ -2023,6 +2096,7 @@ static const TestCase model_tests[] = {
     {"gpu_kernel_matmuls", test_kernel_matmuls},
     {"gpu_kernel_matmul_fp8", test_kernel_matmul_fp8},
     {"gpu_kernel_gate_up_swiglu", test_kernel_gate_up_swiglu},
+    {"gpu_kernel_down_swiglu_backward", test_kernel_down_swiglu_backward},
     {"gpu_kernel_embedding_and_reductions", test_kernel_embedding_and_reductions},
     {"gpu_kernel_adamw", test_kernel_adamw},
     {"gpu_model_matches_reference", test_model_matches_reference},
