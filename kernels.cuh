@@ -956,8 +956,9 @@ static void q8_quantize(uint8_t* codes, float* absmax, const float* x, size_t n,
 // Descriptors, layouts and the heuristic's choice of algorithm are made once per shape and kept
 // in a plan; a call finds its plan, sets the scale pointers, and launches.
 //
-// One product does not come here: the BF16 gate/up forward, whose SwiGLU our own Hopper GEMM
-// computes in its epilogue (lib/matmul_hopper.cuh; train_gpt.cu's mlp_gate_up; doc/matmul.md).
+// Two products do not come here: the BF16 gate/up forward and the BF16 down input gradient, whose
+// SwiGLU and SwiGLU backward our own Hopper GEMM computes in its epilogue (lib/matmul_hopper.cuh;
+// train_gpt.cu's mlp_gate_up and mlp_down_backward; doc/matmul.md).
 
 // One operand of a matmul: where it is, its element type, and for FP8 the device pointer of the
 // factor that turns its stored values into real ones (NULL: unscaled). For the result it is the
