@@ -113,15 +113,19 @@ static void sum_partials(float* dst, const float* partials, int n_partials, int 
 
 // Sum (or sum of squares) of a long fp32 vector in two fixed-shape passes: REDUCE_BLOCKS blocks
 // each stride over the vector and write one partial; one block then adds the partials in order.
-// `out` receives the total (accumulate = false) or has it added (accumulate = true).
+// `out` receives the total (accumulate = false) or has it added (accumulate = true). A thread reads
+// four floats at a time (16 bytes: x must be 16-byte aligned, as every buffer of the plan is; the
+// gradient norm is a pass over 4 bytes a parameter at memory speed), then the last n % 4 singly.
 #define REDUCE_BLOCKS 512
 template <bool SQUARE>
 __global__ void reduce_partials_kernel(float* partials, const float* x, size_t n) {
     float sum = 0.0f;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float v = x[i];
-        sum += SQUARE ? v * v : v;
+    size_t n4 = n / 4, thread = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    for (size_t q = thread; q < n4; q += (size_t)gridDim.x * blockDim.x) {
+        float4 v = ((const float4*)x)[q];
+        sum += SQUARE ? (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w) : (v.x + v.y) + (v.z + v.w);
     }
+    if (4 * n4 + thread < n) sum += SQUARE ? x[4 * n4 + thread] * x[4 * n4 + thread] : x[4 * n4 + thread];
     sum = block_sum(sum);
     if (threadIdx.x == 0) partials[blockIdx.x] = sum;
 }
