@@ -1,5 +1,5 @@
 /*
- * dev/matmul_wgmma.cuh - versions 3 to 6 of the matmul ladder: Hopper's GEMM. TMA loads into a
+ * dev/matmul_wgmma.cuh - versions 3 to 7 of the matmul ladder: Hopper's GEMM. TMA loads into a
  * ring of shared-memory stages guarded by mbarriers, warpgroup matrix products (wgmma) reading both
  * operands from shared memory, a producer warpgroup and two consumer warpgroups. Version 3 runs
  * one block per output tile; version 4 is the same kernel on a persistent grid (one block per SM)
@@ -7,8 +7,9 @@
  * L2 and the loads of a block's next tile overlap the epilogue of this one. Version 5 is version 4
  * with an epilogue through shared memory and TMA stores, which the consumers hand off and leave
  * running under the next tile's products, and with K split where there are fewer tiles than SMs.
- * Version 6 is version 5 with the next kernel's work in the epilogue (below). One kernel template
- * serves all four; its EPI parameter (HopperEpilogue) picks the epilogue.
+ * Version 6 is version 5 with the next kernel's work in the epilogue (below); version 7 is version 5
+ * with stream-K (HopperStreamK) where its units would fill the SMs badly. One kernel template serves
+ * all five; its EPI parameter (HopperEpilogue) picks the epilogue, and version 7's the walk.
  *
  * Work split: a 128 x 256 output tile, k-blocks of 64, a 4-stage ring of A [128 x 64] and B
  * [256 x 64] tiles (4 x 48 KiB = 192 KiB of shared memory), 384 threads:
@@ -131,8 +132,83 @@ static __device__ __forceinline__ bool hopper_wait(uint32_t bar, uint32_t parity
 
 // The epilogues (the kernel's EPI): versions 3 and 4 store from registers; version 5 stages C in
 // shared memory and stores it by TMA; version 6 does the same with the next kernel's work fused in:
-// the residual added (y = x W^T + residual), or SwiGLU (gate_up and act = silu(gate) * up).
-enum HopperEpilogue { HOP_EPI_REGISTERS, HOP_EPI_TMA, HOP_EPI_RESIDUAL, HOP_EPI_SWIGLU };
+// the residual added (y = x W^T + residual), or SwiGLU (gate_up and act = silu(gate) * up); version
+// 7 is version 5's on a stream-K walk, where a piece of a tile hands its partial to the tile's owner.
+enum HopperEpilogue { HOP_EPI_REGISTERS, HOP_EPI_TMA, HOP_EPI_RESIDUAL, HOP_EPI_SWIGLU, HOP_EPI_STREAM_K };
+
+// Version 7's stream-K walk. The k-blocks of all tiles, tile after tile in the walk's order
+// (tiles x k_blocks in all), are cut in gridDim.x nearly equal contiguous ranges, one a block, so
+// that every SM gets the same share of the products; a range may start and end inside a tile.
+// Block b's units are the tiles its range touches, each clipped to the range. A tile's first piece
+// (k-block 0 on) belongs to its owner, the block whose range it is; every later piece is the first
+// unit of the next blocks' ranges. Such a block stores that piece's fp32 partial in its slot of the
+// workspace and raises its flag; the owner, after its own piece (the last unit of its range), waits
+// for the flags of blocks b+1, b+2, ... in turn and adds their partials in that order, then stores
+// the tile as version 5 does. The sum's order is fixed by the shape and the grid, never by timing.
+// Each block writes at most one partial, so the workspace is one tile a block (128 KiB, 16.5 MiB on
+// 132 SMs). A flag holds the number of the launch that wrote it (epoch), so no launch need clear
+// them. The owner waits only on blocks of higher index, which start their ranges with the awaited
+// piece; blocks are dispatched in index order and the grid is one block an SM, so they are running.
+struct HopperStreamK {
+    float4* partials;  // [grid][2 consumers][HOP_BN / 8][128 threads]: d[j] of each consumer thread
+    int* flags;        // [grid][2 consumers]: = epoch once that consumer's partial is written
+    int epoch;         // this launch's number (from 1); flags of other launches never hold it
+};
+constexpr int HOP_SK_BARRIER = 3;  // named barriers 3, 4: the two consumers' fix-up waits
+
+// The first k-block (over all tiles, tile after tile) of block b's range among `blocks`.
+static __device__ __forceinline__ long hopper_sk_begin(int b, long total, int blocks) { return b * total / blocks; }
+
+// Version 7: a piece of a tile that another block finishes, by all 128 threads of consumer cw: its
+// fp32 accumulator into this block's workspace slot in accumulator order (thread tid's d[j] at
+// [j][tid], so a warp's store is 512 contiguous bytes, and the owner's same thread reads it back),
+// then the flag raised once every thread's stores are visible at gpu scope.
+static __device__ __forceinline__ void hopper_sk_put(const float (&acc)[HOP_BN / 8][4], const HopperStreamK& sk,
+                                                     int cw) {
+    const int tid = threadIdx.x & 127, slot = 2 * blockIdx.x + cw;
+    float4* dst = sk.partials + (size_t)slot * (HOP_BN / 8) * 128 + tid;
+#pragma unroll
+    for (int j = 0; j < HOP_BN / 8; ++j) __stcg(dst + j * 128, make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+    __threadfence();
+    named_barrier(HOP_SK_BARRIER + cw, 128);
+    if (tid == 0) store_release_gpu(sk.flags + slot, sk.epoch);
+}
+
+// A flag wait that gives up like hopper_wait: false (and MM_TIMEOUT raised) after HOP_WAIT_TRIES
+// tries HOP_WAIT_HINT_NS apart, or within 1024 tries once another thread of the launch has given up.
+static __device__ __forceinline__ bool hopper_wait_flag(const int* flag, int value) {
+    for (int i = 0; i < HOP_WAIT_TRIES; ++i) {
+        if (load_acquire_gpu(flag) == value) return true;
+        if ((i & 1023) == 1023 && *(volatile int*)&mm_error != MM_OK) return false;
+        __nanosleep(HOP_WAIT_HINT_NS);
+    }
+    atomicExch(&mm_error, MM_TIMEOUT);
+    return false;
+}
+
+// Version 7, the fix-up of a tile this block owns but did not finish, by all 128 threads of consumer
+// cw: its last `rest` k-blocks are the first pieces of the ranges of blocks blockIdx.x + 1, + 2, ...
+// (of `total` k-blocks among gridDim.x); their partials are added to acc in that order, each once
+// its flag holds this launch's epoch (thread 0 waits; the barrier passes its verdict and orders the
+// reads after its acquire; the reads skip L1, which may hold an earlier launch's lines). False when
+// a wait timed out.
+static __device__ __forceinline__ bool hopper_sk_fixup(float (&acc)[HOP_BN / 8][4], const HopperStreamK& sk, int cw,
+                                                       int rest, long total) {
+    const int tid = threadIdx.x & 127;
+    for (int b = blockIdx.x + 1; rest > 0; ++b) {
+        const int slot = 2 * b + cw;
+        const bool seen = tid != 0 || hopper_wait_flag(sk.flags + slot, sk.epoch);
+        if (!named_barrier_and(HOP_SK_BARRIER + cw, 128, seen)) return false;
+        const float4* src = sk.partials + (size_t)slot * (HOP_BN / 8) * 128 + tid;
+#pragma unroll
+        for (int j = 0; j < HOP_BN / 8; ++j) {
+            const float4 p = __ldcg(src + j * 128);
+            acc[j][0] += p.x, acc[j][1] += p.y, acc[j][2] += p.z, acc[j][3] += p.w;
+        }
+        rest -= (int)(hopper_sk_begin(b + 1, total, gridDim.x) - hopper_sk_begin(b, total, gridDim.x));
+    }
+    return true;
+}
 
 // Version 6's operands beyond A, B and C (unused by the other epilogues). SwiGLU: the kernel's B
 // map (tm_b) is W's gate half [F][K] and b_up its up half, C's map (tm_c) gate_up's gate half [M][F]
@@ -284,12 +360,15 @@ static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_B
 // to (splits 1), or the fp32 partials of `splits` > 1 (batch = split); version 6's fused epilogues
 // (splits 1) with the operands of `fuse`. HOP_EPI_SWIGLU walks tiles of 128 features (N = F): its
 // B tile is W's 128 gate rows of them and the 128 up rows (tm_b and fuse.b_up), two boxes a stage.
+// HOP_EPI_STREAM_K (version 7, splits 1): version 5's epilogue on the stream-K walk of `sk`.
 template <bool A_K, bool B_K, typename OutT, int EPI>
 __global__ void __launch_bounds__(HOP_THREADS, 1)
     hopper_matmul_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                          const __grid_constant__ CUtensorMap tm_c, const __grid_constant__ HopperFusion fuse,
-                         OutT* __restrict__ c, int M, int N, int K, int group_m, int splits) {
+                         OutT* __restrict__ c, int M, int N, int K, int group_m, int splits,
+                         const __grid_constant__ HopperStreamK sk) {
     constexpr bool TMA_STORE = EPI != HOP_EPI_REGISTERS, SWIGLU = EPI == HOP_EPI_SWIGLU;
+    constexpr bool STREAM_K = EPI == HOP_EPI_STREAM_K;
     constexpr int TILE_N = SWIGLU ? HOP_BN / 2 : HOP_BN;  // the columns of C (SwiGLU: features) a tile covers
     static_assert(!SWIGLU || (A_K && B_K), "SwiGLU fuses into the forward, whose operands are K-major");
     extern __shared__ __align__(1024) unsigned char hopper_smem[];
@@ -304,6 +383,22 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     const int tiles_m = (M + HOP_BM - 1) / HOP_BM, tiles_n = (N + TILE_N - 1) / TILE_N;
     const int units = tiles_m * tiles_n * splits, k_blocks = (K + HOP_BK - 1) / HOP_BK;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    // The block's units: first, first + step, ... below last; version 7: the tiles its range
+    // sk_begin .. sk_end-1 of all k-blocks touches, each clipped to it (hopper_block_unit).
+    int first = blockIdx.x, last = units, step = gridDim.x;
+    const long sk_total = STREAM_K ? (long)units * k_blocks : 0;
+    const long sk_begin = hopper_sk_begin(blockIdx.x, sk_total, gridDim.x);
+    const long sk_end = hopper_sk_begin(blockIdx.x + 1, sk_total, gridDim.x);
+    if constexpr (STREAM_K) first = (int)(sk_begin / k_blocks), last = (int)((sk_end - 1) / k_blocks) + 1, step = 1;
+    auto block_unit = [&](int unit) {
+        HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
+        if constexpr (STREAM_K) {
+            const long tile_begin = (long)unit * k_blocks;
+            u.kb0 = sk_begin > tile_begin ? (int)(sk_begin - tile_begin) : 0;
+            u.kb1 = sk_end < tile_begin + k_blocks ? (int)(sk_end - tile_begin) : k_blocks;
+        }
+        return u;
+    };
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < HOP_STAGES; ++s) {
@@ -318,8 +413,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
         setmaxnreg_dec<HOP_PROD_REGS>();
         if (threadIdx.x == 0) {
             int t = 0;  // k-blocks loaded so far
-            for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-                const HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
+            for (int unit = first; unit < last; unit += step) {
+                const HopperUnit u = block_unit(unit);
                 const int a_panels = min(2, (M - u.m0 + 63) / 64), b_panels = min(4, (N - u.n0 + 63) / 64);
                 const uint32_t bytes = (A_K ? HOP_A_BYTES : a_panels * HOP_PANEL_BYTES) +
                                        (B_K ? HOP_B_BYTES : b_panels * HOP_PANEL_BYTES);
@@ -360,8 +455,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     int t = 0;                // k-blocks consumed so far
     int chunks = 0;           // versions 5, 6: chunks this consumer has staged
     uint32_t res[2][8][2];    // version 6, residual: a chunk's residual pairs, read one chunk ahead
-    for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-        const HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
+    for (int unit = first; unit < last; unit += step) {
+        const HopperUnit u = block_unit(unit);
 #pragma unroll
         for (int j = 0; j < HOP_BN / 8; ++j)
 #pragma unroll
@@ -392,8 +487,18 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
         wg_fence_regs(acc);
         if (u.kb1 > u.kb0 && lane == 0) mbar_arrive(empty + 8 * ((t - 1) % HOP_STAGES));
 
+        if constexpr (STREAM_K) {
+            if (u.kb0 > 0) {  // a later piece of a tile: its owner adds it
+                hopper_sk_put(acc, sk, cw);
+                continue;
+            }
+            if (u.kb1 < k_blocks && !hopper_sk_fixup(acc, sk, cw, k_blocks - u.kb1, sk_total)) {
+                if (store_thread) bulk_wait<false>();  // the wait timed out: leave no store reading shared memory
+                return;
+            }
+        }
         if constexpr (TMA_STORE) {
-            hopper_store_tma<EPI, OutT>(acc, res, &tm_c, fuse, out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw,
+            hopper_store_tma<STREAM_K ? HOP_EPI_TMA : EPI, OutT>(acc, res, &tm_c, fuse, out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw,
                                         u.m0 + 64 * cw, u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M, N,
                                         &chunks);
         } else {
@@ -479,11 +584,11 @@ static int hopper_splits(int tiles, int k_blocks, int sms) {
 template <bool A_K, bool B_K, typename OutT, int EPI>
 static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
                           const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
-                          cudaStream_t s) {
+                          cudaStream_t s, const HopperStreamK& sk = {}) {
     constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS);
     attn_allow_smem(hopper_matmul_kernel<A_K, B_K, OutT, EPI>, smem);
     hopper_matmul_kernel<A_K, B_K, OutT, EPI>
-        <<<grid, HOP_THREADS, smem, s>>>(tm_a, tm_b, tm_c, fuse, c, M, N, K, group_m, splits);
+        <<<grid, HOP_THREADS, smem, s>>>(tm_a, tm_b, tm_c, fuse, c, M, N, K, group_m, splits, sk);
     LAUNCH_CHECK();
 }
 
@@ -493,8 +598,42 @@ static int hopper_sms(void) {
     return sms;
 }
 
+// C's own map for the TMA epilogue: bf16 boxes {64, 64} (the attention cache's), or fp32 {32, 64}.
+template <typename OutT>
+static CUtensorMap hopper_c_map(OutT* c, int M, int N) {
+    if constexpr (sizeof(OutT) == 2) return tma_tensor_map(c, N, N, M, 1, 64);
+    else return hopper_f32_map(c, N, M, 1);
+}
+
+// Version 7's choice: stream-K where version 5's units (tiles x splits) would leave more than a
+// tenth of their last wave's SMs idle (the trainer's shapes of 48, 96 and 192 tiles; 30 and 18
+// tiles split 4 and 7 ways fill 91% and 95%, and keep version 5's plan). Its grid: a block an SM,
+// or fewer where the k-blocks are few, so that no range is shorter than HOP_MIN_SPLIT_KB; 0 for
+// version 5's plan.
+static int hopper_stream_k_blocks(int tiles, int k_blocks, int sms) {
+    const int units = tiles * hopper_splits(tiles, k_blocks, sms), slots = ceil_div(units, sms) * sms;
+    if (10 * units >= 9 * slots) return 0;
+    return (int)std::max(1L, std::min((long)sms, (long)tiles * k_blocks / HOP_MIN_SPLIT_KB));
+}
+
+// Version 7's workspace: the partials (hopper_workspace) and a flag per consumer of each of `grid`
+// blocks, zeroed once; each launch takes the next epoch. Like the tensor-map caches, it assumes one
+// stream at a time, and launches in order (a CUDA graph would replay one epoch).
+static HopperStreamK hopper_stream_k_workspace(int grid) {
+    static int* flags = nullptr;
+    static int have = 0, epoch = 0;
+    if (grid > have) {
+        if (flags) CUDA_CHECK(cudaFree(flags));
+        CUDA_CHECK(cudaMalloc(&flags, 2 * grid * sizeof(int)));
+        CUDA_CHECK(cudaMemset(flags, 0, 2 * grid * sizeof(int)));
+        have = grid, epoch = 0;
+    }
+    float* partials = hopper_workspace((size_t)grid * 2 * (HOP_BN / 8) * 128 * 4);
+    return {reinterpret_cast<float4*>(partials), flags, ++epoch};
+}
+
 // VERSION 3: a block per tile, row-major order; 4: persistent, grouped walk; 5: 4 with the TMA
-// epilogue and split K.
+// epilogue and split K; 7: 5 with stream-K where its units fill the SMs badly.
 template <int VERSION>
 struct HopperMatmul {
     template <bool A_K, bool B_K, typename OutT>
@@ -510,12 +649,17 @@ struct HopperMatmul {
                                                              grid, VERSION == 4 ? HOP_GROUP_M : 1, 1, s);
             return;
         }
+        if constexpr (VERSION == 7) {
+            if (const int grid = hopper_stream_k_blocks(tiles, ceil_div(K, HOP_BK), sms)) {
+                hopper_launch<A_K, B_K, OutT, HOP_EPI_STREAM_K>(tm_a, tm_b, hopper_c_map(c, M, N), HopperFusion{}, c,
+                                                                M, N, K, grid, HOP_GROUP_M, 1, s,
+                                                                hopper_stream_k_workspace(grid));
+                return;
+            }
+        }
         const int splits = hopper_splits(tiles, ceil_div(K, HOP_BK), sms);
-        if (splits == 1) {  // C's own map: bf16 boxes {64, 64} (the attention cache's), or fp32 {32, 64}
-            CUtensorMap tm_c;
-            if constexpr (sizeof(OutT) == 2) tm_c = tma_tensor_map(c, N, N, M, 1, 64);
-            else tm_c = hopper_f32_map(c, N, M, 1);
-            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA>(tm_a, tm_b, tm_c, HopperFusion{}, c, M, N, K,
+        if (splits == 1) {
+            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA>(tm_a, tm_b, hopper_c_map(c, M, N), HopperFusion{}, c, M, N, K,
                                                        std::min(tiles, sms), HOP_GROUP_M, 1, s);
             return;
         }
