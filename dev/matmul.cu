@@ -26,7 +26,11 @@
  *      d_mlp_act = dy W, from which the epilogue makes d_gate_up with gate_up, never storing
  *      d_mlp_act). It has only these fused forms (its plain ones would be version 5's), timed
  *      against cuBLASLt plus the trainer's separate step, in a table of their own.
- * Versions 2-6 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too); a shape a
+ *   7  version 5 with stream-K where its units would leave more than a tenth of the last wave's SMs
+ *      idle (96 tiles on 132 SMs): every block an equal share of all the tiles' k-blocks, a range
+ *      that may start and end inside a tile; a tile's pieces are summed by the block that owns its
+ *      first one, in range order, so the bits depend on the shape and the SM count only.
+ * Versions 2-7 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too); a shape a
  * version cannot take is skipped, with a word. Resource use (-Xptxas -v) and the figures:
  * doc/matmul.md.
  *
@@ -164,6 +168,8 @@ static const Impl IMPLS[] = {
      mm_backward_weight<HopperMatmul<5>>, NULL, NULL, NULL, NULL, true, 3, 10},
     {6, "fused epilogues", NULL, NULL, NULL, hopper_forward_residual, hopper_forward_swiglu,
      hopper_backward_swiglu_form, mm_backward_input<HopperMatmul<6>>, true, 3, 10},
+    {7, "stream-K", mm_forward<HopperMatmul<7>>, mm_backward_input<HopperMatmul<7>>,
+     mm_backward_weight<HopperMatmul<7>>, NULL, NULL, NULL, NULL, true, 3, 10},
 };
 static const int N_IMPLS = sizeof(IMPLS) / sizeof(IMPLS[0]);
 
@@ -261,6 +267,8 @@ static void add_check_cases(std::vector<Case>& cases) {
         {2000, 136, 200},  // dW: 2 tiles, K = 2000 (32 k-blocks): version 5 splits K in 4 (fp32 partials)
         {136, 200, 2000},  // dx: the same in bf16; SwiGLU's F = 1000, its last tile 104 features (its
                            // backward's: F = 200, a tile of 200 features, K = 2000)
+        {1280, 136, 264},  // version 7's ranges start and end inside tiles: dW 3 tiles x 20 k-blocks on 7 blocks
+                           // (fp32 +=), dx 10 x 5 on 6 (bf16), fwd 20 x 3 on 7
         {8, 8, 8},
         {77, 19, 33},      // odd sides: the naive version only
     };
@@ -751,11 +759,11 @@ int main(int argc, char** argv) {
     for (int i = 1; i < N_IMPLS; ++i)
         if (!*want || strchr(want, '0' + IMPLS[i].version)) chosen.push_back(i);
     const bool bad_versions =
-        *want && (strspn(want, "0123456") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
+        *want && (strspn(want, "01234567") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
     if (bad_versions || argc > 3 || (argc == 3 && timing)) {
         fprintf(stderr, "usage: %s [versions] [check]; versions are digits of 0 cuBLASLt, 1 naive, 2 mma.sync, "
-                        "3 wgmma, 4 wgmma persistent, 5 TMA store and split K, 6 fused epilogues, in one word "
-                        "(not '%s'%s)\n", argv[0],
+                        "3 wgmma, 4 wgmma persistent, 5 TMA store and split K, 6 fused epilogues, 7 stream-K, "
+                        "in one word (not '%s'%s)\n", argv[0],
                 want, argc > 2 ? " followed by more than `check`" : "");
         return 1;
     }

@@ -1,5 +1,5 @@
 /*
- * dev/matmul_wgmma.cuh - versions 3 to 6 of the matmul ladder: Hopper's GEMM. The kernel itself is
+ * dev/matmul_wgmma.cuh - versions 3 to 7 of the matmul ladder: Hopper's GEMM. The kernel itself is
  * the trainer's, lib/matmul_hopper.cuh (TMA loads on an mbarrier ring, wgmma from swizzled shared
  * memory, a producer warpgroup and two consumers; its header has the work split, the layouts and
  * the epilogues); this file holds what only the ladder runs of it, as launch configurations:
@@ -13,7 +13,10 @@
  *   6  version 5 with the next kernel's work in the epilogue: the residual added
  *      (hopper_forward_residual, here: it ties cuBLASLt, so the trainer does not run it), SwiGLU
  *      (hopper_forward_swiglu) and SwiGLU's backward in down's input gradient
- *      (hopper_backward_swiglu), both in lib/matmul_hopper.cuh, both run by the trainer.
+ *      (hopper_backward_swiglu), both in lib/matmul_hopper.cuh, both run by the trainer;
+ *   7  version 5 with stream-K (the walk and its fix-up: HopperStreamK, lib/matmul_hopper.cuh) where
+ *      version 5's units would leave more than a tenth of the last wave's SMs idle
+ *      (hopper_stream_k_blocks, below); the ladder's only.
  *
  * Version 5's split of K: a product with fewer tiles than half the SMs (a weight gradient of a small
  * matrix: 18 tiles for 132 SMs, K = 32768) cuts each tile's k-blocks into `splits` runs, so that
@@ -21,7 +24,8 @@
  * Unit u is split u / tiles of tile u % tiles; it stores its fp32 partial product by TMA into a
  * workspace [splits][M][N], and a second kernel sums the partials in split order, 0 first, and
  * stores (bf16) or adds (fp32) the sum to C: the result depends on the shape and the SM count,
- * never on timing. The workspace is at most one partial tile per SM (16.5 MiB on 132 SMs).
+ * never on timing. The workspace is at most one partial tile per SM (16.5 MiB on 132 SMs); version 7
+ * reuses it for its partials, one tile a block.
  *
  * Every wait of the kernel is bounded (MM_TIMEOUT, lib/matmul_hopper.cuh).
  * Shapes: M, N, K multiples of 8 (16-byte TMA row strides: mm_tiled_shape_problem).
@@ -79,7 +83,7 @@ static CUtensorMap hopper_f32_map(const float* base, int cols, int rows, int bat
     return map;
 }
 
-// Version 5's split partials: one buffer, grown when a product needs more (floats of them); like the
+// Version 5's split partials (and version 7's): one buffer, grown when a product needs more (floats of them); like the
 // tensor-map caches, it assumes one stream at a time.
 static float* hopper_workspace(size_t floats) {
     static float* ws = nullptr;
@@ -98,11 +102,44 @@ static int hopper_splits(int tiles, int k_blocks, int sms) {
     return std::max(1, std::min(sms / std::max(tiles, 1), k_blocks / HOP_MIN_SPLIT_KB));
 }
 
+// C's own map for the TMA epilogue: bf16 boxes {64, 64} (the attention cache's), or fp32 {32, 64}.
+template <typename OutT>
+static CUtensorMap hopper_c_map(OutT* c, int M, int N) {
+    if constexpr (sizeof(OutT) == 2) return tma_tensor_map(c, N, N, M, 1, 64);
+    else return hopper_f32_map(c, N, M, 1);
+}
+
+// Version 7's choice: stream-K where version 5's units (tiles x splits) would leave more than a
+// tenth of their last wave's SMs idle (the trainer's shapes of 48, 96 and 192 tiles; 30 and 18
+// tiles split 4 and 7 ways fill 91% and 95%, and keep version 5's plan). Its grid: a block an SM,
+// or fewer where the k-blocks are few, so that no range is shorter than HOP_MIN_SPLIT_KB; 0 for
+// version 5's plan.
+static int hopper_stream_k_blocks(int tiles, int k_blocks, int sms) {
+    const int units = tiles * hopper_splits(tiles, k_blocks, sms), slots = ceil_div(units, sms) * sms;
+    if (10 * units >= 9 * slots) return 0;
+    return (int)std::max(1L, std::min((long)sms, (long)tiles * k_blocks / HOP_MIN_SPLIT_KB));
+}
+
+// Version 7's workspace: the partials (hopper_workspace) and a flag per consumer of each of `grid`
+// blocks, zeroed once; each launch takes the next epoch. Like the tensor-map caches, it assumes one
+// stream at a time, and launches in order (a CUDA graph would replay one epoch).
+static HopperStreamK hopper_stream_k_workspace(int grid) {
+    static int* flags = nullptr;
+    static int have = 0, epoch = 0;
+    if (grid > have) {
+        if (flags) CUDA_CHECK(cudaFree(flags));
+        CUDA_CHECK(cudaMalloc(&flags, 2 * grid * sizeof(int)));
+        CUDA_CHECK(cudaMemset(flags, 0, 2 * grid * sizeof(int)));
+        have = grid, epoch = 0;
+    }
+    float* partials = hopper_workspace((size_t)grid * 2 * (HOP_BN / 8) * 128 * 4);
+    return {reinterpret_cast<float4*>(partials), flags, ++epoch};
+}
 
 // VERSION 3: a block per tile, row-major order; 4: persistent, grouped walk; 5: 4 with the TMA
 // epilogue and split K; 6: 5 never split, the plain product whose accumulators version 6's fused
 // epilogues round (each output one fp32 sum in k order, as theirs), against which the ladder checks
-// the bits of SwiGLU's fused backward.
+// the bits of SwiGLU's fused backward; 7: 5 with stream-K where its units fill the SMs badly.
 template <int VERSION>
 struct HopperMatmul {
     template <bool A_K, bool B_K, typename OutT>
@@ -118,12 +155,17 @@ struct HopperMatmul {
                                                              grid, VERSION == 4 ? HOP_GROUP_M : 1, 1, s);
             return;
         }
+        if constexpr (VERSION == 7) {
+            if (const int grid = hopper_stream_k_blocks(tiles, ceil_div(K, HOP_BK), sms)) {
+                hopper_launch<A_K, B_K, OutT, HOP_EPI_STREAM_K>(tm_a, tm_b, hopper_c_map(c, M, N), HopperFusion{}, c,
+                                                                M, N, K, grid, HOP_GROUP_M, 1, s,
+                                                                hopper_stream_k_workspace(grid));
+                return;
+            }
+        }
         const int splits = VERSION == 6 ? 1 : hopper_splits(tiles, ceil_div(K, HOP_BK), sms);
-        if (splits == 1) {  // C's own map: bf16 boxes {64, 64} (the attention cache's), or fp32 {32, 64}
-            CUtensorMap tm_c;
-            if constexpr (sizeof(OutT) == 2) tm_c = tma_tensor_map(c, N, N, M, 1, 64);
-            else tm_c = hopper_f32_map(c, N, M, 1);
-            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA>(tm_a, tm_b, tm_c, HopperFusion{}, c, M, N, K,
+        if (splits == 1) {
+            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA>(tm_a, tm_b, hopper_c_map(c, M, N), HopperFusion{}, c, M, N, K,
                                                        std::min(tiles, sms), HOP_GROUP_M, 1, s);
             return;
         }

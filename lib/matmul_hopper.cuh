@@ -11,11 +11,12 @@
  * its mirror in the backward, the down matrix's input gradient with SwiGLU's backward in its
  * epilogue (hopper_backward_swiglu: d_gate_up from d_mlp_act = dy W_down, which is never stored);
  * every other matmul of the trainer stays with cuBLASLt through kernels.cuh's matmul(). The kernel
- * is the matmul ladder's (dev/matmul.cu): its versions 3 to 6 are this kernel's launch
+ * is the matmul ladder's (dev/matmul.cu): its versions 3 to 7 are this kernel's launch
  * configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and
- * splits K), 6 adds the residual or applies SwiGLU or its backward. train_gpt.cu includes this file
- * after kernels.cuh, whose swiglu8 and swiglu_backward8 and lib/attention.cuh helpers (the
- * tensor-map cache, shared addresses, bf16 packing) it uses.
+ * splits K), 6 adds the residual or applies SwiGLU or its backward, 7 (the ladder's only) stores as
+ * 5 on a stream-K walk (HopperStreamK, below). train_gpt.cu includes this file after kernels.cuh,
+ * whose swiglu8 and swiglu_backward8 and lib/attention.cuh helpers (the tensor-map cache, shared
+ * addresses, bf16 packing) it uses.
  *
  * Work split: a 128 x 256 output tile, k-blocks of 64, a 4-stage ring of A [128 x 64] and B
  * [256 x 64] tiles (4 x 48 KiB = 192 KiB of shared memory), 384 threads:
@@ -31,7 +32,7 @@
  * (t / 4) & 1 on both sides, so the ring runs on from one tile into the next. A persistent block
  * walks tiles blockIdx, blockIdx + grid, ... in groups of 8 tile rows (hopper_tile_of), so that the
  * operands of the tiles in flight stay in L2, and loads its next tile while this one's epilogue
- * stores.
+ * stores (version 7 walks a contiguous range of all the tiles' k-blocks instead: HopperStreamK).
  *
  * Shared-memory layouts (TMA writes them with the 128-byte swizzle, wgmma reads them through
  * descriptors; lib/ptx.cuh): a K-major operand tile is [rows][64 k], 128-byte rows, one TMA box; a
@@ -69,12 +70,14 @@
  *   tile's products, chunk q+1's before chunk q is staged, so the loads fly under other work.
  *
  * Determinism: with one split of K (all the trainer runs) each output is one fp32 sum over k in a
- * fixed order, whatever the grid; the ladder's split K sums its partials in a fixed order too.
+ * fixed order, whatever the grid; the ladder's split K and stream-K sum their partials in a fixed
+ * order too.
  *
- * No wait can hang: every mbarrier wait gives up after HOP_WAIT_TRIES tries of at most
- * HOP_WAIT_HINT_NS each (about a second; no legitimate wait here lasts a millisecond), raises
- * MM_TIMEOUT in mm_error and returns, so that a broken pipeline ends as a raised flag (the ladder
- * reads it after each shape, the trainer with each step's figures) rather than a hung program.
+ * No wait can hang: every mbarrier wait (and stream-K's flag wait) gives up after HOP_WAIT_TRIES
+ * tries of at most HOP_WAIT_HINT_NS each (about a second; no legitimate wait here lasts a
+ * millisecond), raises MM_TIMEOUT in mm_error and returns, so that a broken pipeline ends as a
+ * raised flag (the ladder reads it after each shape, the trainer with each step's figures) rather
+ * than a hung program.
  */
 #ifndef MATMUL_HOPPER_CUH
 #define MATMUL_HOPPER_CUH
@@ -174,8 +177,92 @@ static __device__ __forceinline__ bool hopper_wait(uint32_t bar, uint32_t parity
 // The epilogues (the kernel's EPI): versions 3 and 4 store from registers; version 5 stages C in
 // shared memory and stores it by TMA; version 6 does the same with the next kernel's work fused in:
 // the residual added (y = x W^T + residual), or SwiGLU (gate_up and act = silu(gate) * up), or, in
-// the down matrix's input gradient, SwiGLU's backward (d_gate_up from d_mlp_act = dy W and gate_up).
-enum HopperEpilogue { HOP_EPI_REGISTERS, HOP_EPI_TMA, HOP_EPI_RESIDUAL, HOP_EPI_SWIGLU, HOP_EPI_SWIGLU_BWD };
+// the down matrix's input gradient, SwiGLU's backward (d_gate_up from d_mlp_act = dy W and gate_up);
+// version 7 is version 5's on a stream-K walk, where a piece of a tile hands its partial to the
+// tile's owner.
+enum HopperEpilogue {
+    HOP_EPI_REGISTERS,
+    HOP_EPI_TMA,
+    HOP_EPI_RESIDUAL,
+    HOP_EPI_SWIGLU,
+    HOP_EPI_SWIGLU_BWD,
+    HOP_EPI_STREAM_K
+};
+
+// Version 7's stream-K walk. The k-blocks of all tiles, tile after tile in the walk's order
+// (tiles x k_blocks in all), are cut in gridDim.x nearly equal contiguous ranges, one a block, so
+// that every SM gets the same share of the products; a range may start and end inside a tile.
+// Block b's units are the tiles its range touches, each clipped to the range. A tile's first piece
+// (k-block 0 on) belongs to its owner, the block whose range it is; every later piece is the first
+// unit of the next blocks' ranges. Such a block stores that piece's fp32 partial in its slot of the
+// workspace and raises its flag; the owner, after its own piece (the last unit of its range), waits
+// for the flags of blocks b+1, b+2, ... in turn and adds their partials in that order, then stores
+// the tile as version 5 does. The sum's order is fixed by the shape and the grid, never by timing.
+// Each block writes at most one partial, so the workspace is one tile a block (128 KiB, 16.5 MiB on
+// 132 SMs). A flag holds the number of the launch that wrote it (epoch), so no launch need clear
+// them. The owner waits only on blocks of higher index, which start their ranges with the awaited
+// piece; blocks are dispatched in index order and the grid is one block an SM, so they are running.
+// The other epilogues take an empty one (hopper_launch's default) and never read it.
+struct HopperStreamK {
+    float4* partials;  // [grid][2 consumers][HOP_BN / 8][128 threads]: d[j] of each consumer thread
+    int* flags;        // [grid][2 consumers]: = epoch once that consumer's partial is written
+    int epoch;         // this launch's number (from 1); flags of other launches never hold it
+};
+constexpr int HOP_SK_BARRIER = 3;  // named barriers 3, 4: the two consumers' fix-up waits (1, 2: staging)
+
+// The first k-block (over all tiles, tile after tile) of block b's range among `blocks`.
+static __device__ __forceinline__ long hopper_sk_begin(int b, long total, int blocks) { return b * total / blocks; }
+
+// Version 7: a piece of a tile that another block finishes, by all 128 threads of consumer cw: its
+// fp32 accumulator into this block's workspace slot in accumulator order (thread tid's d[j] at
+// [j][tid], so a warp's store is 512 contiguous bytes, and the owner's same thread reads it back),
+// then the flag raised once every thread's stores are visible at gpu scope.
+static __device__ __forceinline__ void hopper_sk_put(const float (&acc)[HOP_BN / 8][4], const HopperStreamK& sk,
+                                                     int cw) {
+    const int tid = threadIdx.x & 127, slot = 2 * blockIdx.x + cw;
+    float4* dst = sk.partials + (size_t)slot * (HOP_BN / 8) * 128 + tid;
+#pragma unroll
+    for (int j = 0; j < HOP_BN / 8; ++j) __stcg(dst + j * 128, make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+    __threadfence();
+    named_barrier(HOP_SK_BARRIER + cw, 128);
+    if (tid == 0) store_release_gpu(sk.flags + slot, sk.epoch);
+}
+
+// A flag wait that gives up like hopper_wait: false (and MM_TIMEOUT raised) after HOP_WAIT_TRIES
+// tries HOP_WAIT_HINT_NS apart, or within 1024 tries once another thread of the launch has given up.
+static __device__ __forceinline__ bool hopper_wait_flag(const int* flag, int value) {
+    for (int i = 0; i < HOP_WAIT_TRIES; ++i) {
+        if (load_acquire_gpu(flag) == value) return true;
+        if ((i & 1023) == 1023 && *(volatile int*)&mm_error != MM_OK) return false;
+        __nanosleep(HOP_WAIT_HINT_NS);
+    }
+    atomicExch(&mm_error, MM_TIMEOUT);
+    return false;
+}
+
+// Version 7, the fix-up of a tile this block owns but did not finish, by all 128 threads of consumer
+// cw: its last `rest` k-blocks are the first pieces of the ranges of blocks blockIdx.x + 1, + 2, ...
+// (of `total` k-blocks among gridDim.x); their partials are added to acc in that order, each once
+// its flag holds this launch's epoch (thread 0 waits; the barrier passes its verdict and orders the
+// reads after its acquire; the reads skip L1, which may hold an earlier launch's lines). False when
+// a wait timed out.
+static __device__ __forceinline__ bool hopper_sk_fixup(float (&acc)[HOP_BN / 8][4], const HopperStreamK& sk, int cw,
+                                                       int rest, long total) {
+    const int tid = threadIdx.x & 127;
+    for (int b = blockIdx.x + 1; rest > 0; ++b) {
+        const int slot = 2 * b + cw;
+        const bool seen = tid != 0 || hopper_wait_flag(sk.flags + slot, sk.epoch);
+        if (!named_barrier_and(HOP_SK_BARRIER + cw, 128, seen)) return false;
+        const float4* src = sk.partials + (size_t)slot * (HOP_BN / 8) * 128 + tid;
+#pragma unroll
+        for (int j = 0; j < HOP_BN / 8; ++j) {
+            const float4 p = __ldcg(src + j * 128);
+            acc[j][0] += p.x, acc[j][1] += p.y, acc[j][2] += p.z, acc[j][3] += p.w;
+        }
+        rest -= (int)(hopper_sk_begin(b + 1, total, gridDim.x) - hopper_sk_begin(b, total, gridDim.x));
+    }
+    return true;
+}
 
 // Version 6's operands beyond A, B and C (unused by the other epilogues). SwiGLU: the kernel's B
 // map (tm_b) is W's gate half [F][K] and b_up its up half, C's map (tm_c) gate_up's gate half [M][F]
@@ -381,12 +468,15 @@ static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_B
 // (splits 1) with the operands of `fuse`. HOP_EPI_SWIGLU walks tiles of 128 features (N = F): its
 // B tile is W's 128 gate rows of them and the 128 up rows (tm_b and fuse.b_up), two boxes a stage.
 // HOP_EPI_SWIGLU_BWD is the plain input gradient's product (N = F), tile for tile.
+// HOP_EPI_STREAM_K (version 7, splits 1): version 5's epilogue on the stream-K walk of `sk`.
 template <bool A_K, bool B_K, typename OutT, int EPI>
 __global__ void __launch_bounds__(HOP_THREADS, 1)
     hopper_matmul_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                          const __grid_constant__ CUtensorMap tm_c, const __grid_constant__ HopperFusion fuse,
-                         OutT* __restrict__ c, int M, int N, int K, int group_m, int splits) {
+                         OutT* __restrict__ c, int M, int N, int K, int group_m, int splits,
+                         const __grid_constant__ HopperStreamK sk) {
     constexpr bool TMA_STORE = EPI != HOP_EPI_REGISTERS, SWIGLU = EPI == HOP_EPI_SWIGLU;
+    constexpr bool STREAM_K = EPI == HOP_EPI_STREAM_K;
     constexpr int TILE_N = SWIGLU ? HOP_BN / 2 : HOP_BN;  // the columns of C (SwiGLU: features) a tile covers
     static_assert(!SWIGLU || (A_K && B_K), "SwiGLU fuses into the forward, whose operands are K-major");
     static_assert(EPI != HOP_EPI_SWIGLU_BWD || (A_K && !B_K && sizeof(OutT) == 2),
@@ -403,6 +493,22 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     const int tiles_m = (M + HOP_BM - 1) / HOP_BM, tiles_n = (N + TILE_N - 1) / TILE_N;
     const int units = tiles_m * tiles_n * splits, k_blocks = (K + HOP_BK - 1) / HOP_BK;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    // The block's units: first, first + step, ... below last; version 7: the tiles its range
+    // sk_begin .. sk_end-1 of all k-blocks touches, each clipped to it (block_unit).
+    int first = blockIdx.x, last = units, step = gridDim.x;
+    const long sk_total = STREAM_K ? (long)units * k_blocks : 0;
+    const long sk_begin = hopper_sk_begin(blockIdx.x, sk_total, gridDim.x);
+    const long sk_end = hopper_sk_begin(blockIdx.x + 1, sk_total, gridDim.x);
+    if constexpr (STREAM_K) first = (int)(sk_begin / k_blocks), last = (int)((sk_end - 1) / k_blocks) + 1, step = 1;
+    auto block_unit = [&](int unit) {
+        HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
+        if constexpr (STREAM_K) {
+            const long tile_begin = (long)unit * k_blocks;
+            u.kb0 = sk_begin > tile_begin ? (int)(sk_begin - tile_begin) : 0;
+            u.kb1 = sk_end < tile_begin + k_blocks ? (int)(sk_end - tile_begin) : k_blocks;
+        }
+        return u;
+    };
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < HOP_STAGES; ++s) {
@@ -417,8 +523,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
         setmaxnreg_dec<HOP_PROD_REGS>();
         if (threadIdx.x == 0) {
             int t = 0;  // k-blocks loaded so far
-            for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-                const HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
+            for (int unit = first; unit < last; unit += step) {
+                const HopperUnit u = block_unit(unit);
                 const int a_panels = min(2, (M - u.m0 + 63) / 64), b_panels = min(4, (N - u.n0 + 63) / 64);
                 const uint32_t bytes = (A_K ? HOP_A_BYTES : a_panels * HOP_PANEL_BYTES) +
                                        (B_K ? HOP_B_BYTES : b_panels * HOP_PANEL_BYTES);
@@ -459,8 +565,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     int t = 0;                // k-blocks consumed so far
     int chunks = 0;           // versions 5, 6: chunks this consumer has staged
     uint32_t pre[2][2][8][2];  // version 6: what a chunk's epilogue reads, one chunk ahead (hopper_prefetch)
-    for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-        const HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
+    for (int unit = first; unit < last; unit += step) {
+        const HopperUnit u = block_unit(unit);
 #pragma unroll
         for (int j = 0; j < HOP_BN / 8; ++j)
 #pragma unroll
@@ -490,10 +596,21 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
         wg_fence_regs(acc);
         if (u.kb1 > u.kb0 && lane == 0) mbar_arrive(empty + 8 * ((t - 1) % HOP_STAGES));
 
+        if constexpr (STREAM_K) {
+            if (u.kb0 > 0) {  // a later piece of a tile: its owner adds it
+                hopper_sk_put(acc, sk, cw);
+                continue;
+            }
+            if (u.kb1 < k_blocks && !hopper_sk_fixup(acc, sk, cw, k_blocks - u.kb1, sk_total)) {
+                if (store_thread) bulk_wait<false>();  // the wait timed out: leave no store reading shared memory
+                return;
+            }
+        }
         if constexpr (TMA_STORE) {
-            hopper_store_tma<EPI, OutT>(acc, pre, &tm_c, fuse, out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw,
-                                        u.m0 + 64 * cw, u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M, N,
-                                        &chunks);
+            hopper_store_tma<STREAM_K ? HOP_EPI_TMA : EPI, OutT>(acc, pre, &tm_c, fuse,
+                                                                 out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw,
+                                                                 u.m0 + 64 * cw, u.n0, u.split,
+                                                                 sizeof(OutT) == 4 && splits == 1, M, N, &chunks);
         } else {
             // Versions 3 and 4: warp w of the consumer holds rows 16w + g and 16w + g + 8 of its 64,
             // columns 8j + 2i and 8j + 2i + 1 of d[j] (lane = 4g + i).
@@ -514,11 +631,11 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
 template <bool A_K, bool B_K, typename OutT, int EPI>
 static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
                           const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
-                          cudaStream_t s) {
+                          cudaStream_t s, const HopperStreamK& sk = {}) {
     constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS);
     attn_allow_smem(hopper_matmul_kernel<A_K, B_K, OutT, EPI>, smem);
     hopper_matmul_kernel<A_K, B_K, OutT, EPI>
-        <<<grid, HOP_THREADS, smem, s>>>(tm_a, tm_b, tm_c, fuse, c, M, N, K, group_m, splits);
+        <<<grid, HOP_THREADS, smem, s>>>(tm_a, tm_b, tm_c, fuse, c, M, N, K, group_m, splits, sk);
     LAUNCH_CHECK();
 }
 

@@ -300,6 +300,19 @@ static __device__ __forceinline__ int load_acquire_gpu(const int* p) {
 static __device__ __forceinline__ void add_release_gpu(int* p, int v) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+static __device__ __forceinline__ void store_release_gpu(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+// bar.sync of `threads` threads on barrier id that also returns whether pred held in all of them.
+static __device__ __forceinline__ bool named_barrier_and(int id, int threads, bool pred) {
+    int all;
+    asm volatile("{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.and.pred q, %2, %3, p;\n"
+                 " selp.s32 %0, 1, 0, q;\n}\n"
+                 : "=r"(all)
+                 : "r"((int)pred), "r"(id), "r"(threads)
+                 : "memory");
+    return all;
+}
 // Orders this thread's generic-proxy global accesses with its bulk (async-proxy) ones.
 static __device__ __forceinline__ void fence_proxy_async_global() {
     asm volatile("fence.proxy.async.global;\n" ::: "memory");
