@@ -59,28 +59,46 @@ __global__ void hopper_split_sum_kernel(OutT* c, const float* ws, long plane, in
     }
 }
 
+// The map of a matrix [batches][rows][cols] of `type` (elements of `bytes` bytes) in boxes of 128
+// bytes a row (a column of the 128-byte swizzle) and box_rows rows, for the ladder's maps that
+// lib/attention.cuh's bf16 cache does not make: fp32 C and its split partials, FP8 operands.
+static CUtensorMap hopper_encode_map(const void* base, CUtensorMapDataType type, int bytes, int cols, int rows,
+                                     int batches, int box_rows) {
+    CUtensorMap map;
+    const cuuint64_t dims[3] = {(cuuint64_t)cols, (cuuint64_t)rows, (cuuint64_t)batches};
+    const cuuint64_t strides[2] = {(cuuint64_t)cols * bytes, (cuuint64_t)rows * cols * bytes};
+    const cuuint32_t box[3] = {(cuuint32_t)(128 / bytes), (cuuint32_t)box_rows, 1}, elem_strides[3] = {1, 1, 1};
+    const CUresult r = tma_encode_fn()(&map, type, 3, const_cast<void*>(base), dims, strides, box, elem_strides,
+                                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                       CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        fprintf(stderr, "matmul: cuTensorMapEncodeTiled failed (%d) for a [%d][%d][%d] of %d-byte elements\n", (int)r,
+                batches, rows, cols, bytes);
+        exit(1);
+    }
+    return map;
+}
+
 // The map of an fp32 matrix [batches][rows][cols] for version 5's stores (C of a weight gradient,
-// or the split partials): boxes {32 columns (128 bytes), 64 rows, 1}, the 128-byte swizzle. The
-// last map is kept, since the ladder calls one shape many times in a row.
+// or the split partials): boxes {32 columns (128 bytes), 64 rows, 1}. The last map is kept, since
+// the ladder calls one shape many times in a row.
 static CUtensorMap hopper_f32_map(const float* base, int cols, int rows, int batches) {
     static CUtensorMap map;
     static const float* map_base = nullptr;
     static int map_dims[3];
     if (base == map_base && cols == map_dims[0] && rows == map_dims[1] && batches == map_dims[2]) return map;
-    const cuuint64_t dims[3] = {(cuuint64_t)cols, (cuuint64_t)rows, (cuuint64_t)batches};
-    const cuuint64_t strides[2] = {(cuuint64_t)cols * sizeof(float), (cuuint64_t)rows * cols * sizeof(float)};
-    const cuuint32_t box[3] = {32, 64, 1}, elem_strides[3] = {1, 1, 1};
-    const CUresult r = tma_encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<float*>(base), dims,
-                                       strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        fprintf(stderr, "matmul: cuTensorMapEncodeTiled failed (%d) for an fp32 [%d][%d][%d]\n", (int)r, batches,
-                rows, cols);
-        exit(1);
-    }
+    map = hopper_encode_map(base, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, cols, rows, batches, 64);
     map_base = base, map_dims[0] = cols, map_dims[1] = rows, map_dims[2] = batches;
     return map;
+}
+
+// An operand's map: bf16 through lib/attention.cuh's cache (boxes {64, box_rows}), K-major or not;
+// FP8 (K-major only) encoded anew, boxes {128 k, box_rows} (a microsecond or two of host time a
+// call, under the products of every timed shape).
+template <typename T>
+static CUtensorMap hopper_operand_map(const T* p, int cols, int rows, int box_rows) {
+    if constexpr (sizeof(T) == 2) return tma_tensor_map(p, cols, cols, rows, 1, box_rows);
+    else return hopper_encode_map(p, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, cols, rows, 1, box_rows);
 }
 
 // Version 5's split partials (and version 7's): one buffer, grown when a product needs more (floats of them); like the
@@ -142,12 +160,15 @@ static HopperStreamK hopper_stream_k_workspace(int grid) {
 // the bits of SwiGLU's fused backward; 7: 5 with stream-K where its units fill the SMs badly.
 template <int VERSION>
 struct HopperMatmul {
-    template <bool A_K, bool B_K, typename OutT>
-    static void gemm(OutT* c, const bf16* a, const bf16* b, int M, int N, int K, cudaStream_t s) {
-        const int sms = hopper_sms();
-        // 2-D maps as 3-D ones of one batch: {row length, rows, 1}, boxes {64, box rows}
-        const CUtensorMap tm_a = A_K ? tma_tensor_map(a, K, K, M, 1, HOP_BM) : tma_tensor_map(a, M, M, K, 1, 64);
-        const CUtensorMap tm_b = B_K ? tma_tensor_map(b, K, K, N, 1, HOP_BN) : tma_tensor_map(b, N, N, K, 1, 64);
+    template <bool A_K, bool B_K, typename OutT, typename AT = bf16, typename BT = bf16>
+    static void gemm(OutT* c, const AT* a, const BT* b, int M, int N, int K, cudaStream_t s,
+                     const float* a_scale_inv = nullptr, const float* b_scale_inv = nullptr) {
+        const int sms = hopper_sms(), k_blocks = hopper_k_blocks<AT>(K);
+        // 2-D maps as 3-D ones of one batch: {row length, rows, 1}, boxes {128 bytes, box rows}
+        const CUtensorMap tm_a = A_K ? hopper_operand_map(a, K, M, HOP_BM) : hopper_operand_map(a, M, K, 64);
+        const CUtensorMap tm_b = B_K ? hopper_operand_map(b, K, N, HOP_BN) : hopper_operand_map(b, N, K, 64);
+        HopperFusion scales = {};  // version 8's: real = a_scale_inv b_scale_inv x the FP8 product
+        scales.a_scale_inv = a_scale_inv, scales.b_scale_inv = b_scale_inv;
         const int tiles = ceil_div(M, HOP_BM) * ceil_div(N, HOP_BN);
         if constexpr (VERSION < 5) {
             const int grid = VERSION == 4 ? std::min(tiles, sms) : tiles;
@@ -156,22 +177,22 @@ struct HopperMatmul {
             return;
         }
         if constexpr (VERSION == 7) {
-            if (const int grid = hopper_stream_k_blocks(tiles, ceil_div(K, HOP_BK), sms)) {
+            if (const int grid = hopper_stream_k_blocks(tiles, k_blocks, sms)) {
                 hopper_launch<A_K, B_K, OutT, HOP_EPI_STREAM_K>(tm_a, tm_b, hopper_c_map(c, M, N), HopperFusion{}, c,
                                                                 M, N, K, grid, HOP_GROUP_M, 1, s,
                                                                 hopper_stream_k_workspace(grid));
                 return;
             }
         }
-        const int splits = VERSION == 6 ? 1 : hopper_splits(tiles, ceil_div(K, HOP_BK), sms);
+        const int splits = VERSION == 6 ? 1 : hopper_splits(tiles, k_blocks, sms);
         if (splits == 1) {
-            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA>(tm_a, tm_b, hopper_c_map(c, M, N), HopperFusion{}, c, M, N, K,
-                                                       std::min(tiles, sms), HOP_GROUP_M, 1, s);
+            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT>(tm_a, tm_b, hopper_c_map(c, M, N), scales, c, M, N, K,
+                                                               std::min(tiles, sms), HOP_GROUP_M, 1, s);
             return;
         }
         float* ws = hopper_workspace((size_t)splits * M * N);
-        hopper_launch<A_K, B_K, float, HOP_EPI_TMA>(tm_a, tm_b, hopper_f32_map(ws, N, M, splits), HopperFusion{}, ws,
-                                                    M, N, K, tiles * splits, HOP_GROUP_M, splits, s);
+        hopper_launch<A_K, B_K, float, HOP_EPI_TMA, AT, BT>(tm_a, tm_b, hopper_f32_map(ws, N, M, splits), scales, ws, M,
+                                                            N, K, tiles * splits, HOP_GROUP_M, splits, s);
         const long plane = (long)M * N;
         hopper_split_sum_kernel<<<(int)std::min<long>(ceil_div(plane / 4, 256L), 8L * sms), 256, 0, s>>>(c, ws, plane,
                                                                                                      splits);

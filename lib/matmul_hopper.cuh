@@ -14,7 +14,7 @@
  * is the matmul ladder's (dev/matmul.cu): its versions 3 to 7 are this kernel's launch
  * configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and
  * splits K), 6 adds the residual or applies SwiGLU or its backward, 7 (the ladder's only) stores as
- * 5 on a stream-K walk (HopperStreamK, below). train_gpt.cu includes this file after kernels.cuh,
+ * 5 on a stream-K walk (HopperStreamK, below), 8 (the ladder's only) is 5 on FP8 operands (below). train_gpt.cu includes this file after kernels.cuh,
  * whose swiglu8 and swiglu_backward8 and lib/attention.cuh helpers (the tensor-map cache, shared
  * addresses, bf16 packing) it uses.
  *
@@ -69,6 +69,15 @@
  *   thread that holds the matching accumulator entries, a chunk ahead: the first chunk's before the
  *   tile's products, chunk q+1's before chunk q is staged, so the loads fly under other work.
  *
+ * FP8 operands (version 8; AT, BT: __nv_fp8_e4m3 or __nv_fp8_e5m2, the trainer's TN products of
+ * doc/fp8.md): a k-block is 128 deep, so the tiles are the same 128-byte rows and the same bytes;
+ * both operands K-major (FP8 wgmma has no transpose). The tensor cores sum FP8 products in less
+ * than fp32 (doc/matmul.md, version 8), so a consumer sums each k-block afresh, in two halves of
+ * 128 columns (4 wgmma m64n128k32 into 64 scratch registers, waited for), and adds each into its fp32
+ * accumulator with the CUDA cores, times alpha = the product of the operands' scale_inv (device
+ * floats, read once a launch): "promotion" every 128 k, as cuBLASLt does. Version 5's epilogue and
+ * split K then store the real values, bf16 or fp32 +=.
+ *
  * Determinism: with one split of K (all the trainer runs) each output is one fp32 sum over k in a
  * fixed order, whatever the grid; the ladder's split K and stream-K sum their partials in a fixed
  * order too.
@@ -84,10 +93,18 @@
 
 #include <stdint.h>
 #include <algorithm>
+#include <type_traits>
+#include <cuda_fp8.h>  // __nv_fp8_e4m3, __nv_fp8_e5m2: the FP8 operands' element types
 #include "../kernels.cuh"  // swiglu8, swiglu_backward8, bf16x8; through it lib/attention.cuh: tma_tensor_map (the
                            // encoded-map cache), attn_smem_u32, attn_allow_smem, attn_pack_bf16
 
 constexpr int HOP_BM = 128, HOP_BN = 256, HOP_BK = 64, HOP_STAGES = 4, HOP_THREADS = 384;
+// A k-block's depth for operands of type T: 128-byte rows, 64 bf16 (HOP_BK) or 128 FP8 elements, so
+// the tiles, the ring and the swizzle are the same bytes for both.
+template <typename T>
+constexpr int hop_bk = 128 / (int)sizeof(T);
+template <typename T>
+static int hopper_k_blocks(int K) { return (K + hop_bk<T> - 1) / hop_bk<T>; }
 constexpr int HOP_PANEL_BYTES = 64 * 64 * 2;         // one [64][64] bf16 panel
 constexpr int HOP_A_BYTES = HOP_BM * HOP_BK * 2;       // 16 KiB: 2 panels
 constexpr int HOP_B_BYTES = HOP_BN * HOP_BK * 2;       // 32 KiB: 4 panels
@@ -264,7 +281,7 @@ static __device__ __forceinline__ bool hopper_sk_fixup(float (&acc)[HOP_BN / 8][
     return true;
 }
 
-// Version 6's operands beyond A, B and C (unused by the other epilogues). SwiGLU: the kernel's B
+// Version 6's operands beyond A, B and C (unused by the other epilogues), and version 8's scales. SwiGLU: the kernel's B
 // map (tm_b) is W's gate half [F][K] and b_up its up half, C's map (tm_c) gate_up's gate half [M][F]
 // (row stride 2F) and c_up its up half, act the map of act [M][F]. Residual: [M][N], C's shape.
 // SwiGLU's backward (N = F): C's map is d_gate_up's gate half [M][F] (row stride 2F) and c_up its up
@@ -273,6 +290,7 @@ struct HopperFusion {
     CUtensorMap b_up, c_up, act;
     const bf16* residual;
     const bf16* gate_up;
+    const float *a_scale_inv, *b_scale_inv;  // version 8 (FP8 operands): stored -> real, each a device float
 };
 
 // Where thread tid (0..127) of a consumer holds its accumulator (lib/ptx.cuh): rows r and r + 8 of
@@ -469,7 +487,7 @@ static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_B
 // B tile is W's 128 gate rows of them and the 128 up rows (tm_b and fuse.b_up), two boxes a stage.
 // HOP_EPI_SWIGLU_BWD is the plain input gradient's product (N = F), tile for tile.
 // HOP_EPI_STREAM_K (version 7, splits 1): version 5's epilogue on the stream-K walk of `sk`.
-template <bool A_K, bool B_K, typename OutT, int EPI>
+template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16>
 __global__ void __launch_bounds__(HOP_THREADS, 1)
     hopper_matmul_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                          const __grid_constant__ CUtensorMap tm_c, const __grid_constant__ HopperFusion fuse,
@@ -478,6 +496,12 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     constexpr bool TMA_STORE = EPI != HOP_EPI_REGISTERS, SWIGLU = EPI == HOP_EPI_SWIGLU;
     constexpr bool STREAM_K = EPI == HOP_EPI_STREAM_K;
     constexpr int TILE_N = SWIGLU ? HOP_BN / 2 : HOP_BN;  // the columns of C (SwiGLU: features) a tile covers
+    constexpr bool FP8 = sizeof(AT) == 1;                 // version 8
+    constexpr int BK = hop_bk<AT>;
+    static_assert(sizeof(AT) == sizeof(BT) && (!FP8 || std::is_same_v<BT, __nv_fp8_e4m3>),
+                  "operands: both bf16, or FP8 with B in E4M3 (the trainer's pairs, lib/ptx.cuh)");
+    static_assert(!FP8 || (A_K && B_K && (EPI == HOP_EPI_TMA)),
+                  "FP8 wgmma takes K-major operands only (the TN form), stored by version 5's epilogue");
     static_assert(!SWIGLU || (A_K && B_K), "SwiGLU fuses into the forward, whose operands are K-major");
     static_assert(EPI != HOP_EPI_SWIGLU_BWD || (A_K && !B_K && sizeof(OutT) == 2),
                   "SwiGLU's backward fuses into an input gradient: dy K-major, W N-major, bf16 out");
@@ -491,7 +515,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
         return;
     }
     const int tiles_m = (M + HOP_BM - 1) / HOP_BM, tiles_n = (N + TILE_N - 1) / TILE_N;
-    const int units = tiles_m * tiles_n * splits, k_blocks = (K + HOP_BK - 1) / HOP_BK;
+    const int units = tiles_m * tiles_n * splits, k_blocks = (K + BK - 1) / BK;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
     // The block's units: first, first + step, ... below last; version 7: the tiles its range
     // sk_begin .. sk_end-1 of all k-blocks touches, each clipped to it (block_unit).
@@ -535,7 +559,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                     if (use > 0 && !hopper_wait(empty + 8 * st, (use - 1) & 1)) return;
                     mbar_expect_tx(bar, bytes);
                     const uint32_t as = a_tiles + st * HOP_A_BYTES, bs = b_tiles + st * HOP_B_BYTES;
-                    const int k0 = kb * HOP_BK;
+                    const int k0 = kb * BK;
                     if constexpr (A_K) {
                         tma_load_3d(as, &tm_a, k0, u.m0, 0, bar);  // box {64 k, 128 m}
                     } else {
@@ -562,6 +586,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     const int cw = wg - 1;
     const bool store_thread = TMA_STORE && (threadIdx.x & 127) == 0;  // issues the consumer's TMA stores
     float acc[HOP_BN / 8][4];  // wgmma's accumulator layout (lib/ptx.cuh): d[j] holds columns 8j .. 8j+7
+    // version 8: real = alpha x the product of the stored FP8 values, read once a launch (the scales are the device's)
+    const float alpha = FP8 ? *fuse.a_scale_inv * *fuse.b_scale_inv : 1.0f;
     int t = 0;                // k-blocks consumed so far
     int chunks = 0;           // versions 5, 6: chunks this consumer has staged
     uint32_t pre[2][2][8][2];  // version 6: what a chunk's epilogue reads, one chunk ahead (hopper_prefetch)
@@ -581,6 +607,31 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
             }
             const uint32_t as = a_tiles + st * HOP_A_BYTES + cw * (A_K ? 64 * 128 : HOP_PANEL_BYTES);
             const uint32_t bs = b_tiles + st * HOP_B_BYTES;
+            if constexpr (FP8) {
+                // Version 8: the tensor cores sum FP8 products in less than fp32 (the promotion in
+                // doc/matmul.md), so each k-block's 128 k are summed afresh, 128 columns at a time
+                // (4 m64n128k32 into part, the first overwriting it), and then added, times alpha,
+                // into the fp32 totals acc by the CUDA cores. The stage is free once both halves are.
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float part[HOP_BN / 16][4];
+                    wg_fence();
+#pragma unroll
+                    for (int kk = 0; kk < BK / 32; ++kk)
+                        wg_mma_fp8_n128<std::is_same_v<AT, __nv_fp8_e5m2>>(
+                            part, wg_desc(as + kk * 32), wg_desc(bs + h * (HOP_BN / 2) * 128 + kk * 32), kk > 0);
+                    wg_commit();
+                    wg_wait<0>();
+                    wg_fence_regs(part);
+#pragma unroll
+                    for (int j = 0; j < HOP_BN / 16; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            acc[h * HOP_BN / 16 + j][e] = fmaf(alpha, part[j][e], acc[h * HOP_BN / 16 + j][e]);
+                }
+                if (lane == 0) mbar_arrive(empty + 8 * st);
+                continue;
+            }
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < HOP_BK / 16; ++kk) {
@@ -592,9 +643,11 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
             wg_wait<1>();  // k-block kb-1's products are done: its stage can be refilled
             if (kb > u.kb0 && lane == 0) mbar_arrive(empty + 8 * ((t - 1) % HOP_STAGES));
         }
-        wg_wait<0>();
-        wg_fence_regs(acc);
-        if (u.kb1 > u.kb0 && lane == 0) mbar_arrive(empty + 8 * ((t - 1) % HOP_STAGES));
+        if constexpr (!FP8) {  // (version 8 waited for each k-block and handed its stage back)
+            wg_wait<0>();
+            wg_fence_regs(acc);
+            if (u.kb1 > u.kb0 && lane == 0) mbar_arrive(empty + 8 * ((t - 1) % HOP_STAGES));
+        }
 
         if constexpr (STREAM_K) {
             if (u.kb0 > 0) {  // a later piece of a tile: its owner adds it
@@ -628,13 +681,13 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
 }
 
 // One launch of the kernel, its shared memory allowed first (past the 48 KiB default).
-template <bool A_K, bool B_K, typename OutT, int EPI>
+template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16>
 static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
                           const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
                           cudaStream_t s, const HopperStreamK& sk = {}) {
     constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS);
-    attn_allow_smem(hopper_matmul_kernel<A_K, B_K, OutT, EPI>, smem);
-    hopper_matmul_kernel<A_K, B_K, OutT, EPI>
+    attn_allow_smem(hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT>, smem);
+    hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT>
         <<<grid, HOP_THREADS, smem, s>>>(tm_a, tm_b, tm_c, fuse, c, M, N, K, group_m, splits, sk);
     LAUNCH_CHECK();
 }
