@@ -30,12 +30,17 @@
  *      idle (96 tiles on 132 SMs): every block an equal share of all the tiles' k-blocks, a range
  *      that may start and end inside a tile; a tile's pieces are summed by the block that owns its
  *      first one, in range order, so the bits depend on the shape and the SM count only.
- * Versions 2-7 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too); a shape a
- * version cannot take is skipped, with a word. Resource use (-Xptxas -v) and the figures:
+ *   8  version 5 on FP8 operands, the products the trainer's --fp8 1 runs through cuBLASLt (forms
+ *      "fwd fp8", "dx fp8", "dW fp8": the TN form, E4M3 x E4M3 forward, E5M2 dy x E4M3 backward):
+ *      wgmma m64n128k32 from the same 128-byte rows, each k-block of 128 summed afresh and promoted
+ *      into fp32 times the operands' scales; timed against cuBLASLt's FP8 matmul (kernels.cuh's
+ *      matmul() with the same scale pointers) in a table of their own. It has only these forms.
+ * Versions 2-7 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too), the FP8
+ * forms (version 8, cuBLASLt) multiples of 16; a shape a version cannot take is skipped, with a word. Resource use (-Xptxas -v) and the figures:
  * doc/matmul.md.
  *
  * Usage: ./dev/matmul            check and time every version
- *        ./dev/matmul N          version N only, cuBLASLt beside it (digits: "56" runs 5 and 6)
+ *        ./dev/matmul N          version N only, cuBLASLt beside it (digits: "56" runs 5 and 6; "8": FP8)
  *        a second argument `check` skips the timing (./dev/matmul 3 check)
  *
  * Shapes: the trainer's, from its own parameter table (param_shape, qkv_dim in train_gpt.cu), for
@@ -64,7 +69,11 @@
  * gate_up on the GPU: the same bits, or it fails. SwiGLU's backward: the version's plain dx (version
  * 6: its kernel unsplit, the same fp32 sums its epilogue rounds) is checked as the product, and the
  * fused d_gate_up, whole, against the trainer's swiglu_backward run on that dx and gate_up: the
- * same bits, or it fails.
+ * same bits, or it fails. The FP8 forms' operands are codes: the device rounds uniform_at's values
+ * times 2^7 (E4M3) or 2^12 (E5M2) to FP8 (fill_fp8_device), the reference rounds the same values
+ * with test/reference.h's ref_fp8_round and sums those real values (times 2^-7, 2^-12) in fp64;
+ * the tolerance is the bf16 one above, its norm taken over the rounded operands (version 8 promotes
+ * to fp32 every 128 k: doc/matmul.md says why the check would catch a kernel that did not).
  *
  * Timing: CUDA events, the median of 10 runs after 3 warm-ups (naive: its checked run alone);
  * TFLOP/s = 2 M N K / time; "x" is cuBLASLt's time over the version's (1.00: level with it).
@@ -79,6 +88,7 @@
 #define TRAIN_GPT_NO_MAIN
 #include "../train_gpt.cu"  // the parameter table, DEFAULT_CONFIG, and the cuBLASLt wrappers
 #include "common.h"
+#include "../test/reference.h"  // ref_fp8_round: the FP8 forms' reference operands
 #include "matmul_naive.cuh"
 #include "matmul_mma.cuh"
 #include "matmul_wgmma.cuh"
@@ -104,12 +114,24 @@ static const int MAX_CHILD_DEATHS = 3;       // crashed or killed children befor
 // work done as the trainer does it (beta = 1; swiglu_forward after the product).
 // One fused form is a backward: down's input gradient with SwiGLU's backward after it (d_gate_up
 // from d_mlp_act = dy W and gate_up), against cuBLASLt's dx and then swiglu_backward.
+// Last, the three products in FP8 as the trainer's --fp8 1 runs them (doc/fp8.md, "Layouts"): every
+// operand K-major (the TN form), C[M][N] = A[M][K] B[N][K]^T, A and B the codes of real values
+// stored times a power-of-two scale: the forward x (E4M3) W^T (E4M3); the input gradient dy (E5M2)
+// by B = W^T [I][O] (E4M3); the weight gradient dy^T [O][N] (E5M2) by x^T [I][N] (E4M3), fp32 +=.
 typedef enum { FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD_RESIDUAL, FORWARD_SWIGLU, BACKWARD_INPUT_SWIGLU,
-               N_FORMS } Form;
-static const char* FORM_NAMES[N_FORMS] = {"fwd", "dx", "dW", "fwd+res", "fwd+swiglu", "dx+swiglu_bwd"};
-static const bool A_KMAJOR[N_FORMS] = {true, true, false, true, true, true};
-static const bool B_KMAJOR[N_FORMS] = {true, false, false, true, true, false};
-static bool fused_form(Form f) { return f >= FORWARD_RESIDUAL; }
+               FP8_FORWARD, FP8_BACKWARD_INPUT, FP8_BACKWARD_WEIGHT, N_FORMS } Form;
+static const char* FORM_NAMES[N_FORMS] = {"fwd", "dx", "dW", "fwd+res", "fwd+swiglu", "dx+swiglu_bwd",
+                                          "fwd fp8", "dx fp8", "dW fp8"};
+static const bool A_KMAJOR[N_FORMS] = {true, true, false, true, true, true, true, true, true};
+static const bool B_KMAJOR[N_FORMS] = {true, false, false, true, true, false, true, true, true};
+static bool fused_form(Form f) { return f >= FORWARD_RESIDUAL && f < FP8_FORWARD; }
+static bool fp8_form(Form f) { return f >= FP8_FORWARD; }
+static bool weight_form(Form f) { return f == BACKWARD_WEIGHT || f == FP8_BACKWARD_WEIGHT; }  // fp32 C, +=
+// The FP8 forms' operands: A in E5M2 (dy) but in the forward; B always E4M3. Stored = real x
+// 2^exponent, E4M3's 2^7 and E5M2's 2^12 (uniform values of unit variance, |x| < 1.74, stay below
+// 448 and 57344: nothing saturates); the products take 2^-7 and 2^-12 back through their scale_inv.
+static bool fp8_a_e5m2(Form f) { return f != FP8_FORWARD; }
+static int fp8_exponent(bool e5m2) { return e5m2 ? 12 : 7; }
 
 typedef void (*Bf16Fn)(bf16* out, const bf16* a, const bf16* b, int N, int I, int O, cudaStream_t s);
 typedef void (*WeightFn)(float* dW, const bf16* dy, const bf16* x, int N, int I, int O, cudaStream_t s);
@@ -118,6 +140,9 @@ typedef void (*ResidualFn)(bf16* y, const bf16* x, const bf16* W, const bf16* re
 typedef void (*SwigluFn)(bf16* gate_up, bf16* act, const bf16* x, const bf16* W, int N, int I, int O, cudaStream_t s);
 typedef void (*SwigluBackwardFn)(bf16* d_gate_up, bf16* d_act, const bf16* dy, const bf16* W, const bf16* gate_up, int N,
                                  int I, int O, cudaStream_t s);
+// An FP8 form: c (bf16, or fp32 +=) [M][N] = a_scale_inv b_scale_inv a [M][K] b [N][K]^T, the scales device floats.
+typedef void (*Fp8Fn)(Form form, void* c, const uint8_t* a, const uint8_t* b, const float* a_scale_inv,
+                      const float* b_scale_inv, int M, int N, int K, cudaStream_t s);
 
 typedef struct {
     int version;
@@ -128,6 +153,7 @@ typedef struct {
     SwigluFn forward_swiglu;         // plain three, which are version 5's)
     SwigluBackwardFn backward_swiglu;
     Bf16Fn swiglu_bwd_product;       // the plain dx whose bf16 output backward_swiglu's SwiGLU step reads
+    Fp8Fn fp8;                       // the FP8 forms (NULL: none)
     bool sides_of_8;                 // runs only shapes whose sides are multiples of 8
     int warmup, reps;                // timing; reps 0: the checked run's own time (the naive version)
 } Impl;
@@ -147,6 +173,28 @@ static void cublaslt_backward_swiglu(bf16* d_gate_up, bf16* d_act, const bf16* d
     linear_backward_input(d_act, dy, W, N, I, O, s);
     swiglu_backward(d_gate_up, d_act, gate_up, N, I, s);
 }
+// The trainer's FP8 products: kernels.cuh's matmul() in the TN form with the operands' scale_inv
+// pointers, as layer_forward and layer_backward call it. Row-major C[M][N] = A B^T is column-major
+// D[N, M] = op_T(B) A; the weight gradient adds to C (beta 1).
+static void cublaslt_fp8(Form form, void* c, const uint8_t* a, const uint8_t* b, const float* a_scale_inv,
+                         const float* b_scale_inv, int M, int N, int K, cudaStream_t s) {
+    const MatmulOperand A = {(void*)a, fp8_a_e5m2(form) ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3, a_scale_inv, NULL};
+    const MatmulOperand B = {(void*)b, CUDA_R_8F_E4M3, b_scale_inv, NULL};
+    if (weight_form(form)) matmul(mm_f32((float*)c), 1.0f, B, A, c, 1.0f, N, M, K, true, false, s);
+    else matmul(mm_bf16((bf16*)c), 1.0f, B, A, NULL, 0.0f, N, M, K, true, false, s);
+}
+// Version 8: version 5's plan (TMA store, split K) on FP8 operands, the scales' product in the epilogue.
+static void hopper_fp8(Form form, void* c, const uint8_t* a, const uint8_t* b, const float* a_scale_inv,
+                       const float* b_scale_inv, int M, int N, int K, cudaStream_t s) {
+    typedef HopperMatmul<5> V;
+    const __nv_fp8_e4m3* b8 = (const __nv_fp8_e4m3*)b;
+    if (weight_form(form))
+        V::gemm<true, true>((float*)c, (const __nv_fp8_e5m2*)a, b8, M, N, K, s, a_scale_inv, b_scale_inv);
+    else if (fp8_a_e5m2(form))
+        V::gemm<true, true>((bf16*)c, (const __nv_fp8_e5m2*)a, b8, M, N, K, s, a_scale_inv, b_scale_inv);
+    else V::gemm<true, true>((bf16*)c, (const __nv_fp8_e4m3*)a, b8, M, N, K, s, a_scale_inv, b_scale_inv);
+}
+
 // Version 6's: one launch, d_mlp_act never stored (d_act unused).
 static void hopper_backward_swiglu_form(bf16* d_gate_up, bf16*, const bf16* dy, const bf16* W, const bf16* gate_up,
                                         int N, int I, int O, cudaStream_t s) {
@@ -155,21 +203,22 @@ static void hopper_backward_swiglu_form(bf16* d_gate_up, bf16*, const bf16* dy, 
 
 static const Impl IMPLS[] = {
     {0, "cuBLASLt", cublaslt_forward, linear_backward_input, linear_backward_weight, linear_forward,
-     cublaslt_forward_swiglu, cublaslt_backward_swiglu, linear_backward_input, true, 3, 10},
+     cublaslt_forward_swiglu, cublaslt_backward_swiglu, linear_backward_input, cublaslt_fp8, true, 3, 10},
     {1, "naive", mm_forward<NaiveMatmul>, mm_backward_input<NaiveMatmul>, mm_backward_weight<NaiveMatmul>, NULL, NULL,
-     NULL, NULL, false, 0, 0},
+     NULL, NULL, NULL, false, 0, 0},
     {2, "mma.sync", mm_forward<MmaMatmul>, mm_backward_input<MmaMatmul>, mm_backward_weight<MmaMatmul>, NULL, NULL,
-     NULL, NULL, true, 3, 10},
+     NULL, NULL, NULL, true, 3, 10},
     {3, "wgmma", mm_forward<HopperMatmul<3>>, mm_backward_input<HopperMatmul<3>>, mm_backward_weight<HopperMatmul<3>>,
-     NULL, NULL, NULL, NULL, true, 3, 10},
+     NULL, NULL, NULL, NULL, NULL, true, 3, 10},
     {4, "wgmma persistent", mm_forward<HopperMatmul<4>>, mm_backward_input<HopperMatmul<4>>,
-     mm_backward_weight<HopperMatmul<4>>, NULL, NULL, NULL, NULL, true, 3, 10},
+     mm_backward_weight<HopperMatmul<4>>, NULL, NULL, NULL, NULL, NULL, true, 3, 10},
     {5, "TMA+split-K", mm_forward<HopperMatmul<5>>, mm_backward_input<HopperMatmul<5>>,
-     mm_backward_weight<HopperMatmul<5>>, NULL, NULL, NULL, NULL, true, 3, 10},
+     mm_backward_weight<HopperMatmul<5>>, NULL, NULL, NULL, NULL, NULL, true, 3, 10},
     {6, "fused epilogues", NULL, NULL, NULL, hopper_forward_residual, hopper_forward_swiglu,
-     hopper_backward_swiglu_form, mm_backward_input<HopperMatmul<6>>, true, 3, 10},
+     hopper_backward_swiglu_form, mm_backward_input<HopperMatmul<6>>, NULL, true, 3, 10},
     {7, "stream-K", mm_forward<HopperMatmul<7>>, mm_backward_input<HopperMatmul<7>>,
-     mm_backward_weight<HopperMatmul<7>>, NULL, NULL, NULL, NULL, true, 3, 10},
+     mm_backward_weight<HopperMatmul<7>>, NULL, NULL, NULL, NULL, NULL, true, 3, 10},
+    {8, "FP8", NULL, NULL, NULL, NULL, NULL, NULL, NULL, hopper_fp8, true, 3, 10},
 };
 static const int N_IMPLS = sizeof(IMPLS) / sizeof(IMPLS[0]);
 
@@ -180,11 +229,16 @@ static bool has_form(const Impl& im, Form f) {
     case BACKWARD_WEIGHT: return im.backward_weight;
     case FORWARD_RESIDUAL: return im.forward_residual;
     case FORWARD_SWIGLU: return im.forward_swiglu;
-    default: return im.backward_swiglu;
+    case BACKWARD_INPUT_SWIGLU: return im.backward_swiglu;
+    default: return im.fp8;
     }
 }
-static bool has_plain_forms(const Impl& im) { return im.forward; }
-static bool has_fused_forms(const Impl& im) { return im.forward_residual; }
+// The report's tables: the plain forms, the fused ones, the FP8 ones.
+typedef enum { PLAIN_TABLE, FUSED_TABLE, FP8_TABLE } Table;
+static Table table_of(Form f) { return fp8_form(f) ? FP8_TABLE : fused_form(f) ? FUSED_TABLE : PLAIN_TABLE; }
+static bool has_table(const Impl& im, Table t) {
+    return t == PLAIN_TABLE ? im.forward != NULL : t == FUSED_TABLE ? im.forward_residual != NULL : im.fp8 != NULL;
+}
 
 // ----------------------------------------------------------------------------------------------
 // Cases: one form at one shape, with the entries it checks and their reference.
@@ -205,8 +259,9 @@ static Case make_case(const std::string& name, Form form, int tok, int I, int O,
     c.name = name;
     c.form = form;
     c.tok = tok, c.I = I, c.O = O;
-    if (form == BACKWARD_INPUT || form == BACKWARD_INPUT_SWIGLU) c.M = tok, c.N = I, c.K = O;
-    else if (form == FORWARD || fused_form(form)) c.M = tok, c.N = O, c.K = I;
+    if (form == BACKWARD_INPUT || form == BACKWARD_INPUT_SWIGLU || form == FP8_BACKWARD_INPUT)
+        c.M = tok, c.N = I, c.K = O;
+    else if (form == FORWARD || fused_form(form) || form == FP8_FORWARD) c.M = tok, c.N = O, c.K = I;
     else c.M = O, c.N = I, c.K = tok;
     c.timed = timed;
     c.seed = seed;
@@ -244,8 +299,8 @@ static void add_trainer_cases(std::vector<Case>& cases) {
             const int tokens = cf.batch * cf.cfg.seq_len;
             const int tok = kind == P_EMBED ? std::min(LOSS_CHUNK, tokens) : tokens;
             const std::string name = std::string(cf.name) + " " + (kind == P_EMBED ? "head" : PARAM_KINDS[kind].name);
-            for (int f = 0; f <= BACKWARD_WEIGHT; ++f)
-                cases.push_back(make_case(name, (Form)f, tok, (int)cols, (int)rows, true, 1000 + 10 * cases.size()));
+            for (Form f : {FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FP8_FORWARD, FP8_BACKWARD_INPUT, FP8_BACKWARD_WEIGHT})
+                cases.push_back(make_case(name, f, tok, (int)cols, (int)rows, true, 1000 + 10 * cases.size()));
             const bool residual = kind == P_ATTN_OUT || kind == P_DOWN;  // the trainer's residual adds
             if (residual || kind == P_GATE_UP)
                 cases.push_back(make_case(name, residual ? FORWARD_RESIDUAL : FORWARD_SWIGLU, tok, (int)cols,
@@ -269,6 +324,9 @@ static void add_check_cases(std::vector<Case>& cases) {
                            // backward's: F = 200, a tile of 200 features, K = 2000)
         {1280, 136, 264},  // version 7's ranges start and end inside tiles: dW 3 tiles x 20 k-blocks on 7 blocks
                            // (fp32 +=), dx 10 x 5 on 6 (bf16), fwd 20 x 3 on 7
+        {144, 80, 272},    // FP8 (sides of 16): edge tiles everywhere, K = 80 / 272 / 144, k-blocks of 128 cut short
+        {2000, 144, 208},  // FP8 dW: 2 tiles, K = 2000 (16 k-blocks of 128): version 8 splits K in 2
+        {1408, 32, 3072},  // FP8: 132 tiles of fwd, K = 32 (a quarter of a k-block); dW 24 tiles, K = 1408
         {8, 8, 8},
         {77, 19, 33},      // odd sides: the naive version only
     };
@@ -279,25 +337,46 @@ static void add_check_cases(std::vector<Case>& cases) {
 // ----------------------------------------------------------------------------------------------
 // The CPU reference: fp64 sums of the bf16 inputs, read by storage index exactly as the device
 // filled them (fill_uniform_device: element i of a buffer is uniform_at(seed, i) rounded to bf16).
+// FP8 operands: the same uniform values times 2^e, rounded by the device's conversion to codes
+// (fill_fp8_device); the reference rounds them with test/reference.h's ref_fp8_round (the value
+// of ref_fp8_encode's code, ref_fp8_decode(ref_fp8_encode(x))), an independent rounding, and takes
+// 2^-e back: the real value the product's scales make of the code.
 
 static double operand_at(uint64_t seed, size_t i) {
     return (double)__bfloat162float(__float2bfloat16(uniform_at(seed, i, UNIT_UNIFORM)));
+}
+
+static double fp8_operand_at(uint64_t seed, size_t i, bool e5m2) {
+    const int e = fp8_exponent(e5m2);
+    return ldexp(ref_fp8_round(ldexp((double)uniform_at(seed, i, UNIT_UNIFORM), e), e5m2), -e);
+}
+
+// The device's FP8 operand: codes of uniform_at(seed, i) x 2^e, rounded to nearest even and saturated
+// (the conversion lib/fp8.cuh's casts run).
+__global__ void fill_fp8_kernel(uint8_t* x, size_t n, uint64_t seed, float scale, bool e5m2) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        x[i] = __nv_cvt_float_to_fp8(uniform_at(seed, i, UNIT_UNIFORM) * scale, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);
+}
+static void fill_fp8_device(uint8_t* x, size_t n, uint64_t seed, bool e5m2) {
+    fill_fp8_kernel<<<1024, 256>>>(x, n, seed, ldexpf(1.0f, fp8_exponent(e5m2)), e5m2);
+    LAUNCH_CHECK();
 }
 
 static void case_reference(Case* c) {
     const int M = c->M, N = c->N, K = c->K;
     const bool ak = A_KMAJOR[c->form], bk = B_KMAJOR[c->form];
     const size_t nr = c->rows.size(), nc = c->cols.size();
+    const bool fp8 = fp8_form(c->form), a_e5m2 = fp8_a_e5m2(c->form);
     std::vector<double> a(nr * K), b(nc * K);  // the checked rows of A, the checked columns of B
     for (size_t i = 0; i < nr; ++i)
         for (int k = 0; k < K; ++k) {
-            const size_t m = c->rows[i];
-            a[i * K + k] = operand_at(c->seed, ak ? m * K + k : (size_t)k * M + m);
+            const size_t m = c->rows[i], at = ak ? m * K + k : (size_t)k * M + m;
+            a[i * K + k] = fp8 ? fp8_operand_at(c->seed, at, a_e5m2) : operand_at(c->seed, at);
         }
     for (size_t j = 0; j < nc; ++j)
         for (int k = 0; k < K; ++k) {
-            const size_t n = c->cols[j];
-            b[j * K + k] = operand_at(c->seed + 1, bk ? n * K + k : (size_t)k * N + n);
+            const size_t n = c->cols[j], at = bk ? n * K + k : (size_t)k * N + n;
+            b[j * K + k] = fp8 ? fp8_operand_at(c->seed + 1, at, false) : operand_at(c->seed + 1, at);
         }
     c->ref.assign(nr * nc, 0.0);
     c->norm.assign(nr * nc, 0.0);
@@ -310,7 +389,7 @@ static void case_reference(Case* c) {
                 sq += p * p;
             }
             const size_t at = (size_t)c->rows[i] * N + c->cols[j];
-            if (c->form == BACKWARD_WEIGHT) sum += uniform_at(c->seed + 2, at, 1.0f);  // dW += ...: onto its start
+            if (weight_form(c->form)) sum += uniform_at(c->seed + 2, at, 1.0f);  // dW += ...: onto its start
             if (c->form == FORWARD_RESIDUAL) sum += operand_at(c->seed + 2, at);       // + the bf16 residual
             c->ref[i * nc + j] = sum;
             c->norm[i * nc + j] = sqrt(sq);
@@ -361,7 +440,7 @@ static std::vector<float> gather_checked(const Case& c, const void* out) {
     CUDA_CHECK(cudaMalloc(&vals, (size_t)nr * nc * sizeof(float)));
     CUDA_CHECK(cudaMemcpy(rows, c.rows.data(), nr * sizeof(int), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(cols, c.cols.data(), nc * sizeof(int), cudaMemcpyHostToDevice));
-    if (c.form == BACKWARD_WEIGHT) gather_kernel<<<256, 256>>>(vals, (const float*)out, rows, cols, nr, nc, c.N);
+    if (weight_form(c.form)) gather_kernel<<<256, 256>>>(vals, (const float*)out, rows, cols, nr, nc, c.N);
     else gather_kernel<<<256, 256>>>(vals, (const bf16*)out, rows, cols, nr, nc, c.N);
     LAUNCH_CHECK();
     std::vector<float> h((size_t)nr * nc);
@@ -403,10 +482,13 @@ static Status check_output(const Impl& im, const Case& c, const void* out, float
 // A case's buffers on the device: the operands, the output (dx+swiglu_bwd: d_gate_up [M][2N]), and
 // the fused forms' second operand: the residual [M][N] (read), act [M][N/2] (written) or gate_up
 // [M][2N] (read); dx+swiglu_bwd's d_act [M][N] holds cuBLASLt's d_mlp_act and the check's plain product.
+// FP8 forms: a and b hold codes, and scale_inv the two operands' factors (a's at [0], b's at [4]:
+// cuBLASLt's scale pointers are 16-byte aligned).
 typedef struct {
     bf16 *a, *b;
     void* out;
     bf16 *extra, *d_act;
+    float* scale_inv;
 } Buffers;
 
 // The entries of a case's output: d_gate_up is two of d_mlp_act's [M][N].
@@ -421,14 +503,19 @@ static void run_form(const Impl& im, const Case& c, const Buffers& d) {
     case BACKWARD_WEIGHT: im.backward_weight((float*)d.out, d.a, d.b, c.tok, c.I, c.O, 0); break;  // dW += dy^T x
     case FORWARD_RESIDUAL: im.forward_residual((bf16*)d.out, d.a, d.b, d.extra, c.tok, c.I, c.O, 0); break;
     case FORWARD_SWIGLU: im.forward_swiglu((bf16*)d.out, d.extra, d.a, d.b, c.tok, c.I, c.O, 0); break;  // gate_up, act
-    default: im.backward_swiglu((bf16*)d.out, d.d_act, d.a, d.b, d.extra, c.tok, c.I, c.O, 0); break;  // d_gate_up
+    case BACKWARD_INPUT_SWIGLU:
+        im.backward_swiglu((bf16*)d.out, d.d_act, d.a, d.b, d.extra, c.tok, c.I, c.O, 0);  // d_gate_up
+        break;
+    default:
+        im.fp8(c.form, d.out, (const uint8_t*)d.a, (const uint8_t*)d.b, d.scale_inv, d.scale_inv + 4, c.M, c.N, c.K, 0);
+        break;
     }
 }
 
 // The outputs before a run: an fp32 dW its known starting values, bf16 outputs (act, d_act too) NaN.
 static void reset_output(const Case& c, const Buffers& d) {
     const size_t n = (size_t)c.M * c.N;
-    if (c.form == BACKWARD_WEIGHT) fill_uniform_device((float*)d.out, n, c.seed + 2, 1.0f);
+    if (weight_form(c.form)) fill_uniform_device((float*)d.out, n, c.seed + 2, 1.0f);
     else poison(d.out, output_entries(c) * sizeof(bf16));
     if (c.form == FORWARD_SWIGLU) poison(d.extra, n / 2 * sizeof(bf16));
     if (c.form == BACKWARD_INPUT_SWIGLU) poison(d.d_act, n * sizeof(bf16));
@@ -509,7 +596,7 @@ static Status check_swiglu_backward(const Impl& im, const Case& c, const Buffers
 // timing would not), and no bf16 entry may be left NaN. OK, or WRONG with a line saying how many
 // 16-bit words differ.
 static Status check_repeatable(const Impl& im, const Case& c, const Buffers& d) {
-    const bool weight = c.form == BACKWARD_WEIGHT, swiglu = c.form == FORWARD_SWIGLU;
+    const bool weight = weight_form(c.form), swiglu = c.form == FORWARD_SWIGLU;
     const size_t bytes = output_entries(c) * (weight ? sizeof(float) : sizeof(bf16));
     const size_t act_bytes = swiglu ? bytes / 2 : 0;
     unsigned char* first;  // the first run's output, then its act
@@ -542,7 +629,9 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
         r.status = NO_FORM;
         return r;
     }
-    const char* problem = im.sides_of_8 ? mm_tiled_shape_problem(c.M, c.N, c.K) : NULL;
+    const bool fp8 = fp8_form(c.form);
+    const char* problem = fp8 ? mm_fp8_shape_problem(c.M, c.N, c.K)
+                        : im.sides_of_8 ? mm_tiled_shape_problem(c.M, c.N, c.K) : NULL;
     if (!problem && c.form == FORWARD_SWIGLU)  // its operands are allocated below, 256-byte aligned
         problem = hopper_swiglu_problem(NULL, NULL, NULL, NULL, c.tok, c.I, c.O);
     if (!problem && c.form == BACKWARD_INPUT_SWIGLU)
@@ -552,18 +641,28 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
         r.status = SKIPPED;
         return r;
     }
-    const bool weight = c.form == BACKWARD_WEIGHT;
+    const bool weight = weight_form(c.form);
     const size_t a_n = (size_t)c.M * c.K, b_n = (size_t)c.K * c.N, c_n = (size_t)c.M * c.N;
     const bool swiglu_bwd = c.form == BACKWARD_INPUT_SWIGLU;
-    Buffers d = {NULL, NULL, NULL, NULL, NULL};
-    CUDA_CHECK(cudaMalloc(&d.a, a_n * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&d.b, b_n * sizeof(bf16)));
+    const size_t operand_bytes = fp8 ? 1 : sizeof(bf16);
+    Buffers d = {NULL, NULL, NULL, NULL, NULL, NULL};
+    CUDA_CHECK(cudaMalloc(&d.a, a_n * operand_bytes));
+    CUDA_CHECK(cudaMalloc(&d.b, b_n * operand_bytes));
     CUDA_CHECK(cudaMalloc(&d.out, output_entries(c) * (weight ? sizeof(float) : sizeof(bf16))));
     if (fused_form(c.form))  // residual [M][N], act [M][N/2], gate_up [M][2N]
         CUDA_CHECK(cudaMalloc(&d.extra, (swiglu_bwd ? 2 : 1) * c_n * sizeof(bf16)));
     if (swiglu_bwd) CUDA_CHECK(cudaMalloc(&d.d_act, c_n * sizeof(bf16)));
-    fill_uniform_device(d.a, a_n, c.seed, UNIT_UNIFORM);
-    fill_uniform_device(d.b, b_n, c.seed + 1, UNIT_UNIFORM);
+    if (fp8) {
+        const bool a_e5m2 = fp8_a_e5m2(c.form);
+        fill_fp8_device((uint8_t*)d.a, a_n, c.seed, a_e5m2);
+        fill_fp8_device((uint8_t*)d.b, b_n, c.seed + 1, false);
+        const float scale_inv[8] = {ldexpf(1.0f, -fp8_exponent(a_e5m2)), 0, 0, 0, ldexpf(1.0f, -fp8_exponent(false))};
+        CUDA_CHECK(cudaMalloc(&d.scale_inv, sizeof scale_inv));
+        CUDA_CHECK(cudaMemcpy(d.scale_inv, scale_inv, sizeof scale_inv, cudaMemcpyHostToDevice));
+    } else {
+        fill_uniform_device(d.a, a_n, c.seed, UNIT_UNIFORM);
+        fill_uniform_device(d.b, b_n, c.seed + 1, UNIT_UNIFORM);
+    }
     if (c.form == FORWARD_RESIDUAL || swiglu_bwd)
         fill_uniform_device(d.extra, (swiglu_bwd ? 2 : 1) * c_n, c.seed + 2, UNIT_UNIFORM);
     reset_output(c, d);
@@ -597,6 +696,7 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     CUDA_CHECK(cudaFree(d.out));
     CUDA_CHECK(cudaFree(d.extra));
     CUDA_CHECK(cudaFree(d.d_act));
+    CUDA_CHECK(cudaFree(d.scale_inv));
     return r;
 }
 
@@ -709,15 +809,19 @@ static void print_summary(const Impl& im, const std::vector<Case>& cases, const 
     }
 }
 
-// One table: the timed cases of the plain forms (fused false) or of the fused ones, for the chosen
+// One table: the timed cases of the plain forms, the fused ones or the FP8 ones, for the chosen
 // versions that have such forms, cuBLASLt first.
-static void print_table(bool fused, const std::vector<int>& chosen, const std::vector<Case>& cases,
+static void print_table(Table table, const std::vector<int>& chosen, const std::vector<Case>& cases,
                         const std::vector<std::vector<Record>>& res) {
+    const bool fused = table == FUSED_TABLE;
     std::vector<size_t> cols;  // indices into chosen, after cuBLASLt's
     for (size_t v = 1; v < chosen.size(); ++v)
-        if (fused ? has_fused_forms(IMPLS[chosen[v]]) : has_plain_forms(IMPLS[chosen[v]])) cols.push_back(v);
-    if (fused && cols.empty()) return;
-    if (fused)
+        if (has_table(IMPLS[chosen[v]], table)) cols.push_back(v);
+    if (table != PLAIN_TABLE && cols.empty()) return;
+    if (table == FP8_TABLE)
+        printf("\nFP8 (the TN form, operands' scales applied; dx and dW read dy in E5M2): TFLOP/s (x: cuBLASLt's "
+               "FP8 time through matmul() / the version's)\n");
+    else if (fused)
         printf("\nFused forms: the product and the next kernel's work; cuBLASLt's column is the trainer's way (the "
                "residual with beta = 1; swiglu_forward after the product, swiglu_backward after dx), TFLOP/s count "
                "the product's 2 M N K\n");
@@ -731,7 +835,7 @@ static void print_table(bool fused, const std::vector<int>& chosen, const std::v
     printf("\n");
     for (size_t i = 0; i < cases.size(); ++i) {
         const Case& c = cases[i];
-        if (!c.timed || fused_form(c.form) != fused) continue;
+        if (!c.timed || table_of(c.form) != table) continue;
         const double flop = 2.0 * c.M * c.N * c.K;
         const Record& ref = res[0][i];
         printf("%-16s %-13s %6d %6d %6d | ", c.name.c_str(), FORM_NAMES[c.form], c.M, c.N, c.K);
@@ -759,10 +863,10 @@ int main(int argc, char** argv) {
     for (int i = 1; i < N_IMPLS; ++i)
         if (!*want || strchr(want, '0' + IMPLS[i].version)) chosen.push_back(i);
     const bool bad_versions =
-        *want && (strspn(want, "01234567") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
+        *want && (strspn(want, "012345678") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
     if (bad_versions || argc > 3 || (argc == 3 && timing)) {
         fprintf(stderr, "usage: %s [versions] [check]; versions are digits of 0 cuBLASLt, 1 naive, 2 mma.sync, "
-                        "3 wgmma, 4 wgmma persistent, 5 TMA store and split K, 6 fused epilogues, 7 stream-K, "
+                        "3 wgmma, 4 wgmma persistent, 5 TMA store and split K, 6 fused epilogues, 7 stream-K, 8 FP8, "
                         "in one word (not '%s'%s)\n", argv[0],
                 want, argc > 2 ? " followed by more than `check`" : "");
         return 1;
@@ -793,8 +897,9 @@ int main(int argc, char** argv) {
             failures += has_form(IMPLS[chosen[v]], cases[i].form) && failed(results[v][i].status);
     }
     if (timing) {
-        print_table(false, chosen, cases, results);
-        print_table(true, chosen, cases, results);
+        print_table(PLAIN_TABLE, chosen, cases, results);
+        print_table(FUSED_TABLE, chosen, cases, results);
+        print_table(FP8_TABLE, chosen, cases, results);
     }
     printf("%s: %d failed checks\n", failures ? "CHECK FAILED" : "all checks passed", failures);
     return failures ? 1 : 0;

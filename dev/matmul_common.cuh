@@ -43,6 +43,12 @@ static const char* mm_tiled_shape_problem(int M, int N, int K) {
     return (M % 8 || N % 8 || K % 8) ? "sides must be multiples of 8" : NULL;
 }
 
+// The FP8 products (version 8, and cuBLASLt's FP8 matmul) read every operand K-major, its rows 16-byte
+// aligned TMA boxes and cuBLASLt's leading dimensions (multiples of 16 bytes): M, N and K multiples of 16.
+static const char* mm_fp8_shape_problem(int M, int N, int K) {
+    return (M % 16 || N % 16 || K % 16) ? "FP8: sides must be multiples of 16" : NULL;
+}
+
 // The naive version's store: c[at] = v as bf16, or += v in fp32 (the caller checks bounds). Its
 // pair, mm_store_pair, and the flag a Hopper kernel raises where it gives up instead of hanging
 // (mm_error, MM_TIMEOUT), are lib/matmul_hopper.cuh's, which the trainer runs.

@@ -1,5 +1,5 @@
 /*
- * dev/matmul_wgmma.cuh - versions 3 to 7 of the matmul ladder: Hopper's GEMM. The kernel itself is
+ * dev/matmul_wgmma.cuh - versions 3 to 8 of the matmul ladder: Hopper's GEMM. The kernel itself is
  * the trainer's, lib/matmul_hopper.cuh (TMA loads on an mbarrier ring, wgmma from swizzled shared
  * memory, a producer warpgroup and two consumers; its header has the work split, the layouts and
  * the epilogues); this file holds what only the ladder runs of it, as launch configurations:
@@ -16,7 +16,9 @@
  *      (hopper_backward_swiglu), both in lib/matmul_hopper.cuh, both run by the trainer;
  *   7  version 5 with stream-K (the walk and its fix-up: HopperStreamK, lib/matmul_hopper.cuh) where
  *      version 5's units would leave more than a tenth of the last wave's SMs idle
- *      (hopper_stream_k_blocks, below); the ladder's only.
+ *      (hopper_stream_k_blocks, below); the ladder's only;
+ *   8  version 5's plan (HopperMatmul<5>::gemm with FP8 element types and the operands' scale_inv
+ *      pointers) on FP8 operands, both K-major; the kernel's FP8 path: lib/matmul_hopper.cuh.
  *
  * Version 5's split of K: a product with fewer tiles than half the SMs (a weight gradient of a small
  * matrix: 18 tiles for 132 SMs, K = 32768) cuts each tile's k-blocks into `splits` runs, so that
