@@ -327,6 +327,7 @@ static void add_check_cases(std::vector<Case>& cases) {
         {144, 80, 272},    // FP8 (sides of 16): edge tiles everywhere, K = 80 / 272 / 144, k-blocks of 128 cut short
         {2000, 144, 208},  // FP8 dW: 2 tiles, K = 2000 (16 k-blocks of 128): version 8 splits K in 2
         {1408, 32, 3072},  // FP8: 132 tiles of fwd, K = 32 (a quarter of a k-block); dW 24 tiles, K = 1408
+        {128, 2048, 256},  // FP8 fwd: 1 tile, K = 2048 (16 k-blocks of 128): version 8 splits K in 2, bf16 out
         {8, 8, 8},
         {77, 19, 33},      // odd sides: the naive version only
     };
