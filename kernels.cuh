@@ -772,9 +772,9 @@ __global__ void adamw_kernel(float* master, bf16* params, const float* grads, fl
         ((float4*)m)[q] = mq;
         ((float4*)v)[q] = vq;
         ((float4*)master)[q] = p;
-        __nv_bfloat162 lo = {__float2bfloat16(p.x), __float2bfloat16(p.y)}, hi = {__float2bfloat16(p.z), __float2bfloat16(p.w)};
-        ((__nv_bfloat162*)params)[2 * q] = lo;
-        ((__nv_bfloat162*)params)[2 * q + 1] = hi;
+        union { __nv_bfloat162 pair[2]; uint2 bytes; } w = {{{__float2bfloat16(p.x), __float2bfloat16(p.y)},
+                                                             {__float2bfloat16(p.z), __float2bfloat16(p.w)}}};
+        ((uint2*)params)[q] = w.bytes;  // one 8-byte store
     }
     size_t i = 4 * n4 + blockIdx.x * (size_t)blockDim.x + threadIdx.x;  // the tail: fewer than 4
     if (i < n && !(flags[i / PARAM_ALIGN] & PARAM_FLAG_MUON)) {

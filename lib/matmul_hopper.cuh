@@ -82,11 +82,15 @@
  * fixed order, whatever the grid; the ladder's split K and stream-K sum their partials in a fixed
  * order too.
  *
- * No wait can hang: every mbarrier wait (and stream-K's flag wait) gives up after HOP_WAIT_TRIES
+ * Bounded waits: every mbarrier wait (and stream-K's flag wait) gives up after HOP_WAIT_TRIES
  * tries of at most HOP_WAIT_HINT_NS each (about a second; no legitimate wait here lasts a
  * millisecond), raises MM_TIMEOUT in mm_error and returns, so that a broken pipeline ends as a
  * raised flag (the ladder reads it after each shape, the trainer with each step's figures) rather
- * than a hung program.
+ * than a hung program. One edge is left (found by reading, not seen): the consumers' 128 threads
+ * wait on a full barrier each on their own, so if one gives up just as the phase completes, it
+ * leaves while the others go on to the epilogue's named barrier and wait there for it; stream-K's
+ * flag wait avoids this (one thread waits, bar.red shares the outcome), the mbarrier waits do not
+ * yet. Only an already broken pipeline can get there.
  */
 #ifndef MATMUL_HOPPER_CUH
 #define MATMUL_HOPPER_CUH
@@ -745,7 +749,7 @@ static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const
         exit(1);
     }
     const int M = N, F = O / 2, K = I;
-    HopperFusion fuse;
+    HopperFusion fuse = {};
     fuse.b_up = tma_tensor_map(W + (size_t)F * K, K, K, F, 1, HOP_BN / 2);
     fuse.c_up = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, 64);
     fuse.act = tma_tensor_map(act, F, F, M, 1, 64);
