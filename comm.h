@@ -914,7 +914,7 @@ typedef struct {
 } Comm;
 
 static void comm_die(const Comm* c, const char* what) {
-    fprintf(stderr, "%s: %s\n", program_name, what);  // program_name names the rank (read_launch_env)
+    fprintf(stderr, "%s: %s\n", program_name, what);  // with several ranks, program_name names this one (read_launch_env)
     if (c->nccl) ncclCommAbort(c->nccl);
     _exit(1);
 }

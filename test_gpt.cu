@@ -28,7 +28,6 @@
 #include "test/test_comm.h"
 #include "test/test_inputs.h"
 #include <cuda_fp8.h>
-#include <algorithm>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -87,6 +86,13 @@ static float* to_device_f32(const double* x, size_t n) {
     CUDA_CHECK(cudaMalloc(&d, n * sizeof(float) + 256));
     CUDA_CHECK(cudaMemcpy(d, host, n * sizeof(float), cudaMemcpyHostToDevice));
     free(host);
+    return d;
+}
+
+static int* to_device_int(const int* x, int n) {
+    int* d;
+    CUDA_CHECK(cudaMalloc(&d, n * sizeof(int)));
+    CUDA_CHECK(cudaMemcpy(d, x, n * sizeof(int), cudaMemcpyHostToDevice));
     return d;
 }
 
@@ -810,13 +816,6 @@ static int* random_targets(int N, int V) {
     return targets;
 }
 
-static int* to_device_int(const int* x, int n) {
-    int* d;
-    CUDA_CHECK(cudaMalloc(&d, n * sizeof(int)));
-    CUDA_CHECK(cudaMemcpy(d, x, n * sizeof(int), cudaMemcpyHostToDevice));
-    return d;
-}
-
 // V: multiples of 8 (config_check's rule) from one vector to Qwen3's 151936; 4104 ends one vector
 // into a second sweep of the block; 65536 and 151936 are longer than the shared memory a block
 // keeps, so their remainder is read a second time. The dlogits overwrite the logits, so they cannot
@@ -877,26 +876,6 @@ __global__ void two_pass_cross_entropy_kernel(bf16* logits, float* losses, const
     }
 }
 
-// Median milliseconds of launch() over 9 runs after 2 unmeasured ones.
-template <typename Launch>
-static float median_ms(Launch launch) {
-    cudaEvent_t start, stop;
-    CUDA_CHECK(cudaEventCreate(&start));
-    CUDA_CHECK(cudaEventCreate(&stop));
-    float ms[9];
-    for (int r = -2; r < 9; r++) {
-        CUDA_CHECK(cudaEventRecord(start));
-        launch();
-        CUDA_CHECK(cudaEventRecord(stop));
-        CUDA_CHECK(cudaEventSynchronize(stop));
-        if (r >= 0) CUDA_CHECK(cudaEventElapsedTime(&ms[r], start, stop));
-    }
-    CUDA_CHECK(cudaEventDestroy(start));
-    CUDA_CHECK(cudaEventDestroy(stop));
-    std::sort(ms, ms + 9);
-    return ms[4];
-}
-
 // The trainer's kernel against the two-pass one, bit for bit, on the same logits; then both timed
 // at the default chunk (4096 rows) for GPT-2's and Qwen3's vocabularies. The kernel is in place, so
 // the timed runs work on its own output: the time does not depend on the values.
@@ -935,10 +914,11 @@ static int test_kernel_cross_entropy_matches_two_pass(void) {
         EXPECT(memcmp(host[0], host[1], n * sizeof(bf16)) == 0, "%dx%d: the dlogits differ from the two-pass "
                "kernel's", N, V);
         if (N >= 4096) {
-            float old_ms = median_ms([&] {
+            float old_ms = time_median_ms([&] {
                 two_pass_cross_entropy_kernel<<<N, CE_THREADS>>>(d_old, d_losses_old, d_targets, V, d_loss);
-            });
-            float new_ms = median_ms([&] { cross_entropy(d_new, d_losses_new, d_targets, N, V, d_loss, 0); });
+            }, 2, 9);
+            float new_ms = time_median_ms([&] { cross_entropy(d_new, d_losses_new, d_targets, N, V, d_loss, 0); },
+                                          2, 9);
             double gb = 2.0 * n * sizeof(bf16) / 1e9;  // one read and one write of the chunk
             printf("    %dx%d: two-pass %.3f ms, one read %.3f ms (%.0f and %.0f GB/s of one read + one write)\n",
                    N, V, old_ms, new_ms, gb / old_ms * 1e3, gb / new_ms * 1e3);

@@ -1,13 +1,13 @@
 /*
  * dev/common.h - helpers shared by the dev/ kernel ladders: random inputs (on the host, and on the
  * device for the large timing shapes, bf16 or fp32), NaN poisoning of outputs, error metrics
- * against a reference, median timing with CUDA events, and the CPU FP64 reference of causal GQA
+ * against a reference, and the CPU FP64 reference of causal GQA
  * attention (forward and backward) that every attention version is checked against.
  *
  * Convention: references take the bf16 inputs already widened to float (the exact values the GPU
  * sees) and compute in double; the metrics report max |gpu - ref| and ||gpu - ref|| / ||ref||,
  * and count non-finite GPU values, which always fail a check. It includes kernels.cuh for the
- * trainer's splitmix64 (and, through it, lib/cuda_check.h's definitions).
+ * trainer's splitmix64 (and, through it, lib/cuda_check.h's definitions, time_median_ms among them).
  */
 #ifndef DEV_COMMON_H
 #define DEV_COMMON_H
@@ -82,29 +82,6 @@ static ErrStat compare_f32(const std::vector<float>& x, const std::vector<double
     for (size_t i = 0; i < x.size(); ++i) err_add(&e, x[i], ref[i], &num, &den);
     e.rel_l2 = den > 0 ? sqrt(num / den) : sqrt(num);
     return e;
-}
-
-// ----------------------------------------------------------------------------------------------
-// Timing: median of `reps` runs of f() (each bracketed by CUDA events) after `warmup` runs.
-
-template <typename F>
-static float time_median_ms(F f, int warmup, int reps) {
-    cudaEvent_t start, stop;
-    CUDA_CHECK(cudaEventCreate(&start));
-    CUDA_CHECK(cudaEventCreate(&stop));
-    for (int i = 0; i < warmup; ++i) f();
-    std::vector<float> ms(reps);
-    for (int i = 0; i < reps; ++i) {
-        CUDA_CHECK(cudaEventRecord(start));
-        f();
-        CUDA_CHECK(cudaEventRecord(stop));
-        CUDA_CHECK(cudaEventSynchronize(stop));
-        CUDA_CHECK(cudaEventElapsedTime(&ms[i], start, stop));
-    }
-    CUDA_CHECK(cudaEventDestroy(start));
-    CUDA_CHECK(cudaEventDestroy(stop));
-    std::sort(ms.begin(), ms.end());
-    return ms[reps / 2];
 }
 
 // ----------------------------------------------------------------------------------------------
