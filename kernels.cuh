@@ -1,6 +1,7 @@
 /*
  * kernels.cuh - every CUDA kernel train_gpt runs, the optimizer's kernels, and the one matmul
- * wrapper all matmuls use.
+ * wrapper all matmuls use but one (the BF16 gate/up forward, which runs lib/matmul_hopper.cuh's
+ * GEMM with SwiGLU in its epilogue).
  *
  * Read it top to bottom: small helpers, the deterministic reductions (global gradient norm, loss
  * sum) and initialization; then the kernels in the order of a training step: embedding, RMSNorm,
@@ -113,15 +114,19 @@ static void sum_partials(float* dst, const float* partials, int n_partials, int 
 
 // Sum (or sum of squares) of a long fp32 vector in two fixed-shape passes: REDUCE_BLOCKS blocks
 // each stride over the vector and write one partial; one block then adds the partials in order.
-// `out` receives the total (accumulate = false) or has it added (accumulate = true).
+// `out` receives the total (accumulate = false) or has it added (accumulate = true). A thread reads
+// four floats at a time (16 bytes: x must be 16-byte aligned, as every buffer of the plan is; the
+// gradient norm is a pass over 4 bytes a parameter at memory speed), then the last n % 4 singly.
 #define REDUCE_BLOCKS 512
 template <bool SQUARE>
 __global__ void reduce_partials_kernel(float* partials, const float* x, size_t n) {
     float sum = 0.0f;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float v = x[i];
-        sum += SQUARE ? v * v : v;
+    size_t n4 = n / 4, thread = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    for (size_t q = thread; q < n4; q += (size_t)gridDim.x * blockDim.x) {
+        float4 v = ((const float4*)x)[q];
+        sum += SQUARE ? (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w) : (v.x + v.y) + (v.z + v.w);
     }
+    if (4 * n4 + thread < n) sum += SQUARE ? x[4 * n4 + thread] * x[4 * n4 + thread] : x[4 * n4 + thread];
     sum = block_sum(sum);
     if (threadIdx.x == 0) partials[blockIdx.x] = sum;
 }
@@ -729,35 +734,53 @@ __device__ __forceinline__ float clip_scale_of(const OptimConfig& o, const Optim
     return (o.grad_clip > 0.0f && norm > o.grad_clip) ? o.grad_clip / norm : 1.0f;
 }
 
-// AdamW's new weight from the new moments: the one place the update formula is written (the
-// fp32 and the 8-bit kernels both call it, so they agree to the bit on the same m and v).
-__device__ __forceinline__ float adamw_new_weight(float p, float mi, float vi, float wd, float lr,
-                                                  float bias_corr1, float bias_corr2, float eps) {
-    return p - lr * ((mi / bias_corr1) / (sqrtf(vi / bias_corr2) + eps) + wd * p);
-}
-
 // With g = grad * clip_scale_of(...):
 //   m = b1 m + (1 - b1) g;   v = b2 v + (1 - b2) g^2
 //   p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps) + lr * wd * p     (decoupled decay)
 // for the n elements the pointers start at, wd = weight_decay where flags[i / PARAM_ALIGN] has
 // PARAM_FLAG_DECAY (so a range must start on a PARAM_ALIGN boundary, as every tensor and every ZeRO
 // piece does). Elements flagged PARAM_FLAG_MUON are left alone: Muon updates them.
+//
+// One element of the update above: its moments m and v in place, its new fp32 weight returned. The
+// one place the formula is written: the fp32 and the 8-bit kernels both call it, so they agree to
+// the bit on the same moments.
+__device__ __forceinline__ float adamw_element(float g, float p, float* m, float* v, float wd, const OptimConfig& o,
+                                               float lr, float bias_corr1, float bias_corr2) {
+    *m = o.beta1 * *m + (1.0f - o.beta1) * g;
+    *v = o.beta2 * *v + (1.0f - o.beta2) * g * g;
+    return p - lr * ((*m / bias_corr1) / (sqrtf(*v / bias_corr2) + o.eps) + wd * p);
+}
+
+// Four consecutive elements a thread: 16-byte loads and stores (8 bytes for the bf16 weights), so
+// that more bytes are in flight per thread; the kernel moves 30 bytes a parameter and is bound by
+// memory bandwidth (15% of a 1b FP8 step). The four share one flag (PARAM_ALIGN is a multiple of
+// 4, and a range starts on a PARAM_ALIGN boundary, so the vectors are aligned too); a range's last
+// n % 4 elements are done one by one.
 __global__ void adamw_kernel(float* master, bf16* params, const float* grads, float* m, float* v,
                              const uint8_t* flags, size_t n, OptimConfig o, const OptimScalars* s) {
     float clip_scale = clip_scale_of(o, s);
     float lr = s->lr, bias_corr1 = s->bias_corr1, bias_corr2 = s->bias_corr2;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        uint8_t flag = flags[i / PARAM_ALIGN];
+    size_t n4 = n / 4;
+    for (size_t q = blockIdx.x * (size_t)blockDim.x + threadIdx.x; q < n4; q += (size_t)gridDim.x * blockDim.x) {
+        uint8_t flag = flags[q * 4 / PARAM_ALIGN];
         if (flag & PARAM_FLAG_MUON) continue;
-        float g = grads[i] * clip_scale;
-        float mi = o.beta1 * m[i] + (1.0f - o.beta1) * g;
-        float vi = o.beta2 * v[i] + (1.0f - o.beta2) * g * g;
-        m[i] = mi;
-        v[i] = vi;
         float wd = (flag & PARAM_FLAG_DECAY) ? o.weight_decay : 0.0f;
-        float p = adamw_new_weight(master[i], mi, vi, wd, lr, bias_corr1, bias_corr2, o.eps);
-        master[i] = p;
-        params[i] = __float2bfloat16(p);
+        float4 g = ((const float4*)grads)[q], mq = ((float4*)m)[q], vq = ((float4*)v)[q], p = ((float4*)master)[q];
+        float *gk = &g.x, *mk = &mq.x, *vk = &vq.x, *pk = &p.x;
+        for (int k = 0; k < 4; k++)
+            pk[k] = adamw_element(gk[k] * clip_scale, pk[k], &mk[k], &vk[k], wd, o, lr, bias_corr1, bias_corr2);
+        ((float4*)m)[q] = mq;
+        ((float4*)v)[q] = vq;
+        ((float4*)master)[q] = p;
+        union { __nv_bfloat162 pair[2]; uint2 bytes; } w = {{{__float2bfloat16(p.x), __float2bfloat16(p.y)},
+                                                             {__float2bfloat16(p.z), __float2bfloat16(p.w)}}};
+        ((uint2*)params)[q] = w.bytes;  // one 8-byte store
+    }
+    size_t i = 4 * n4 + blockIdx.x * (size_t)blockDim.x + threadIdx.x;  // the tail: fewer than 4
+    if (i < n && !(flags[i / PARAM_ALIGN] & PARAM_FLAG_MUON)) {
+        float wd = (flags[i / PARAM_ALIGN] & PARAM_FLAG_DECAY) ? o.weight_decay : 0.0f;
+        master[i] = adamw_element(grads[i] * clip_scale, master[i], &m[i], &v[i], wd, o, lr, bias_corr1, bias_corr2);
+        params[i] = __float2bfloat16(master[i]);
     }
 }
 
@@ -773,9 +796,19 @@ static void optimizer_schedule(const OptimConfig* o, OptimScalars* s, cudaStream
     LAUNCH_CHECK();
 }
 
+// The grid is what the GPU holds at once (SMs x resident blocks, asked once): the blocks stride
+// over the range in one wave, with no second, partial wave at the end.
 static void adamw_step(float* master, bf16* params, const float* grads, float* m, float* v, const uint8_t* flags,
                        size_t n, const OptimConfig* o, const OptimScalars* s, cudaStream_t stream) {
-    adamw_kernel<<<1024, 256, 0, stream>>>(master, params, grads, m, v, flags, n, *o, s);
+    static int grid = 0;
+    if (!grid) {
+        int dev, sms, per_sm;
+        CUDA_CHECK(cudaGetDevice(&dev));
+        CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, adamw_kernel, 256, 0));
+        grid = sms * per_sm;
+    }
+    adamw_kernel<<<grid, 256, 0, stream>>>(master, params, grads, m, v, flags, n, *o, s);
     LAUNCH_CHECK();
 }
 
@@ -883,11 +916,9 @@ __global__ void __launch_bounds__(Q8_BLOCK) adamw8bit_kernel(float* master, bf16
     for (size_t b = blockIdx.x; b < n_blocks; b += gridDim.x) {
         size_t i = b * Q8_BLOCK + threadIdx.x;
         float g = grads[i] * clip_scale;
-        float mi = o.beta1 * q8_decode(qm[i], absmax_m[b], map_m) + (1.0f - o.beta1) * g;
-        float ri = q8_decode(qv[i], absmax_v[b], map_v);
-        float vi = o.beta2 * ri * ri + (1.0f - o.beta2) * g * g;
+        float mi = q8_decode(qm[i], absmax_m[b], map_m), ri = q8_decode(qv[i], absmax_v[b], map_v), vi = ri * ri;
         float wd = (flags[b] & PARAM_FLAG_DECAY) ? o.weight_decay : 0.0f;
-        float p = adamw_new_weight(master[i], mi, vi, wd, lr, bias_corr1, bias_corr2, o.eps);
+        float p = adamw_element(g, master[i], &mi, &vi, wd, o, lr, bias_corr1, bias_corr2);
         master[i] = p;
         params[i] = __float2bfloat16(p);
         ri = sqrtf(vi);
@@ -954,6 +985,10 @@ static void q8_quantize(uint8_t* codes, float* absmax, const float* x, size_t n,
 //
 // Descriptors, layouts and the heuristic's choice of algorithm are made once per shape and kept
 // in a plan; a call finds its plan, sets the scale pointers, and launches.
+//
+// Two products do not come here: the BF16 gate/up forward and the BF16 down input gradient, whose
+// SwiGLU and SwiGLU backward our own Hopper GEMM computes in its epilogue (lib/matmul_hopper.cuh;
+// train_gpt.cu's mlp_gate_up and mlp_down_backward; doc/matmul.md).
 
 // One operand of a matmul: where it is, its element type, and for FP8 the device pointer of the
 // factor that turns its stored values into real ones (NULL: unscaled). For the result it is the

@@ -12,7 +12,8 @@
  *   loss   = mean cross-entropy of the next token
  *
  * What lives where: kernels.cuh holds the CUDA kernels, the optimizers' kernels and the one matmul
- * wrapper; lib/fp8.cuh FP8's casts and scales; lib/config.h the ModelConfig and its reading from
+ * wrapper; lib/matmul_hopper.cuh our own Hopper GEMM, which runs the BF16 gate/up forward with SwiGLU
+ * in its epilogue; lib/fp8.cuh FP8's casts and scales; lib/config.h the ModelConfig and its reading from
  * JSON; data.h the token shards and loader; comm.h data parallelism over NCCL (ranks, collectives,
  * ZeRO's shard arithmetic); ckpt.h the safetensors and checkpoint files; doc/map.md is the map of
  * the whole repository. This file, in reading order: the config; the parameter table, which lays
@@ -44,6 +45,7 @@
 #include <cuda_fp16.h>
 #include "kernels.cuh"
 #include "lib/fp8.cuh"
+#include "lib/matmul_hopper.cuh"
 #include "data.h"
 #include "lib/tokenizer.h"
 #include "ckpt.h"
@@ -1281,6 +1283,34 @@ static void layer_forward(GPT* m, ParamKind kind, int l, int N, bf16* y, const b
            1.0f, O, N, I, true, false, m->stream, f->fast_accum);
 }
 
+// The MLP's gate/up product and SwiGLU in layer l: gate_up = xnorm_mlp W_gate_up^T [N, 2F], which
+// the backward keeps, and mlp_act = silu(gate) * up [N, F]. In BF16 one kernel of our own does both
+// (lib/matmul_hopper.cuh): act is made in the product's epilogue, so gate_up is not read back, 1.27x
+// cuBLASLt plus swiglu_forward at the default config (doc/matmul.md); its act has the very bits
+// swiglu_forward makes from the stored gate_up, which is what the backward's recompute runs. It
+// never splits K, so it repeats bit for bit. Where hopper_swiglu_problem refuses the operands, and
+// in FP8, the product goes through layer_forward; FP8's fused casts then make SwiGLU themselves
+// (fp8_input), else swiglu_forward does.
+static bool gate_up_fused(const GPT* m, int l) {
+    const ParamTensor* t = param(&m->table, P_GATE_UP, l);
+    const Activations* a = &m->act;
+    return !fp8_product(m, P_GATE_UP) && !hopper_swiglu_problem(a->gate_up[l], a->mlp_act[l], a->xnorm_mlp[l],
+                                                                m->params + t->offset, m->N, (int)t->cols,
+                                                                (int)t->rows);
+}
+
+static void mlp_gate_up(GPT* m, int l) {
+    Activations* a = &m->act;
+    if (gate_up_fused(m, l)) {
+        const ParamTensor* t = param(&m->table, P_GATE_UP, l);
+        hopper_forward_swiglu(a->gate_up[l], a->mlp_act[l], a->xnorm_mlp[l], m->params + t->offset, m->N,
+                              (int)t->cols, (int)t->rows, m->stream);
+        return;
+    }
+    layer_forward(m, P_GATE_UP, l, m->N, a->gate_up[l], a->xnorm_mlp[l], NULL);
+    if (!fp8_fused(m)) mlp_swiglu(m, l);
+}
+
 // dW += dy^T x and dx = dy W, for dy [N, O] and the matrix's input x [N, I] (as the forward saw it).
 // On the fused FP8 path a layer's codes come from fp8_input and fp8_grad, made from what the
 // forward kept (x unused, and GATE_UP's dy too); the head's are cast as they are.
@@ -1313,6 +1343,40 @@ static void layer_backward(GPT* m, ParamKind kind, int l, int N, bf16* dx, const
     // [I, O]) and B = dy (row-major [N, O])
     matmul(mm_bf16(dx), 1.0f, fp8_operand(f->weights_t + t->offset, false, sw), fp8_operand(f->dy, true, sg), NULL, 0.0f,
            I, N, O, true, false, m->stream);
+}
+
+// The down matrix's backward and SwiGLU's in layer l, from dy = d_residual [N, C]: dW_down += dy^T
+// mlp_act, d_mlp_act = dy W_down [N, F], and d_gate_up = [d_gate | d_up] [N, 2F] from d_mlp_act and
+// gate_up (kernels.cuh's swiglu_backward). In BF16 the input gradient is one kernel of our own
+// (lib/matmul_hopper.cuh), the mirror of the forward's mlp_gate_up: SwiGLU's backward runs in its
+// epilogue on d_mlp_act rounded to bf16 as a stored one would be, so d_mlp_act is neither written
+// nor read, and d_gate_up has the very bits swiglu_backward makes from the kernel's plain product.
+// It reads gate_up, which every layer keeps whatever --recompute says (activations_layout), so
+// recompute changes nothing here. It never splits K, so it repeats bit for bit. Where
+// hopper_swiglu_backward_problem refuses the operands, and in FP8, the product goes through
+// layer_backward into d_mlp_act; FP8's fused casts then run SwiGLU's backward themselves
+// (fp8_grad), else swiglu_backward does.
+static bool down_swiglu_fused(const GPT* m, int l) {
+    const ParamTensor* t = param(&m->table, P_DOWN, l);
+    const Activations* a = &m->act;
+    return !fp8_product(m, P_DOWN) && !hopper_swiglu_backward_problem(a->d_gate_up, a->d_residual,
+                                                                      m->params + t->offset, a->gate_up[l], m->N,
+                                                                      (int)t->cols, (int)t->rows);
+}
+
+static void mlp_down_backward(GPT* m, int l) {
+    Activations* a = &m->act;
+    if (down_swiglu_fused(m, l)) {
+        const ParamTensor* t = param(&m->table, P_DOWN, l);
+        int O = (int)t->rows, I = (int)t->cols;
+        linear_backward_weight(G(m, P_DOWN, l), a->d_residual, a->mlp_act[l], m->N, I, O, m->stream);
+        hopper_backward_swiglu(a->d_gate_up, a->d_residual, m->params + t->offset, a->gate_up[l], m->N, I, O,
+                               m->stream);
+        return;
+    }
+    layer_backward(m, P_DOWN, l, m->N, a->d_mlp_act, a->d_residual, a->mlp_act[l]);
+    if (!fp8_fused(m))  // fused: SwiGLU's backward runs inside GATE_UP's cast of its output gradient
+        swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], m->N, m->cfg.ffn_dim, m->stream);
 }
 
 // After an optimizer step: the weights changed, and (delayed) the step's amaxes join the history.
@@ -1380,8 +1444,7 @@ static void forward_layers(GPT* m, const Batch* batch) {
         layer_forward(m, P_ATTN_OUT, l, N, a->residual_mid[l], a->attn_out[l], a->residual[l]);
         // MLP block: residual' = residual_mid + swiglu(rmsnorm(residual_mid) W_gate_up^T) W_down^T
         if (!fused) mlp_norm(m, l);
-        layer_forward(m, P_GATE_UP, l, N, a->gate_up[l], a->xnorm_mlp[l], NULL);
-        if (!fused) mlp_swiglu(m, l);
+        mlp_gate_up(m, l);
         layer_forward(m, P_DOWN, l, N, a->residual[l + 1], a->mlp_act[l], a->residual_mid[l]);
     }
     rmsnorm_forward(a->xnorm_final, a->rstd_final, a->residual[c->n_layer], P(m, P_FINAL_NORM, 0), N, C,
@@ -1446,7 +1509,7 @@ static void grads_ready(GPT* m, int b) {
 static void backward(GPT* m, const Batch* batch) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
-    int N = m->N, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c);
+    int N = m->N, C = c->d_model, Q = qkv_dim(c);
     int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim, L = c->n_layer;
     bool fused = fp8_fused(m);  // the FP8 casts make the norms' and SwiGLU's outputs: nothing to recompute
     CUDA_CHECK(cudaMemsetAsync(a->d_residual, 0, (size_t)N * C * sizeof(bf16), m->stream));
@@ -1460,9 +1523,7 @@ static void backward(GPT* m, const Batch* batch) {
             mlp_norm(m, l);
             mlp_swiglu(m, l);
         }
-        layer_backward(m, P_DOWN, l, N, a->d_mlp_act, a->d_residual, a->mlp_act[l]);
-        if (!fused)  // fused: SwiGLU's backward runs inside GATE_UP's cast of its output gradient
-            swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], N, F, m->stream);
+        mlp_down_backward(m, l);
         layer_backward(m, P_GATE_UP, l, N, a->d_xnorm, a->d_gate_up, a->xnorm_mlp[l]);
         rmsnorm_backward(a->d_residual, G(m, P_MLP_NORM, l), a->partials, a->d_xnorm, a->residual_mid[l],
                          P(m, P_MLP_NORM, l), a->rstd_mlp[l], N, C, m->stream);
@@ -2759,6 +2820,7 @@ typedef struct {
     TokenList prompt;
     FILE* log;
     OptimScalars* readback;     // pinned [STEPS_IN_FLIGHT]: the device's scalars after each step
+    int* matmul_errors;         // pinned [STEPS_IN_FLIGHT]: mm_error after each step (lib/matmul_hopper.cuh)
     Fp8Scale* scales_readback;  // --fp8-log-scales: pinned [STEPS_IN_FLIGHT][ranks][fp8_n_scales]
     Fp8Scale* scales_gathered;  // and on several GPUs, every rank's scales on the device [ranks][...]
     cudaEvent_t step_start[STEPS_IN_FLIGHT], step_end[STEPS_IN_FLIGHT];  // a step's time is between them
@@ -2905,6 +2967,7 @@ static void trainer_open(Trainer* t, const Options* o, const CommEnv* env) {
     t->step = t->logged = t->start_step;
     uploader_create(&t->up, N, o->model.vocab_size);
     CUDA_CHECK(cudaMallocHost(&t->readback, STEPS_IN_FLIGHT * sizeof(OptimScalars)));
+    CUDA_CHECK(cudaMallocHost(&t->matmul_errors, STEPS_IN_FLIGHT * sizeof(int)));
     if (o->fp8_log_scales) {
         size_t bytes = env->world * fp8_n_scales(&o->model) * sizeof(Fp8Scale);
         CUDA_CHECK(cudaMallocHost(&t->scales_readback, STEPS_IN_FLIGHT * bytes));
@@ -3030,6 +3093,8 @@ static void train_step(Trainer* t) {
     }
     CUDA_CHECK(cudaMemcpyAsync(&t->readback[slot], m->scalars, sizeof(OptimScalars), cudaMemcpyDeviceToHost,
                                m->stream));
+    CUDA_CHECK(cudaMemcpyFromSymbolAsync(&t->matmul_errors[slot], mm_error, sizeof(int), 0, cudaMemcpyDeviceToHost,
+                                         m->stream));
     fp8_scales_readback(t, slot);
     CUDA_CHECK(cudaEventRecord(t->step_end[slot], m->stream));
     t->step++;
@@ -3111,6 +3176,9 @@ static void log_one_step(Trainer* t, int index) {
     const Options* o = &t->o;
     int slot = index % STEPS_IN_FLIGHT, total = o->optim.total_steps, done = index + 1;
     CUDA_CHECK(cudaEventSynchronize(t->step_end[slot]));
+    if (t->matmul_errors[slot] != MM_OK)  // a wait of our GEMM gave up: its outputs are wrong
+        die("step %d: our Hopper matmul (the MLP's gate/up forward or down backward) failed (%s)", index + 1,
+            mm_error_text(t->matmul_errors[slot]));
     float ms;
     CUDA_CHECK(cudaEventElapsedTime(&ms, t->step_start[slot], t->step_end[slot]));
     const OptimScalars* s = &t->readback[slot];
@@ -3256,6 +3324,7 @@ static void trainer_close(Trainer* t) {
         CUDA_CHECK(cudaEventDestroy(t->step_end[i]));
     }
     CUDA_CHECK(cudaFreeHost(t->readback));
+    CUDA_CHECK(cudaFreeHost(t->matmul_errors));
     CUDA_CHECK(cudaFreeHost(t->scales_readback));
     CUDA_CHECK(cudaFree(t->scales_gathered));
     free(t->synthetic);

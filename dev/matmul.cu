@@ -19,26 +19,36 @@
  *      L2 by a TMA reduction), the stores running on under the next tile's products; where there
  *      are fewer tiles than half the SMs, K is split and the fp32 partials summed in a fixed order
  *      by a second kernel.
- *   6  version 5's kernel with the next kernel's work fused into its epilogue, in the two forwards
- *      where the trainer runs one after the product: the residual added (attn_out, down: y = x W^T +
- *      residual, as cuBLASLt's beta = 1) and SwiGLU (gate_up: a tile takes 128 gate and the same
- *      128 up features, and stores gate_up and act = silu(gate) * up). It has only these fused
- *      forms (its plain ones would be version 5's), timed against cuBLASLt plus the trainer's
- *      separate step, in a table of their own.
- * Versions 2-6 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too); a shape a
- * version cannot take is skipped, with a word. Resource use (-Xptxas -v) and the figures:
+ *   6  version 5's kernel with the next kernel's work fused into its epilogue, where the trainer
+ *      runs one after the product: the residual added (attn_out, down: y = x W^T + residual, as
+ *      cuBLASLt's beta = 1), SwiGLU (gate_up: a tile takes 128 gate and the same 128 up features,
+ *      and stores gate_up and act = silu(gate) * up) and SwiGLU's backward (down's input gradient
+ *      d_mlp_act = dy W, from which the epilogue makes d_gate_up with gate_up, never storing
+ *      d_mlp_act). It has only these fused forms (its plain ones would be version 5's), timed
+ *      against cuBLASLt plus the trainer's separate step, in a table of their own.
+ *   7  version 5 with stream-K where its units would leave more than a tenth of the last wave's SMs
+ *      idle (96 tiles on 132 SMs): every block an equal share of all the tiles' k-blocks, a range
+ *      that may start and end inside a tile; a tile's pieces are summed by the block that owns its
+ *      first one, in range order, so the bits depend on the shape and the SM count only.
+ *   8  version 5 on FP8 operands, the products the trainer's --fp8 1 runs through cuBLASLt (forms
+ *      "fwd fp8", "dx fp8", "dW fp8": the TN form, E4M3 x E4M3 forward, E5M2 dy x E4M3 backward):
+ *      wgmma m64n128k32 from the same 128-byte rows, each k-block of 128 summed afresh and promoted
+ *      into fp32 times the operands' scales; timed against cuBLASLt's FP8 matmul (kernels.cuh's
+ *      matmul() with the same scale pointers) in a table of their own. It has only these forms.
+ * Versions 2-7 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too), the FP8
+ * forms (version 8, cuBLASLt) multiples of 16; a shape a version cannot take is skipped, with a word. Resource use (-Xptxas -v) and the figures:
  * doc/matmul.md.
  *
  * Usage: ./dev/matmul            check and time every version
- *        ./dev/matmul N          version N only, cuBLASLt beside it (digits: "56" runs 5 and 6)
+ *        ./dev/matmul N          version N only, cuBLASLt beside it (digits: "56" runs 5 and 6; "8": FP8)
  *        a second argument `check` skips the timing (./dev/matmul 3 check)
  *
  * Shapes: the trainer's, from its own parameter table (param_shape, qkv_dim in train_gpt.cu), for
  * the default config (batch 32 x 1024 tokens) and for 1b (the scripts' --d-model 2048 --heads 32
  * --kv-heads 8 --head-dim 64 --ffn 8192 --batch 8): the layers' qkv, attn_out, gate_up and down
  * matrices and the output head, whose rows go LOSS_CHUNK at a time; each in its three forms, and
- * the fused forms of attn_out, down (fwd+res) and gate_up (fwd+swiglu). The plain forward is timed
- * without the residual that the trainer adds in attn_out's and down's.
+ * the fused forms of attn_out, down (fwd+res), gate_up (fwd+swiglu) and down (dx+swiglu_bwd). The
+ * plain forward is timed without the residual that the trainer adds in attn_out's and down's.
  *
  * Checks: first small awkward shapes (sides that are not multiples of the tiles, K not a multiple
  * of 64, more tiles than SMs, few tiles on a long K, 8 x 8 x 8, odd sides for the naive version),
@@ -56,7 +66,14 @@
  * the trainer's determinism asks (a split K summed in an order that timing sets would not), with
  * no bf16 entry left NaN. The residual form's reference adds the bf16 residual; SwiGLU's gate_up is
  * checked as the product, and its act, whole, against the trainer's swiglu_forward run on that
- * gate_up on the GPU: the same bits, or it fails.
+ * gate_up on the GPU: the same bits, or it fails. SwiGLU's backward: the version's plain dx (version
+ * 6: its kernel unsplit, the same fp32 sums its epilogue rounds) is checked as the product, and the
+ * fused d_gate_up, whole, against the trainer's swiglu_backward run on that dx and gate_up: the
+ * same bits, or it fails. The FP8 forms' operands are codes: the device rounds uniform_at's values
+ * times 2^7 (E4M3) or 2^12 (E5M2) to FP8 (fill_fp8_device), the reference rounds the same values
+ * with test/reference.h's ref_fp8_round and sums those real values (times 2^-7, 2^-12) in fp64;
+ * the tolerance is the bf16 one above, its norm taken over the rounded operands (version 8 promotes
+ * to fp32 every 128 k: doc/matmul.md says why the check would catch a kernel that did not).
  *
  * Timing: CUDA events, the median of 10 runs after 3 warm-ups (naive: its checked run alone);
  * TFLOP/s = 2 M N K / time; "x" is cuBLASLt's time over the version's (1.00: level with it).
@@ -71,6 +88,7 @@
 #define TRAIN_GPT_NO_MAIN
 #include "../train_gpt.cu"  // the parameter table, DEFAULT_CONFIG, and the cuBLASLt wrappers
 #include "common.h"
+#include "../test/reference.h"  // ref_fp8_round: the FP8 forms' reference operands
 #include "matmul_naive.cuh"
 #include "matmul_mma.cuh"
 #include "matmul_wgmma.cuh"
@@ -94,17 +112,37 @@ static const int MAX_CHILD_DEATHS = 3;       // crashed or killed children befor
 // epilogue (version 6), the residual added (attn_out's and down's: y = x W^T + residual) or SwiGLU
 // applied (gate_up's: gate_up = x W^T and act = silu(gate) * up), timed against cuBLASLt with that
 // work done as the trainer does it (beta = 1; swiglu_forward after the product).
-typedef enum { FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD_RESIDUAL, FORWARD_SWIGLU, N_FORMS } Form;
-static const char* FORM_NAMES[N_FORMS] = {"fwd", "dx", "dW", "fwd+res", "fwd+swiglu"};
-static const bool A_KMAJOR[N_FORMS] = {true, true, false, true, true};
-static const bool B_KMAJOR[N_FORMS] = {true, false, false, true, true};
-static bool fused_form(Form f) { return f == FORWARD_RESIDUAL || f == FORWARD_SWIGLU; }
+// One fused form is a backward: down's input gradient with SwiGLU's backward after it (d_gate_up
+// from d_mlp_act = dy W and gate_up), against cuBLASLt's dx and then swiglu_backward.
+// Last, the three products in FP8 as the trainer's --fp8 1 runs them (doc/fp8.md, "Layouts"): every
+// operand K-major (the TN form), C[M][N] = A[M][K] B[N][K]^T, A and B the codes of real values
+// stored times a power-of-two scale: the forward x (E4M3) W^T (E4M3); the input gradient dy (E5M2)
+// by B = W^T [I][O] (E4M3); the weight gradient dy^T [O][N] (E5M2) by x^T [I][N] (E4M3), fp32 +=.
+typedef enum { FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD_RESIDUAL, FORWARD_SWIGLU, BACKWARD_INPUT_SWIGLU,
+               FP8_FORWARD, FP8_BACKWARD_INPUT, FP8_BACKWARD_WEIGHT, N_FORMS } Form;
+static const char* FORM_NAMES[N_FORMS] = {"fwd", "dx", "dW", "fwd+res", "fwd+swiglu", "dx+swiglu_bwd",
+                                          "fwd fp8", "dx fp8", "dW fp8"};
+static const bool A_KMAJOR[N_FORMS] = {true, true, false, true, true, true, true, true, true};
+static const bool B_KMAJOR[N_FORMS] = {true, false, false, true, true, false, true, true, true};
+static bool fused_form(Form f) { return f >= FORWARD_RESIDUAL && f < FP8_FORWARD; }
+static bool fp8_form(Form f) { return f >= FP8_FORWARD; }
+static bool weight_form(Form f) { return f == BACKWARD_WEIGHT || f == FP8_BACKWARD_WEIGHT; }  // fp32 C, +=
+// The FP8 forms' operands: A in E5M2 (dy) but in the forward; B always E4M3. Stored = real x
+// 2^exponent, E4M3's 2^7 and E5M2's 2^12 (uniform values of unit variance, |x| < 1.74, stay below
+// 448 and 57344: nothing saturates); the products take 2^-7 and 2^-12 back through their scale_inv.
+static bool fp8_a_e5m2(Form f) { return f != FP8_FORWARD; }
+static int fp8_exponent(bool e5m2) { return e5m2 ? 12 : 7; }
 
 typedef void (*Bf16Fn)(bf16* out, const bf16* a, const bf16* b, int N, int I, int O, cudaStream_t s);
 typedef void (*WeightFn)(float* dW, const bf16* dy, const bf16* x, int N, int I, int O, cudaStream_t s);
 typedef void (*ResidualFn)(bf16* y, const bf16* x, const bf16* W, const bf16* residual, int N, int I, int O,
                            cudaStream_t s);
 typedef void (*SwigluFn)(bf16* gate_up, bf16* act, const bf16* x, const bf16* W, int N, int I, int O, cudaStream_t s);
+typedef void (*SwigluBackwardFn)(bf16* d_gate_up, bf16* d_act, const bf16* dy, const bf16* W, const bf16* gate_up, int N,
+                                 int I, int O, cudaStream_t s);
+// An FP8 form: c (bf16, or fp32 +=) [M][N] = a_scale_inv b_scale_inv a [M][K] b [N][K]^T, the scales device floats.
+typedef void (*Fp8Fn)(Form form, void* c, const uint8_t* a, const uint8_t* b, const float* a_scale_inv,
+                      const float* b_scale_inv, int M, int N, int K, cudaStream_t s);
 
 typedef struct {
     int version;
@@ -113,6 +151,9 @@ typedef struct {
     WeightFn backward_weight;        // backward_weight(dW, dy, x, ...)
     ResidualFn forward_residual;     // the fused forms (NULL: the version has none; nor has version 6 the
     SwigluFn forward_swiglu;         // plain three, which are version 5's)
+    SwigluBackwardFn backward_swiglu;
+    Bf16Fn swiglu_bwd_product;       // the plain dx whose bf16 output backward_swiglu's SwiGLU step reads
+    Fp8Fn fp8;                       // the FP8 forms (NULL: none)
     bool sides_of_8;                 // runs only shapes whose sides are multiples of 8
     int warmup, reps;                // timing; reps 0: the checked run's own time (the naive version)
 } Impl;
@@ -126,21 +167,58 @@ static void cublaslt_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, con
     linear_forward(gate_up, x, W, NULL, N, I, O, s);
     swiglu_forward(act, gate_up, N, O / 2, s);
 }
+// And the backward's: dx = d_mlp_act [N, I = F] into d_act, then swiglu_backward reads it back.
+static void cublaslt_backward_swiglu(bf16* d_gate_up, bf16* d_act, const bf16* dy, const bf16* W, const bf16* gate_up,
+                                     int N, int I, int O, cudaStream_t s) {
+    linear_backward_input(d_act, dy, W, N, I, O, s);
+    swiglu_backward(d_gate_up, d_act, gate_up, N, I, s);
+}
+// The trainer's FP8 products: kernels.cuh's matmul() in the TN form with the operands' scale_inv
+// pointers, as layer_forward and layer_backward call it. Row-major C[M][N] = A B^T is column-major
+// D[N, M] = op_T(B) A; the weight gradient adds to C (beta 1).
+static void cublaslt_fp8(Form form, void* c, const uint8_t* a, const uint8_t* b, const float* a_scale_inv,
+                         const float* b_scale_inv, int M, int N, int K, cudaStream_t s) {
+    const MatmulOperand A = {(void*)a, fp8_a_e5m2(form) ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3, a_scale_inv, NULL};
+    const MatmulOperand B = {(void*)b, CUDA_R_8F_E4M3, b_scale_inv, NULL};
+    if (weight_form(form)) matmul(mm_f32((float*)c), 1.0f, B, A, c, 1.0f, N, M, K, true, false, s);
+    else matmul(mm_bf16((bf16*)c), 1.0f, B, A, NULL, 0.0f, N, M, K, true, false, s);
+}
+// Version 8: version 5's plan (TMA store, split K) on FP8 operands, the scales' product in the epilogue.
+static void hopper_fp8(Form form, void* c, const uint8_t* a, const uint8_t* b, const float* a_scale_inv,
+                       const float* b_scale_inv, int M, int N, int K, cudaStream_t s) {
+    typedef HopperMatmul<5> V;
+    const __nv_fp8_e4m3* b8 = (const __nv_fp8_e4m3*)b;
+    if (weight_form(form))
+        V::gemm<true, true>((float*)c, (const __nv_fp8_e5m2*)a, b8, M, N, K, s, a_scale_inv, b_scale_inv);
+    else if (fp8_a_e5m2(form))
+        V::gemm<true, true>((bf16*)c, (const __nv_fp8_e5m2*)a, b8, M, N, K, s, a_scale_inv, b_scale_inv);
+    else V::gemm<true, true>((bf16*)c, (const __nv_fp8_e4m3*)a, b8, M, N, K, s, a_scale_inv, b_scale_inv);
+}
+
+// Version 6's: one launch, d_mlp_act never stored (d_act unused).
+static void hopper_backward_swiglu_form(bf16* d_gate_up, bf16*, const bf16* dy, const bf16* W, const bf16* gate_up,
+                                        int N, int I, int O, cudaStream_t s) {
+    hopper_backward_swiglu(d_gate_up, dy, W, gate_up, N, I, O, s);
+}
 
 static const Impl IMPLS[] = {
     {0, "cuBLASLt", cublaslt_forward, linear_backward_input, linear_backward_weight, linear_forward,
-     cublaslt_forward_swiglu, true, 3, 10},
+     cublaslt_forward_swiglu, cublaslt_backward_swiglu, linear_backward_input, cublaslt_fp8, true, 3, 10},
     {1, "naive", mm_forward<NaiveMatmul>, mm_backward_input<NaiveMatmul>, mm_backward_weight<NaiveMatmul>, NULL, NULL,
-     false, 0, 0},
+     NULL, NULL, NULL, false, 0, 0},
     {2, "mma.sync", mm_forward<MmaMatmul>, mm_backward_input<MmaMatmul>, mm_backward_weight<MmaMatmul>, NULL, NULL,
-     true, 3, 10},
+     NULL, NULL, NULL, true, 3, 10},
     {3, "wgmma", mm_forward<HopperMatmul<3>>, mm_backward_input<HopperMatmul<3>>, mm_backward_weight<HopperMatmul<3>>,
-     NULL, NULL, true, 3, 10},
+     NULL, NULL, NULL, NULL, NULL, true, 3, 10},
     {4, "wgmma persistent", mm_forward<HopperMatmul<4>>, mm_backward_input<HopperMatmul<4>>,
-     mm_backward_weight<HopperMatmul<4>>, NULL, NULL, true, 3, 10},
+     mm_backward_weight<HopperMatmul<4>>, NULL, NULL, NULL, NULL, NULL, true, 3, 10},
     {5, "TMA+split-K", mm_forward<HopperMatmul<5>>, mm_backward_input<HopperMatmul<5>>,
-     mm_backward_weight<HopperMatmul<5>>, NULL, NULL, true, 3, 10},
-    {6, "fused epilogues", NULL, NULL, NULL, hopper_forward_residual, hopper_forward_swiglu, true, 3, 10},
+     mm_backward_weight<HopperMatmul<5>>, NULL, NULL, NULL, NULL, NULL, true, 3, 10},
+    {6, "fused epilogues", NULL, NULL, NULL, hopper_forward_residual, hopper_forward_swiglu,
+     hopper_backward_swiglu_form, mm_backward_input<HopperMatmul<6>>, NULL, true, 3, 10},
+    {7, "stream-K", mm_forward<HopperMatmul<7>>, mm_backward_input<HopperMatmul<7>>,
+     mm_backward_weight<HopperMatmul<7>>, NULL, NULL, NULL, NULL, NULL, true, 3, 10},
+    {8, "FP8", NULL, NULL, NULL, NULL, NULL, NULL, NULL, hopper_fp8, true, 3, 10},
 };
 static const int N_IMPLS = sizeof(IMPLS) / sizeof(IMPLS[0]);
 
@@ -150,11 +228,17 @@ static bool has_form(const Impl& im, Form f) {
     case BACKWARD_INPUT: return im.backward_input;
     case BACKWARD_WEIGHT: return im.backward_weight;
     case FORWARD_RESIDUAL: return im.forward_residual;
-    default: return im.forward_swiglu;
+    case FORWARD_SWIGLU: return im.forward_swiglu;
+    case BACKWARD_INPUT_SWIGLU: return im.backward_swiglu;
+    default: return im.fp8;
     }
 }
-static bool has_plain_forms(const Impl& im) { return im.forward; }
-static bool has_fused_forms(const Impl& im) { return im.forward_residual; }
+// The report's tables: the plain forms, the fused ones, the FP8 ones.
+typedef enum { PLAIN_TABLE, FUSED_TABLE, FP8_TABLE } Table;
+static Table table_of(Form f) { return fp8_form(f) ? FP8_TABLE : fused_form(f) ? FUSED_TABLE : PLAIN_TABLE; }
+static bool has_table(const Impl& im, Table t) {
+    return t == PLAIN_TABLE ? im.forward != NULL : t == FUSED_TABLE ? im.forward_residual != NULL : im.fp8 != NULL;
+}
 
 // ----------------------------------------------------------------------------------------------
 // Cases: one form at one shape, with the entries it checks and their reference.
@@ -175,8 +259,9 @@ static Case make_case(const std::string& name, Form form, int tok, int I, int O,
     c.name = name;
     c.form = form;
     c.tok = tok, c.I = I, c.O = O;
-    if (form == FORWARD || fused_form(form)) c.M = tok, c.N = O, c.K = I;
-    else if (form == BACKWARD_INPUT) c.M = tok, c.N = I, c.K = O;
+    if (form == BACKWARD_INPUT || form == BACKWARD_INPUT_SWIGLU || form == FP8_BACKWARD_INPUT)
+        c.M = tok, c.N = I, c.K = O;
+    else if (form == FORWARD || fused_form(form) || form == FP8_FORWARD) c.M = tok, c.N = O, c.K = I;
     else c.M = O, c.N = I, c.K = tok;
     c.timed = timed;
     c.seed = seed;
@@ -214,12 +299,15 @@ static void add_trainer_cases(std::vector<Case>& cases) {
             const int tokens = cf.batch * cf.cfg.seq_len;
             const int tok = kind == P_EMBED ? std::min(LOSS_CHUNK, tokens) : tokens;
             const std::string name = std::string(cf.name) + " " + (kind == P_EMBED ? "head" : PARAM_KINDS[kind].name);
-            for (int f = 0; f <= BACKWARD_WEIGHT; ++f)
-                cases.push_back(make_case(name, (Form)f, tok, (int)cols, (int)rows, true, 1000 + 10 * cases.size()));
+            for (Form f : {FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FP8_FORWARD, FP8_BACKWARD_INPUT, FP8_BACKWARD_WEIGHT})
+                cases.push_back(make_case(name, f, tok, (int)cols, (int)rows, true, 1000 + 10 * cases.size()));
             const bool residual = kind == P_ATTN_OUT || kind == P_DOWN;  // the trainer's residual adds
             if (residual || kind == P_GATE_UP)
                 cases.push_back(make_case(name, residual ? FORWARD_RESIDUAL : FORWARD_SWIGLU, tok, (int)cols,
                                           (int)rows, true, 1000 + 10 * cases.size()));
+            if (kind == P_DOWN)  // its input gradient feeds SwiGLU's backward
+                cases.push_back(make_case(name, BACKWARD_INPUT_SWIGLU, tok, (int)cols, (int)rows, true,
+                                          1000 + 10 * cases.size()));
         }
 }
 
@@ -232,36 +320,64 @@ static void add_check_cases(std::vector<Case>& cases) {
         {128, 1024, 256},  // k-blocks wrap the rings several times
         {1416, 24, 3080},  // more 128 x 256 tiles than SMs: the persistent walk comes round again
         {2000, 136, 200},  // dW: 2 tiles, K = 2000 (32 k-blocks): version 5 splits K in 4 (fp32 partials)
-        {136, 200, 2000},  // dx: the same in bf16; SwiGLU's F = 1000, its last tile 104 features
+        {136, 200, 2000},  // dx: the same in bf16; SwiGLU's F = 1000, its last tile 104 features (its
+                           // backward's: F = 200, a tile of 200 features, K = 2000)
+        {1280, 136, 264},  // version 7's ranges start and end inside tiles: dW 3 tiles x 20 k-blocks on 7 blocks
+                           // (fp32 +=), dx 10 x 5 on 6 (bf16), fwd 20 x 3 on 7
+        {144, 80, 272},    // FP8 (sides of 16): edge tiles everywhere, K = 80 / 272 / 144, k-blocks of 128 cut short
+        {2000, 144, 208},  // FP8 dW: 2 tiles, K = 2000 (16 k-blocks of 128): version 8 splits K in 2
+        {1408, 32, 3072},  // FP8: 132 tiles of fwd, K = 32 (a quarter of a k-block); dW 24 tiles, K = 1408
+        {128, 2048, 256},  // FP8 fwd: 1 tile, K = 2048 (16 k-blocks of 128): version 8 splits K in 2, bf16 out
         {8, 8, 8},
         {77, 19, 33},      // odd sides: the naive version only
     };
-    for (const auto& s : shapes)  // fused forms too: SwiGLU where F = O / 2 is a multiple of 8
+    for (const auto& s : shapes)  // fused forms too: SwiGLU where F (O / 2; its backward's: I) is a multiple of 8
         for (int f = 0; f < N_FORMS; ++f) cases.push_back(make_case("check", (Form)f, s[0], s[1], s[2], false, 7 + 10 * cases.size()));
 }
 
 // ----------------------------------------------------------------------------------------------
 // The CPU reference: fp64 sums of the bf16 inputs, read by storage index exactly as the device
 // filled them (fill_uniform_device: element i of a buffer is uniform_at(seed, i) rounded to bf16).
+// FP8 operands: the same uniform values times 2^e, rounded by the device's conversion to codes
+// (fill_fp8_device); the reference rounds them with test/reference.h's ref_fp8_round (the value
+// of ref_fp8_encode's code, ref_fp8_decode(ref_fp8_encode(x))), an independent rounding, and takes
+// 2^-e back: the real value the product's scales make of the code.
 
 static double operand_at(uint64_t seed, size_t i) {
     return (double)__bfloat162float(__float2bfloat16(uniform_at(seed, i, UNIT_UNIFORM)));
+}
+
+static double fp8_operand_at(uint64_t seed, size_t i, bool e5m2) {
+    const int e = fp8_exponent(e5m2);
+    return ldexp(ref_fp8_round(ldexp((double)uniform_at(seed, i, UNIT_UNIFORM), e), e5m2), -e);
+}
+
+// The device's FP8 operand: codes of uniform_at(seed, i) x 2^e, rounded to nearest even and saturated
+// (the conversion lib/fp8.cuh's casts run).
+__global__ void fill_fp8_kernel(uint8_t* x, size_t n, uint64_t seed, float scale, bool e5m2) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        x[i] = __nv_cvt_float_to_fp8(uniform_at(seed, i, UNIT_UNIFORM) * scale, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);
+}
+static void fill_fp8_device(uint8_t* x, size_t n, uint64_t seed, bool e5m2) {
+    fill_fp8_kernel<<<1024, 256>>>(x, n, seed, ldexpf(1.0f, fp8_exponent(e5m2)), e5m2);
+    LAUNCH_CHECK();
 }
 
 static void case_reference(Case* c) {
     const int M = c->M, N = c->N, K = c->K;
     const bool ak = A_KMAJOR[c->form], bk = B_KMAJOR[c->form];
     const size_t nr = c->rows.size(), nc = c->cols.size();
+    const bool fp8 = fp8_form(c->form), a_e5m2 = fp8_a_e5m2(c->form);
     std::vector<double> a(nr * K), b(nc * K);  // the checked rows of A, the checked columns of B
     for (size_t i = 0; i < nr; ++i)
         for (int k = 0; k < K; ++k) {
-            const size_t m = c->rows[i];
-            a[i * K + k] = operand_at(c->seed, ak ? m * K + k : (size_t)k * M + m);
+            const size_t m = c->rows[i], at = ak ? m * K + k : (size_t)k * M + m;
+            a[i * K + k] = fp8 ? fp8_operand_at(c->seed, at, a_e5m2) : operand_at(c->seed, at);
         }
     for (size_t j = 0; j < nc; ++j)
         for (int k = 0; k < K; ++k) {
-            const size_t n = c->cols[j];
-            b[j * K + k] = operand_at(c->seed + 1, bk ? n * K + k : (size_t)k * N + n);
+            const size_t n = c->cols[j], at = bk ? n * K + k : (size_t)k * N + n;
+            b[j * K + k] = fp8 ? fp8_operand_at(c->seed + 1, at, false) : operand_at(c->seed + 1, at);
         }
     c->ref.assign(nr * nc, 0.0);
     c->norm.assign(nr * nc, 0.0);
@@ -274,7 +390,7 @@ static void case_reference(Case* c) {
                 sq += p * p;
             }
             const size_t at = (size_t)c->rows[i] * N + c->cols[j];
-            if (c->form == BACKWARD_WEIGHT) sum += uniform_at(c->seed + 2, at, 1.0f);  // dW += ...: onto its start
+            if (weight_form(c->form)) sum += uniform_at(c->seed + 2, at, 1.0f);  // dW += ...: onto its start
             if (c->form == FORWARD_RESIDUAL) sum += operand_at(c->seed + 2, at);       // + the bf16 residual
             c->ref[i * nc + j] = sum;
             c->norm[i * nc + j] = sqrt(sq);
@@ -325,7 +441,7 @@ static std::vector<float> gather_checked(const Case& c, const void* out) {
     CUDA_CHECK(cudaMalloc(&vals, (size_t)nr * nc * sizeof(float)));
     CUDA_CHECK(cudaMemcpy(rows, c.rows.data(), nr * sizeof(int), cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(cols, c.cols.data(), nc * sizeof(int), cudaMemcpyHostToDevice));
-    if (c.form == BACKWARD_WEIGHT) gather_kernel<<<256, 256>>>(vals, (const float*)out, rows, cols, nr, nc, c.N);
+    if (weight_form(c.form)) gather_kernel<<<256, 256>>>(vals, (const float*)out, rows, cols, nr, nc, c.N);
     else gather_kernel<<<256, 256>>>(vals, (const bf16*)out, rows, cols, nr, nc, c.N);
     LAUNCH_CHECK();
     std::vector<float> h((size_t)nr * nc);
@@ -339,10 +455,6 @@ static std::vector<float> gather_checked(const Case& c, const void* out) {
 static const char* case_label(const Case& c, char* buf, size_t len) {
     snprintf(buf, len, "%s %s (M %d N %d K %d)", c.name.c_str(), FORM_NAMES[c.form], c.M, c.N, c.K);
     return buf;
-}
-
-static const char* mm_error_text(int error) {
-    return error == MM_TIMEOUT ? "an mbarrier wait timed out" : "shared memory not 1024-byte aligned";
 }
 
 // Compares against the reference; prints the worst entry of a failed check. Returns OK or WRONG.
@@ -368,13 +480,22 @@ static Status check_output(const Impl& im, const Case& c, const void* out, float
     return WRONG;
 }
 
-// A case's buffers on the device: the operands, the output, and the fused forms' second operand:
-// the residual [M][N] (read) or act [M][N/2] (written).
+// A case's buffers on the device: the operands, the output (dx+swiglu_bwd: d_gate_up [M][2N]), and
+// the fused forms' second operand: the residual [M][N] (read), act [M][N/2] (written) or gate_up
+// [M][2N] (read); dx+swiglu_bwd's d_act [M][N] holds cuBLASLt's d_mlp_act and the check's plain product.
+// FP8 forms: a and b hold codes, and scale_inv the two operands' factors (a's at [0], b's at [4]:
+// cuBLASLt's scale pointers are 16-byte aligned).
 typedef struct {
     bf16 *a, *b;
     void* out;
-    bf16* extra;
+    bf16 *extra, *d_act;
+    float* scale_inv;
 } Buffers;
+
+// The entries of a case's output: d_gate_up is two of d_mlp_act's [M][N].
+static size_t output_entries(const Case& c) {
+    return (size_t)c.M * c.N * (c.form == BACKWARD_INPUT_SWIGLU ? 2 : 1);
+}
 
 static void run_form(const Impl& im, const Case& c, const Buffers& d) {
     switch (c.form) {
@@ -382,16 +503,23 @@ static void run_form(const Impl& im, const Case& c, const Buffers& d) {
     case BACKWARD_INPUT: im.backward_input((bf16*)d.out, d.a, d.b, c.tok, c.I, c.O, 0); break;  // dx = dy W
     case BACKWARD_WEIGHT: im.backward_weight((float*)d.out, d.a, d.b, c.tok, c.I, c.O, 0); break;  // dW += dy^T x
     case FORWARD_RESIDUAL: im.forward_residual((bf16*)d.out, d.a, d.b, d.extra, c.tok, c.I, c.O, 0); break;
-    default: im.forward_swiglu((bf16*)d.out, d.extra, d.a, d.b, c.tok, c.I, c.O, 0); break;  // gate_up, act
+    case FORWARD_SWIGLU: im.forward_swiglu((bf16*)d.out, d.extra, d.a, d.b, c.tok, c.I, c.O, 0); break;  // gate_up, act
+    case BACKWARD_INPUT_SWIGLU:
+        im.backward_swiglu((bf16*)d.out, d.d_act, d.a, d.b, d.extra, c.tok, c.I, c.O, 0);  // d_gate_up
+        break;
+    default:
+        im.fp8(c.form, d.out, (const uint8_t*)d.a, (const uint8_t*)d.b, d.scale_inv, d.scale_inv + 4, c.M, c.N, c.K, 0);
+        break;
     }
 }
 
-// The outputs before a run: an fp32 dW its known starting values, bf16 outputs (act too) NaN.
+// The outputs before a run: an fp32 dW its known starting values, bf16 outputs (act, d_act too) NaN.
 static void reset_output(const Case& c, const Buffers& d) {
     const size_t n = (size_t)c.M * c.N;
-    if (c.form == BACKWARD_WEIGHT) fill_uniform_device((float*)d.out, n, c.seed + 2, 1.0f);
-    else poison(d.out, n * sizeof(bf16));
+    if (weight_form(c.form)) fill_uniform_device((float*)d.out, n, c.seed + 2, 1.0f);
+    else poison(d.out, output_entries(c) * sizeof(bf16));
     if (c.form == FORWARD_SWIGLU) poison(d.extra, n / 2 * sizeof(bf16));
+    if (c.form == BACKWARD_INPUT_SWIGLU) poison(d.d_act, n * sizeof(bf16));
 }
 
 // Counts the 16-bit words in which x and y differ and, where they are bf16 values, those of x that
@@ -433,13 +561,44 @@ static Status check_swiglu_act(const Impl& im, const Case& c, const Buffers& d) 
     return WRONG;
 }
 
+// SwiGLU's backward, checked in two steps. The version's plain dx (swiglu_bwd_product: cuBLASLt's
+// own, or version 6's kernel with the TMA epilogue and one split of K, whose accumulators the fused
+// epilogue rounds alike: the same products in the same order) goes into d_act and is checked
+// against the reference; then the fused run's d_gate_up, whole, must equal bit for bit the trainer's
+// swiglu_backward_kernel run on the GPU on that d_act and on gate_up. OK, WRONG (with a line saying
+// where) or TIMEOUT; *worst is the product's, as check_output reports it.
+static Status check_swiglu_backward(const Impl& im, const Case& c, const Buffers& d, float* worst) {
+    poison(d.d_act, (size_t)c.M * c.N * sizeof(bf16));
+    im.swiglu_bwd_product(d.d_act, d.a, d.b, c.tok, c.I, c.O, 0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    char label[96];
+    const int error = mm_error_take();
+    if (error != MM_OK) {
+        printf("FAIL v%d %s, %s, its plain product: %s\n", im.version, im.name, case_label(c, label, sizeof label),
+               mm_error_text(error));
+        return TIMEOUT;
+    }
+    const Status product = check_output(im, c, d.d_act, worst);
+    if (product != OK) return product;
+    const size_t n = output_entries(c);
+    bf16* want;
+    CUDA_CHECK(cudaMalloc(&want, n * sizeof(bf16)));
+    swiglu_backward(want, d.d_act, d.extra, c.M, c.N, 0);
+    const unsigned long long differ = count_differences(d.out, want, n, true);
+    CUDA_CHECK(cudaFree(want));
+    if (differ == 0) return OK;
+    printf("FAIL v%d %s, %s: d_gate_up differs from swiglu_backward on its plain product (or is not finite) in %llu "
+           "of %zu entries\n", im.version, im.name, case_label(c, label, sizeof label), differ, n);
+    return WRONG;
+}
+
 // The trainer is deterministic, so every version must be: a second run from the same starting
 // values must give the same bits in every entry, act's too (a split K summed in an order set by
 // timing would not), and no bf16 entry may be left NaN. OK, or WRONG with a line saying how many
 // 16-bit words differ.
 static Status check_repeatable(const Impl& im, const Case& c, const Buffers& d) {
-    const bool weight = c.form == BACKWARD_WEIGHT, swiglu = c.form == FORWARD_SWIGLU;
-    const size_t bytes = (size_t)c.M * c.N * (weight ? sizeof(float) : sizeof(bf16));
+    const bool weight = weight_form(c.form), swiglu = c.form == FORWARD_SWIGLU;
+    const size_t bytes = output_entries(c) * (weight ? sizeof(float) : sizeof(bf16));
     const size_t act_bytes = swiglu ? bytes / 2 : 0;
     unsigned char* first;  // the first run's output, then its act
     CUDA_CHECK(cudaMalloc(&first, bytes + act_bytes));
@@ -471,24 +630,42 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
         r.status = NO_FORM;
         return r;
     }
-    const char* problem = im.sides_of_8 ? mm_tiled_shape_problem(c.M, c.N, c.K) : NULL;
-    if (!problem && c.form == FORWARD_SWIGLU && c.N % 16 != 0)  // both halves of a row start on 16 bytes
-        problem = "SwiGLU needs F = O / 2 a multiple of 8";
+    const bool fp8 = fp8_form(c.form);
+    const char* problem = fp8 ? mm_fp8_shape_problem(c.M, c.N, c.K)
+                        : im.sides_of_8 ? mm_tiled_shape_problem(c.M, c.N, c.K) : NULL;
+    if (!problem && c.form == FORWARD_SWIGLU)  // its operands are allocated below, 256-byte aligned
+        problem = hopper_swiglu_problem(NULL, NULL, NULL, NULL, c.tok, c.I, c.O);
+    if (!problem && c.form == BACKWARD_INPUT_SWIGLU)
+        problem = hopper_swiglu_backward_problem(NULL, NULL, NULL, NULL, c.tok, c.I, c.O);
     if (problem) {
         printf("skip v%d %s, %s: %s\n", im.version, im.name, case_label(c, label, sizeof label), problem);
         r.status = SKIPPED;
         return r;
     }
-    const bool weight = c.form == BACKWARD_WEIGHT;
+    const bool weight = weight_form(c.form);
     const size_t a_n = (size_t)c.M * c.K, b_n = (size_t)c.K * c.N, c_n = (size_t)c.M * c.N;
-    Buffers d = {NULL, NULL, NULL, NULL};
-    CUDA_CHECK(cudaMalloc(&d.a, a_n * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&d.b, b_n * sizeof(bf16)));
-    CUDA_CHECK(cudaMalloc(&d.out, c_n * (weight ? sizeof(float) : sizeof(bf16))));
-    if (fused_form(c.form)) CUDA_CHECK(cudaMalloc(&d.extra, c_n * sizeof(bf16)));  // residual [M][N], act [M][N/2]
-    fill_uniform_device(d.a, a_n, c.seed, UNIT_UNIFORM);
-    fill_uniform_device(d.b, b_n, c.seed + 1, UNIT_UNIFORM);
-    if (c.form == FORWARD_RESIDUAL) fill_uniform_device(d.extra, c_n, c.seed + 2, UNIT_UNIFORM);
+    const bool swiglu_bwd = c.form == BACKWARD_INPUT_SWIGLU;
+    const size_t operand_bytes = fp8 ? 1 : sizeof(bf16);
+    Buffers d = {NULL, NULL, NULL, NULL, NULL, NULL};
+    CUDA_CHECK(cudaMalloc(&d.a, a_n * operand_bytes));
+    CUDA_CHECK(cudaMalloc(&d.b, b_n * operand_bytes));
+    CUDA_CHECK(cudaMalloc(&d.out, output_entries(c) * (weight ? sizeof(float) : sizeof(bf16))));
+    if (fused_form(c.form))  // residual [M][N], act [M][N/2], gate_up [M][2N]
+        CUDA_CHECK(cudaMalloc(&d.extra, (swiglu_bwd ? 2 : 1) * c_n * sizeof(bf16)));
+    if (swiglu_bwd) CUDA_CHECK(cudaMalloc(&d.d_act, c_n * sizeof(bf16)));
+    if (fp8) {
+        const bool a_e5m2 = fp8_a_e5m2(c.form);
+        fill_fp8_device((uint8_t*)d.a, a_n, c.seed, a_e5m2);
+        fill_fp8_device((uint8_t*)d.b, b_n, c.seed + 1, false);
+        const float scale_inv[8] = {ldexpf(1.0f, -fp8_exponent(a_e5m2)), 0, 0, 0, ldexpf(1.0f, -fp8_exponent(false))};
+        CUDA_CHECK(cudaMalloc(&d.scale_inv, sizeof scale_inv));
+        CUDA_CHECK(cudaMemcpy(d.scale_inv, scale_inv, sizeof scale_inv, cudaMemcpyHostToDevice));
+    } else {
+        fill_uniform_device(d.a, a_n, c.seed, UNIT_UNIFORM);
+        fill_uniform_device(d.b, b_n, c.seed + 1, UNIT_UNIFORM);
+    }
+    if (c.form == FORWARD_RESIDUAL || swiglu_bwd)
+        fill_uniform_device(d.extra, (swiglu_bwd ? 2 : 1) * c_n, c.seed + 2, UNIT_UNIFORM);
     reset_output(c, d);
     CUDA_CHECK(cudaDeviceSynchronize());
     mm_error_take();
@@ -509,7 +686,7 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
         printf("FAIL v%d %s, %s: %s\n", im.version, im.name, case_label(c, label, sizeof label), mm_error_text(error));
         r.status = TIMEOUT;
     } else {
-        r.status = check_output(im, c, d.out, &r.err);
+        r.status = swiglu_bwd ? check_swiglu_backward(im, c, d, &r.err) : check_output(im, c, d.out, &r.err);
         if (r.status == OK && c.form == FORWARD_SWIGLU) r.status = check_swiglu_act(im, c, d);
         if (r.status == OK) r.status = check_repeatable(im, c, d);
     }
@@ -519,6 +696,8 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     CUDA_CHECK(cudaFree(d.b));
     CUDA_CHECK(cudaFree(d.out));
     CUDA_CHECK(cudaFree(d.extra));
+    CUDA_CHECK(cudaFree(d.d_act));
+    CUDA_CHECK(cudaFree(d.scale_inv));
     return r;
 }
 
@@ -631,31 +810,36 @@ static void print_summary(const Impl& im, const std::vector<Case>& cases, const 
     }
 }
 
-// One table: the timed cases of the plain forms (fused false) or of the fused ones, for the chosen
+// One table: the timed cases of the plain forms, the fused ones or the FP8 ones, for the chosen
 // versions that have such forms, cuBLASLt first.
-static void print_table(bool fused, const std::vector<int>& chosen, const std::vector<Case>& cases,
+static void print_table(Table table, const std::vector<int>& chosen, const std::vector<Case>& cases,
                         const std::vector<std::vector<Record>>& res) {
+    const bool fused = table == FUSED_TABLE;
     std::vector<size_t> cols;  // indices into chosen, after cuBLASLt's
     for (size_t v = 1; v < chosen.size(); ++v)
-        if (fused ? has_fused_forms(IMPLS[chosen[v]]) : has_plain_forms(IMPLS[chosen[v]])) cols.push_back(v);
-    if (fused && cols.empty()) return;
-    if (fused)
+        if (has_table(IMPLS[chosen[v]], table)) cols.push_back(v);
+    if (table != PLAIN_TABLE && cols.empty()) return;
+    if (table == FP8_TABLE)
+        printf("\nFP8 (the TN form, operands' scales applied; dx and dW read dy in E5M2): TFLOP/s (x: cuBLASLt's "
+               "FP8 time through matmul() / the version's)\n");
+    else if (fused)
         printf("\nFused forms: the product and the next kernel's work; cuBLASLt's column is the trainer's way (the "
-               "residual with beta = 1; swiglu_forward after the product), TFLOP/s count the product's 2 M N K\n");
+               "residual with beta = 1; swiglu_forward after the product, swiglu_backward after dx), TFLOP/s count "
+               "the product's 2 M N K\n");
     else
         printf("\nTFLOP/s (x: cuBLASLt's time / the version's) at the trainer's shapes; "
                "C[M][N] (+)= A[M][K] B[K][N]\n");
-    printf("%-16s %-10s %6s %6s %6s | %-16s", "shape", "form", "M", "N", "K", "v0 cuBLASLt");
+    printf("%-16s %-13s %6s %6s %6s | %-16s", "shape", "form", "M", "N", "K", "v0 cuBLASLt");
     for (size_t v : cols) printf(" | v%d %-13.13s", IMPLS[chosen[v]].version, IMPLS[chosen[v]].name);
-    printf("\n%-16s %-10s %6s %6s %6s | %7s %8s", "", "", "", "", "", "ms", "TFLOP/s");
+    printf("\n%-16s %-13s %6s %6s %6s | %7s %8s", "", "", "", "", "", "ms", "TFLOP/s");
     for (size_t v = 0; v < cols.size(); ++v) printf(" | %8s %7s", fused ? "ms" : "TFLOP/s", "x");
     printf("\n");
     for (size_t i = 0; i < cases.size(); ++i) {
         const Case& c = cases[i];
-        if (!c.timed || fused_form(c.form) != fused) continue;
+        if (!c.timed || table_of(c.form) != table) continue;
         const double flop = 2.0 * c.M * c.N * c.K;
         const Record& ref = res[0][i];
-        printf("%-16s %-10s %6d %6d %6d | ", c.name.c_str(), FORM_NAMES[c.form], c.M, c.N, c.K);
+        printf("%-16s %-13s %6d %6d %6d | ", c.name.c_str(), FORM_NAMES[c.form], c.M, c.N, c.K);
         if (ref.status == OK && ref.ms > 0) printf("%7.3f %8.1f", ref.ms, flop / ref.ms / 1e9);
         else printf("%16s", STATUS_NAMES[ref.status]);
         for (size_t v : cols) {
@@ -680,11 +864,11 @@ int main(int argc, char** argv) {
     for (int i = 1; i < N_IMPLS; ++i)
         if (!*want || strchr(want, '0' + IMPLS[i].version)) chosen.push_back(i);
     const bool bad_versions =
-        *want && (strspn(want, "0123456") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
+        *want && (strspn(want, "012345678") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
     if (bad_versions || argc > 3 || (argc == 3 && timing)) {
         fprintf(stderr, "usage: %s [versions] [check]; versions are digits of 0 cuBLASLt, 1 naive, 2 mma.sync, "
-                        "3 wgmma, 4 wgmma persistent, 5 TMA store and split K, 6 fused epilogues, in one word "
-                        "(not '%s'%s)\n", argv[0],
+                        "3 wgmma, 4 wgmma persistent, 5 TMA store and split K, 6 fused epilogues, 7 stream-K, 8 FP8, "
+                        "in one word (not '%s'%s)\n", argv[0],
                 want, argc > 2 ? " followed by more than `check`" : "");
         return 1;
     }
@@ -714,8 +898,9 @@ int main(int argc, char** argv) {
             failures += has_form(IMPLS[chosen[v]], cases[i].form) && failed(results[v][i].status);
     }
     if (timing) {
-        print_table(false, chosen, cases, results);
-        print_table(true, chosen, cases, results);
+        print_table(PLAIN_TABLE, chosen, cases, results);
+        print_table(FUSED_TABLE, chosen, cases, results);
+        print_table(FP8_TABLE, chosen, cases, results);
     }
     printf("%s: %d failed checks\n", failures ? "CHECK FAILED" : "all checks passed", failures);
     return failures ? 1 : 0;

@@ -1,8 +1,7 @@
 /*
  * dev/matmul_common.cuh - what the versions of the matmul ladder (dev/matmul.cu) share: the three
- * products of a linear layer written as one GEMM in two operand layouts, the epilogue's stores, the
- * shape rule of the tiled versions, and the flag a kernel raises where it gives up instead of
- * hanging.
+ * products of a linear layer written as one GEMM in two operand layouts, the naive store, and the
+ * shape rule of the tiled versions.
  *
  * A linear layer y = x W^T with x [N, I], W [O, I] and y [N, O], row-major as the trainer stores
  * them, takes three products (kernels.cuh, "Matmuls through cuBLASLt"). Each is C[M][N'] (+)=
@@ -21,7 +20,7 @@
 #ifndef DEV_MATMUL_COMMON_CUH
 #define DEV_MATMUL_COMMON_CUH
 
-#include "../lib/cuda_check.h"
+#include "../lib/matmul_hopper.cuh"  // mm_store_pair, mm_error
 
 // The three products as calls of a version V's GEMM (V::gemm<A_K, B_K>).
 template <typename V>
@@ -44,39 +43,19 @@ static const char* mm_tiled_shape_problem(int M, int N, int K) {
     return (M % 8 || N % 8 || K % 8) ? "sides must be multiples of 8" : NULL;
 }
 
-// Epilogue stores: c[at] (and c[at + 1]) = v as bf16, or += v in fp32. The caller checks bounds;
-// a pair starts at an even column of a row of even length, so it is 4- or 8-byte aligned.
+// The FP8 products (version 8, and cuBLASLt's FP8 matmul) read every operand K-major, its rows 16-byte
+// aligned TMA boxes and cuBLASLt's leading dimensions (multiples of 16 bytes): M, N and K multiples of 16.
+static const char* mm_fp8_shape_problem(int M, int N, int K) {
+    return (M % 16 || N % 16 || K % 16) ? "FP8: sides must be multiples of 16" : NULL;
+}
+
+// The naive version's store: c[at] = v as bf16, or += v in fp32 (the caller checks bounds). Its
+// pair, mm_store_pair, and the flag a Hopper kernel raises where it gives up instead of hanging
+// (mm_error, MM_TIMEOUT), are lib/matmul_hopper.cuh's, which the trainer runs.
 template <typename OutT>
 static __device__ __forceinline__ void mm_store_one(OutT* c, long at, float v) {
     if constexpr (sizeof(OutT) == 2) c[at] = __float2bfloat16(v);
     else c[at] += v;
-}
-template <typename OutT>
-static __device__ __forceinline__ void mm_store_pair(OutT* c, long at, float v0, float v1) {
-    if constexpr (sizeof(OutT) == 2) {
-        *reinterpret_cast<__nv_bfloat162*>(c + at) = __floats2bfloat162_rn(v0, v1);
-    } else {
-        float2* p = reinterpret_cast<float2*>(c + at);
-        float2 old = *p;
-        old.x += v0;
-        old.y += v1;
-        *p = old;
-    }
-}
-
-// Why a kernel gave up, raised in mm_error (0: it did not). A Hopper kernel whose mbarrier wait
-// runs past its bound raises MM_TIMEOUT and returns, so a broken pipeline ends as a failed check
-// rather than a hung program; MM_MISALIGNED: its shared memory was not 1024-byte aligned, as the
-// 128-byte swizzle needs.
-enum { MM_OK = 0, MM_TIMEOUT = 1, MM_MISALIGNED = 2 };
-__device__ int mm_error;
-
-static int mm_error_take(void) {  // reads and clears the flag (the device must be idle)
-    int e = MM_OK;
-    CUDA_CHECK(cudaMemcpyFromSymbol(&e, mm_error, sizeof(int)));
-    const int zero = MM_OK;
-    CUDA_CHECK(cudaMemcpyToSymbol(mm_error, &zero, sizeof(int)));
-    return e;
 }
 
 #endif

@@ -1,45 +1,24 @@
 /*
- * dev/matmul_wgmma.cuh - versions 3 to 6 of the matmul ladder: Hopper's GEMM. TMA loads into a
- * ring of shared-memory stages guarded by mbarriers, warpgroup matrix products (wgmma) reading both
- * operands from shared memory, a producer warpgroup and two consumer warpgroups. Version 3 runs
- * one block per output tile; version 4 is the same kernel on a persistent grid (one block per SM)
- * that walks the tiles in groups of tile rows, so that the operands of the tiles in flight stay in
- * L2 and the loads of a block's next tile overlap the epilogue of this one. Version 5 is version 4
- * with an epilogue through shared memory and TMA stores, which the consumers hand off and leave
- * running under the next tile's products, and with K split where there are fewer tiles than SMs.
- * Version 6 is version 5 with the next kernel's work in the epilogue (below). One kernel template
- * serves all four; its EPI parameter (HopperEpilogue) picks the epilogue.
- *
- * Work split: a 128 x 256 output tile, k-blocks of 64, a 4-stage ring of A [128 x 64] and B
- * [256 x 64] tiles (4 x 48 KiB = 192 KiB of shared memory), 384 threads:
- *   warpgroup 0, the producer, shrinks to 40 registers; one thread waits for a free stage (its
- *     empty barrier), announces the bytes to come on the stage's full barrier and issues the TMA
- *     loads, k-block after k-block and tile after tile;
- *   warpgroups 1 and 2, the consumers, grow to 232 registers; consumer c owns rows 64c .. 64c+63
- *     of the tile (a 64 x 256 fp32 accumulator, 128 registers a thread). Per k-block it waits for
- *     the full barrier, issues 4 wgmma m64n256k16 (one per 16 k), commits them, waits for the
- *     previous k-block's group, and hands that stage back (one arrive per warp). At the end of a
- *     tile it stores the accumulator: versions 3 and 4 straight from registers (bf16, or fp32
- *     added to C); version 5 through shared memory (below).
- * The stage and barrier phase of k-block t (counted over the block's whole walk) are t % 4 and
- * (t / 4) & 1 on both sides, so the ring runs on from one tile into the next.
- *
- * Shared-memory layouts (TMA writes them with the 128-byte swizzle, wgmma reads them through
- * descriptors; lib/ptx.cuh): a K-major operand tile is [rows][64 k], 128-byte rows, one TMA box; a
- * k-step of 16 advances the descriptor 32 bytes. An MN-major tile is 64-column panels [64 k][64 mn]
- * of 8 KiB, one box each: consumer c's A is panel c; B's four panels are one wgmma operand whose
- * descriptor's leading offset is the panel size; a k-step advances 16 rows, 2048 bytes. Boxes
- * that cross the matrix's edge are zero-filled by TMA (and still count their full bytes); panels
- * wholly past M or N are not loaded, and only feed rows or columns the epilogue does not store.
- *
- * Version 5's epilogue: each consumer writes its 64 x 256 accumulator in chunks of 64 rows x 128
- * bytes (64 bf16 or 32 fp32 columns) into one of its two 8 KiB staging buffers (32 KiB in all, 224
- * KiB with the ring), in the 128-byte swizzle, which puts the 8 rows a warp's store touches in 8
- * different bank groups; its first thread then issues one TMA store of the chunk (bf16 C: a store;
- * fp32 C: a reduction that adds it to C in L2, so dW += needs no load) and goes on. A buffer is
- * written again only once the store of two chunks before has read it (cp.async.bulk.wait_group.read
- * 1), so the last stores of a tile drain while the next tile's products run. TMA clips the boxes
- * at the matrix's edges.
+ * dev/matmul_wgmma.cuh - versions 3 to 8 of the matmul ladder: Hopper's GEMM. The kernel itself is
+ * the trainer's, lib/matmul_hopper.cuh (TMA loads on an mbarrier ring, wgmma from swizzled shared
+ * memory, a producer warpgroup and two consumers; its header has the work split, the layouts and
+ * the epilogues); this file holds what only the ladder runs of it, as launch configurations:
+ *   3  one block per 128 x 256 output tile, in row-major order; the epilogue stores from registers;
+ *   4  the same kernel on a persistent grid (one block per SM) that walks the tiles in groups of 8
+ *      tile rows, so that the operands of the tiles in flight stay in L2 and the loads of a block's
+ *      next tile overlap the epilogue of this one;
+ *   5  version 4 with the epilogue through shared memory and TMA stores, which the consumers hand
+ *      off and leave running under the next tile's products, and with K split where there are
+ *      fewer tiles than SMs (below);
+ *   6  version 5 with the next kernel's work in the epilogue: the residual added
+ *      (hopper_forward_residual, here: it ties cuBLASLt, so the trainer does not run it), SwiGLU
+ *      (hopper_forward_swiglu) and SwiGLU's backward in down's input gradient
+ *      (hopper_backward_swiglu), both in lib/matmul_hopper.cuh, both run by the trainer;
+ *   7  version 5 with stream-K (the walk and its fix-up: HopperStreamK, lib/matmul_hopper.cuh) where
+ *      version 5's units would leave more than a tenth of the last wave's SMs idle
+ *      (hopper_stream_k_blocks, below); the ladder's only;
+ *   8  version 5's plan (HopperMatmul<5>::gemm with FP8 element types and the operands' scale_inv
+ *      pointers) on FP8 operands, both K-major; the kernel's FP8 path: lib/matmul_hopper.cuh.
  *
  * Version 5's split of K: a product with fewer tiles than half the SMs (a weight gradient of a small
  * matrix: 18 tiles for 132 SMs, K = 32768) cuts each tile's k-blocks into `splits` runs, so that
@@ -47,370 +26,19 @@
  * Unit u is split u / tiles of tile u % tiles; it stores its fp32 partial product by TMA into a
  * workspace [splits][M][N], and a second kernel sums the partials in split order, 0 first, and
  * stores (bf16) or adds (fp32) the sum to C: the result depends on the shape and the SM count,
- * never on timing. The workspace is at most one partial tile per SM (16.5 MiB on 132 SMs).
+ * never on timing. The workspace is at most one partial tile per SM (16.5 MiB on 132 SMs); version 7
+ * reuses it for its partials, one tile a block.
  *
- * Version 6's fused epilogues, for the forward (splits 1: its M, the tokens, makes many tiles):
- *   residual: y = acc + residual, rounded once to bf16 (cuBLASLt's beta = 1 computes the same sum).
- *     Each thread reads the residual entries of its own accumulator straight from global memory,
- *     a chunk ahead: the first chunk's before the tile's products, chunk q+1's before chunk q is
- *     staged, so the loads fly under other work.
- *   SwiGLU: W [2F][K] holds the gate rows, then the up rows. A tile takes features f .. f+127: its
- *     256-row B tile is W's gate rows f .. f+127 and up rows F+f .., two TMA boxes a stage through
- *     two maps (each half's edge zero-filled at F), so that in wgmma's m64n256 accumulator the
- *     thread holding gate column c of a row also holds up column c + 128. Per 64 features the
- *     epilogue stores three chunks: gate and up (gate_up [M][2F], kept for the backward, through two
- *     maps of row stride 2F) and act = swiglu8(gate, up) of the bf16-rounded values [M][F], the
- *     very function and inputs of swiglu_forward, so the bits are the trainer's.
- *
- * No wait can hang: every mbarrier wait gives up after HOP_WAIT_TRIES tries of at most
- * HOP_WAIT_HINT_NS each (about a second; no legitimate wait here lasts a millisecond), raises
- * MM_TIMEOUT and returns.
- *
+ * Every wait of the kernel is bounded (MM_TIMEOUT, lib/matmul_hopper.cuh).
  * Shapes: M, N, K multiples of 8 (16-byte TMA row strides: mm_tiled_shape_problem).
  */
 #ifndef DEV_MATMUL_WGMMA_CUH
 #define DEV_MATMUL_WGMMA_CUH
 
-#include "../kernels.cuh"  // swiglu8 (version 6), and through it lib/attention.cuh: tma_tensor_map (the encoded-map
-                           // cache), attn_smem_u32, attn_allow_smem
+#include "../lib/matmul_hopper.cuh"  // the kernel, hopper_launch, hopper_forward_swiglu, hopper_backward_swiglu
 #include "matmul_common.cuh"
 
-constexpr int HOP_BM = 128, HOP_BN = 256, HOP_BK = 64, HOP_STAGES = 4, HOP_THREADS = 384;
-constexpr int HOP_PANEL_BYTES = 64 * 64 * 2;         // one [64][64] bf16 panel
-constexpr int HOP_A_BYTES = HOP_BM * HOP_BK * 2;       // 16 KiB: 2 panels
-constexpr int HOP_B_BYTES = HOP_BN * HOP_BK * 2;       // 32 KiB: 4 panels
-constexpr int HOP_RING_BYTES = HOP_STAGES * (HOP_A_BYTES + HOP_B_BYTES);
-constexpr int HOP_OUT_BUF_BYTES = 64 * 128, HOP_OUT_BUFS = 2;               // version 5: a consumer's staging
-constexpr int HOP_OUT_BYTES = 2 * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES;         // 32 KiB for the two consumers
 constexpr int HOP_MIN_SPLIT_KB = 8;  // version 5: k-blocks a split runs at least (its partial costs a tile's traffic)
-// The ring, version 5's staging buffers, and the barriers: 192 KiB + 64 B, or 224 KiB + 64 B (of 227 KiB).
-constexpr int hopper_smem_bytes(bool tma_store) {
-    return HOP_RING_BYTES + (tma_store ? HOP_OUT_BYTES : 0) + 2 * HOP_STAGES * 8;
-}
-constexpr int HOP_PROD_REGS = 40, HOP_CONS_REGS = 232;  // 128 * 40 + 256 * 232 = 64512 <= 65536
-constexpr int HOP_GROUP_M = 8;                          // versions 4 and 5: tile rows per group
-constexpr int HOP_WAIT_TRIES = 1 << 20, HOP_WAIT_HINT_NS = 1000;
-
-// Tile t of the walk, as (tile row tm, tile column tn): groups of group_m tile rows, each group
-// walked column by column (group_m = 1: row by row, in launch order). Consecutive tiles share B's
-// column tile and, within a column, A's row tiles of one group, so a grid's worth of tiles in
-// flight reads about group_m row tiles of A and grid/group_m column tiles of B.
-static __host__ __device__ __forceinline__ void hopper_tile_of(int t, int tiles_m, int tiles_n, int group_m, int* tm,
-                                                           int* tn) {
-    const int per_group = group_m * tiles_n, first = t / per_group * group_m;
-    const int rows = min(tiles_m - first, group_m), in_group = t % per_group;
-    *tm = first + in_group % rows;
-    *tn = in_group / rows;
-}
-
-// Unit `unit` of a walk of tiles x splits units: its tile's first row m0 and column n0, its split,
-// and the split's k-blocks kb0 .. kb1-1 (k_blocks cut in `splits` nearly equal runs, none empty
-// while splits <= k_blocks).
-struct HopperUnit {
-    int m0, n0, split, kb0, kb1;
-};
-static __device__ __forceinline__ HopperUnit hopper_unit(int unit, int tiles_m, int tiles_n, int tile_n, int group_m,
-                                                         int k_blocks, int splits) {
-    const int tiles = tiles_m * tiles_n, split = unit / tiles;
-    int tm, tn;
-    hopper_tile_of(unit % tiles, tiles_m, tiles_n, group_m, &tm, &tn);
-    return {tm * HOP_BM, tn * tile_n, split, split * k_blocks / splits, (split + 1) * k_blocks / splits};
-}
-
-// mbar wait that gives up: false (and MM_TIMEOUT raised) after HOP_WAIT_TRIES tries, or at once
-// (within 1024 tries) when some other thread of the launch has given up already, so that a broken
-// pipeline costs a launch about one bound, not one per wave of blocks.
-static __device__ __forceinline__ bool hopper_wait(uint32_t bar, uint32_t parity) {
-    for (int i = 0; i < HOP_WAIT_TRIES; ++i) {
-        if (mbar_try_wait(bar, parity, HOP_WAIT_HINT_NS)) return true;
-        if ((i & 1023) == 1023 && *(volatile int*)&mm_error != MM_OK) return false;
-    }
-    atomicExch(&mm_error, MM_TIMEOUT);
-    return false;
-}
-
-// The epilogues (the kernel's EPI): versions 3 and 4 store from registers; version 5 stages C in
-// shared memory and stores it by TMA; version 6 does the same with the next kernel's work fused in:
-// the residual added (y = x W^T + residual), or SwiGLU (gate_up and act = silu(gate) * up).
-enum HopperEpilogue { HOP_EPI_REGISTERS, HOP_EPI_TMA, HOP_EPI_RESIDUAL, HOP_EPI_SWIGLU };
-
-// Version 6's operands beyond A, B and C (unused by the other epilogues). SwiGLU: the kernel's B
-// map (tm_b) is W's gate half [F][K] and b_up its up half, C's map (tm_c) gate_up's gate half [M][F]
-// (row stride 2F) and c_up its up half, act the map of act [M][F]. Residual: [M][N], C's shape.
-struct HopperFusion {
-    CUtensorMap b_up, c_up, act;
-    const bf16* residual;
-};
-
-// Where thread tid (0..127) of a consumer holds its accumulator (lib/ptx.cuh): rows r and r + 8 of
-// the consumer's 64, columns 8j + 2i and 8j + 2i + 1 of d[j]. Since (r + 8) % 8 = r % 8, both rows
-// fall in the same swizzle phase.
-static __device__ __forceinline__ int hopper_row_of(int tid) { return (tid >> 5) * 16 + ((tid & 31) >> 2); }
-static __device__ __forceinline__ int hopper_pair_of(int tid) { return tid & 3; }
-
-// One chunk of a consumer's epilogue, run by all 128 threads of consumer cw: 64 rows x 128 bytes of
-// T (64 bf16 or 32 fp32 columns), whose word for row r + 8h and columns 8jj + 2i, +1 is word(jj, h)
-// (two bf16 packed in a uint32_t, or a float2), staged in one of the consumer's two buffers in the
-// 128-byte swizzle and stored by one TMA copy at (c0, t0, batch) of map (added to C when add).
-// *chunks counts the consumer's chunks over its walk: chunk e goes to buffer e % 2, once the copy of
-// chunk e - 2 has read it.
-template <typename T, typename Word>
-static __device__ __forceinline__ void hopper_stage_store(unsigned char* bufs, int cw, int* chunks,
-                                                          const CUtensorMap* map, int c0, int t0, int batch, bool add,
-                                                          Word word) {
-    constexpr int J_PER_CHUNK = 128 / sizeof(T) / 8;  // the chunk's d[j]
-    const int tid = threadIdx.x & 127, r = hopper_row_of(tid), i = hopper_pair_of(tid);
-    unsigned char* buf = bufs + (*chunks % HOP_OUT_BUFS) * HOP_OUT_BUF_BYTES;
-    if (tid == 0) bulk_wait_read_but<HOP_OUT_BUFS - 1>();  // the copy that used buf last has read it
-    named_barrier(1 + cw, 128);
-#pragma unroll
-    for (int jj = 0; jj < J_PER_CHUNK; ++jj) {
-        // columns 8jj + 2i, +1: byte b of a 128-byte row, stored (128-byte swizzle) in 16-byte slot
-        // (b / 16) ^ (row % 8); the 8 rows of one warp's store fall in 8 different bank groups
-        const int b = (8 * jj + 2 * i) * (int)sizeof(T);
-        const int at = ((((b >> 4) ^ (r & 7)) << 4) | (b & 15)) + r * 128;
-        *reinterpret_cast<decltype(word(0, 0))*>(buf + at) = word(jj, 0);
-        *reinterpret_cast<decltype(word(0, 0))*>(buf + at + 8 * 128) = word(jj, 1);
-    }
-    wg_fence_proxy_async();  // the writes above, before the copy engine reads them
-    named_barrier(1 + cw, 128);
-    if (tid == 0) {
-        if (add) tma_store_3d<true>(map, attn_smem_u32(buf), c0, t0, batch);
-        else tma_store_3d<false>(map, attn_smem_u32(buf), c0, t0, batch);
-    }
-    ++*chunks;
-}
-
-// Version 6's residual for one chunk of 64 bf16 columns from col0: the pairs this thread adds, rows
-// row0 + r (h = 0) and row0 + r + 8 (h = 1), columns col0 + 8jj + 2i, +1; zero outside [M][N]. Read
-// one chunk ahead of its use, so that the loads fly while the chunk before is staged.
-static __device__ __forceinline__ void hopper_load_residual(uint32_t (&res)[8][2], const bf16* residual, int row0,
-                                                            int col0, int M, int N) {
-    const int tid = threadIdx.x & 127, r = hopper_row_of(tid), i = hopper_pair_of(tid);
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row0 + r + 8 * h, col = col0 + 8 * jj + 2 * i;  // N even: the pair is in the row
-            const unsigned* at = reinterpret_cast<const unsigned*>(residual + (long)row * N + col);
-            res[jj][h] = row < M && col < N ? __ldg(at) : 0u;
-        }
-}
-
-static __device__ __forceinline__ float hopper_bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-static __device__ __forceinline__ float hopper_bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
-
-// Versions 5 and 6's epilogue, run by all 128 threads of consumer cw: its 64 x 256 accumulator
-// (rows row0 .. row0+63, columns from n0; splits > 1: split `batch`'s partial) in chunks of 128
-// bytes a row. EPI_TMA: C itself, bf16 or fp32 (added to C when add). EPI_RESIDUAL: bf16 acc +
-// residual, whose chunk 0 the caller read into res[0] before the tile's products. EPI_SWIGLU: the
-// 256 columns are gate columns n0 .. n0+127 (d[0..15]) and the up columns of the same features
-// (d[16..31]), so this thread holds gate and up of each feature it holds; per 64 features it stores
-// gate, up and act = swiglu8(gate, up) of the bf16-rounded values, as swiglu_forward computes from
-// the stored gate_up. Chunks wholly past M or N (SwiGLU: F) are skipped, the same for the whole
-// warpgroup; TMA clips the others.
-template <int EPI, typename T>
-static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_BN / 8][4], uint32_t (&res)[2][8][2],
-                                                        const CUtensorMap* tm_c, const HopperFusion& fuse,
-                                                        unsigned char* bufs, int cw, int row0, int n0, int batch,
-                                                        bool add, int M, int N, int* chunks) {
-    constexpr int COLS = 128 / sizeof(T), J_PER_CHUNK = COLS / 8;  // a chunk's columns, and its d[j]
-    if (row0 >= M) return;
-    if constexpr (EPI == HOP_EPI_SWIGLU) {
-#pragma unroll
-        for (int q = 0; q < HOP_BN / 2 / COLS; ++q) {
-            const int f0 = n0 + q * COLS;
-            if (f0 >= N) break;
-            uint32_t gate[J_PER_CHUNK][2], up[J_PER_CHUNK][2], act[J_PER_CHUNK][2];
-#pragma unroll
-            for (int jj = 0; jj < J_PER_CHUNK; ++jj)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int j = q * J_PER_CHUNK + jj;
-                    gate[jj][h] = attn_pack_bf16(acc[j][2 * h], acc[j][2 * h + 1]);
-                    up[jj][h] = attn_pack_bf16(acc[j + HOP_BN / 16][2 * h], acc[j + HOP_BN / 16][2 * h + 1]);
-                }
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int p = 0; p < J_PER_CHUNK / 4; ++p) {  // 8 features at a time, as swiglu8 takes them
-                    bf16x8 g, u;
-#pragma unroll
-                    for (int w = 0; w < 4; ++w) {
-                        reinterpret_cast<uint32_t*>(g.v)[w] = gate[4 * p + w][h];
-                        reinterpret_cast<uint32_t*>(u.v)[w] = up[4 * p + w][h];
-                    }
-                    const bf16x8 y = swiglu8(g, u);
-#pragma unroll
-                    for (int w = 0; w < 4; ++w) act[4 * p + w][h] = reinterpret_cast<const uint32_t*>(y.v)[w];
-                }
-            const CUtensorMap* maps[3] = {tm_c, &fuse.c_up, &fuse.act};  // gate, up, act: 64 features each
-            const uint32_t(*words[3])[2] = {gate, up, act};
-#pragma unroll
-            for (int o = 0; o < 3; ++o)
-                hopper_stage_store<T>(bufs, cw, chunks, maps[o], f0, row0, 0, false,
-                                      [&](int jj, int h) { return words[o][jj][h]; });
-        }
-    } else {
-#pragma unroll
-        for (int q = 0; q < HOP_BN / COLS; ++q) {
-            const int col0 = n0 + q * COLS;
-            if (col0 >= N) break;
-            if constexpr (EPI == HOP_EPI_RESIDUAL) {
-                if (q + 1 < HOP_BN / COLS)  // the next chunk's, in flight while this one is staged
-                    hopper_load_residual(res[(q + 1) % 2], fuse.residual, row0, col0 + COLS, M, N);
-                hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, false, [&](int jj, int h) {
-                    const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
-                    const uint32_t rw = res[q % 2][jj][h];
-                    return attn_pack_bf16(d[2 * h] + hopper_bf16_lo(rw), d[2 * h + 1] + hopper_bf16_hi(rw));
-                });
-            } else if constexpr (sizeof(T) == 2) {
-                hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, add, [&](int jj, int h) {
-                    const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
-                    return attn_pack_bf16(d[2 * h], d[2 * h + 1]);
-                });
-            } else {
-                hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, add, [&](int jj, int h) {
-                    const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
-                    return make_float2(d[2 * h], d[2 * h + 1]);
-                });
-            }
-        }
-    }
-}
-
-// EPI (HopperEpilogue): HOP_EPI_REGISTERS, versions 3 and 4, stores to c from registers (tm_c
-// unused); the others store through tm_c (c unused): HOP_EPI_TMA (version 5) bf16 C, fp32 C added
-// to (splits 1), or the fp32 partials of `splits` > 1 (batch = split); version 6's fused epilogues
-// (splits 1) with the operands of `fuse`. HOP_EPI_SWIGLU walks tiles of 128 features (N = F): its
-// B tile is W's 128 gate rows of them and the 128 up rows (tm_b and fuse.b_up), two boxes a stage.
-template <bool A_K, bool B_K, typename OutT, int EPI>
-__global__ void __launch_bounds__(HOP_THREADS, 1)
-    hopper_matmul_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
-                         const __grid_constant__ CUtensorMap tm_c, const __grid_constant__ HopperFusion fuse,
-                         OutT* __restrict__ c, int M, int N, int K, int group_m, int splits) {
-    constexpr bool TMA_STORE = EPI != HOP_EPI_REGISTERS, SWIGLU = EPI == HOP_EPI_SWIGLU;
-    constexpr int TILE_N = SWIGLU ? HOP_BN / 2 : HOP_BN;  // the columns of C (SwiGLU: features) a tile covers
-    static_assert(!SWIGLU || (A_K && B_K), "SwiGLU fuses into the forward, whose operands are K-major");
-    extern __shared__ __align__(1024) unsigned char hopper_smem[];
-    const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * HOP_A_BYTES;
-    unsigned char* out_bufs = hopper_smem + HOP_RING_BYTES;  // version 5: consumer c's are the c-th pair
-    const uint32_t full = a_tiles + HOP_RING_BYTES + (TMA_STORE ? HOP_OUT_BYTES : 0);  // 8 bytes a barrier
-    const uint32_t empty = full + 8 * HOP_STAGES;
-    if (a_tiles % 1024 != 0) {  // the same for every thread: all leave
-        if (threadIdx.x == 0) atomicExch(&mm_error, MM_MISALIGNED);
-        return;
-    }
-    const int tiles_m = (M + HOP_BM - 1) / HOP_BM, tiles_n = (N + TILE_N - 1) / TILE_N;
-    const int units = tiles_m * tiles_n * splits, k_blocks = (K + HOP_BK - 1) / HOP_BK;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
-
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < HOP_STAGES; ++s) {
-            mbar_init(full + 8 * s, 1);   // the producer's arrive (with the expected bytes)
-            mbar_init(empty + 8 * s, 8);  // one arrive per consumer warp
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncthreads();
-
-    if (wg == 0) {  // producer
-        setmaxnreg_dec<HOP_PROD_REGS>();
-        if (threadIdx.x == 0) {
-            int t = 0;  // k-blocks loaded so far
-            for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-                const HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
-                const int a_panels = min(2, (M - u.m0 + 63) / 64), b_panels = min(4, (N - u.n0 + 63) / 64);
-                const uint32_t bytes = (A_K ? HOP_A_BYTES : a_panels * HOP_PANEL_BYTES) +
-                                       (B_K ? HOP_B_BYTES : b_panels * HOP_PANEL_BYTES);
-                for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
-                    const int st = t % HOP_STAGES, use = t / HOP_STAGES;
-                    const uint32_t bar = full + 8 * st;
-                    // the stage's previous use (k-block t - STAGES) is done once its phase use-1 completed
-                    if (use > 0 && !hopper_wait(empty + 8 * st, (use - 1) & 1)) return;
-                    mbar_expect_tx(bar, bytes);
-                    const uint32_t as = a_tiles + st * HOP_A_BYTES, bs = b_tiles + st * HOP_B_BYTES;
-                    const int k0 = kb * HOP_BK;
-                    if constexpr (A_K) {
-                        tma_load_3d(as, &tm_a, k0, u.m0, 0, bar);  // box {64 k, 128 m}
-                    } else {
-                        for (int p = 0; p < a_panels; ++p)  // boxes {64 m, 64 k}
-                            tma_load_3d(as + p * HOP_PANEL_BYTES, &tm_a, u.m0 + 64 * p, k0, 0, bar);
-                    }
-                    if constexpr (SWIGLU) {  // boxes {64 k, 128 features}: gate rows, then up rows
-                        tma_load_3d(bs, &tm_b, k0, u.n0, 0, bar);
-                        tma_load_3d(bs + HOP_B_BYTES / 2, &fuse.b_up, k0, u.n0, 0, bar);
-                    } else if constexpr (B_K) {
-                        tma_load_3d(bs, &tm_b, k0, u.n0, 0, bar);  // box {64 k, 256 n}
-                    } else {
-                        for (int p = 0; p < b_panels; ++p)  // boxes {64 n, 64 k}
-                            tma_load_3d(bs + p * HOP_PANEL_BYTES, &tm_b, u.n0 + 64 * p, k0, 0, bar);
-                    }
-                }
-            }
-        }
-        return;
-    }
-
-    // consumers
-    setmaxnreg_inc<HOP_CONS_REGS>();
-    const int cw = wg - 1;
-    const bool store_thread = TMA_STORE && (threadIdx.x & 127) == 0;  // issues the consumer's TMA stores
-    float acc[HOP_BN / 8][4];  // wgmma's accumulator layout (lib/ptx.cuh): d[j] holds columns 8j .. 8j+7
-    int t = 0;                // k-blocks consumed so far
-    int chunks = 0;           // versions 5, 6: chunks this consumer has staged
-    uint32_t res[2][8][2];    // version 6, residual: a chunk's residual pairs, read one chunk ahead
-    for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-        const HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
-#pragma unroll
-        for (int j = 0; j < HOP_BN / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-        if constexpr (EPI == HOP_EPI_RESIDUAL)  // the first chunk's, read under the tile's products
-            hopper_load_residual(res[0], fuse.residual, u.m0 + 64 * cw, u.n0, M, N);
-        for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
-            const int st = t % HOP_STAGES;
-            if (!hopper_wait(full + 8 * st, (t / HOP_STAGES) & 1)) {
-                wg_wait<0>();                          // leave no product in flight
-                if (store_thread) bulk_wait<false>();  // nor a store reading shared memory
-                return;
-            }
-            const uint32_t as = a_tiles + st * HOP_A_BYTES + cw * (A_K ? 64 * 128 : HOP_PANEL_BYTES);
-            const uint32_t bs = b_tiles + st * HOP_B_BYTES;
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < HOP_BK / 16; ++kk) {
-                const uint64_t da = wg_desc(as + (A_K ? kk * 32 : kk * 16 * 128));
-                const uint64_t db = B_K ? wg_desc(bs + kk * 32) : wg_desc(bs + kk * 16 * 128, HOP_PANEL_BYTES);
-                wg_mma_ss<HOP_BN, 1, A_K ? 0 : 1, B_K ? 0 : 1>(acc, da, db);
-            }
-            wg_commit();
-            wg_wait<1>();  // k-block kb-1's products are done: its stage can be refilled
-            if (kb > u.kb0 && lane == 0) mbar_arrive(empty + 8 * ((t - 1) % HOP_STAGES));
-        }
-        wg_wait<0>();
-        wg_fence_regs(acc);
-        if (u.kb1 > u.kb0 && lane == 0) mbar_arrive(empty + 8 * ((t - 1) % HOP_STAGES));
-
-        if constexpr (TMA_STORE) {
-            hopper_store_tma<EPI, OutT>(acc, res, &tm_c, fuse, out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw,
-                                        u.m0 + 64 * cw, u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M, N,
-                                        &chunks);
-        } else {
-            // Versions 3 and 4: warp w of the consumer holds rows 16w + g and 16w + g + 8 of its 64,
-            // columns 8j + 2i and 8j + 2i + 1 of d[j] (lane = 4g + i).
-            const int row = u.m0 + cw * 64 + (warp & 3) * 16 + (lane >> 2), col0 = u.n0 + 2 * (lane & 3);
-#pragma unroll
-            for (int j = 0; j < HOP_BN / 8; ++j) {
-                const int col = col0 + 8 * j;
-                if (col >= N) continue;
-                if (row < M) mm_store_pair(c, (long)row * N + col, acc[j][0], acc[j][1]);
-                if (row + 8 < M) mm_store_pair(c, (long)(row + 8) * N + col, acc[j][2], acc[j][3]);
-            }
-        }
-    }
-    if (store_thread) bulk_wait<false>();  // every store done before the block's shared memory goes
-}
 
 // Version 5's second kernel: c = sum_s ws[s] (bf16) or c += sum_s ws[s] (fp32), ws being the
 // `splits` partials [splits][plane], summed in split order; four entries a thread (plane, M N, is
@@ -433,31 +61,49 @@ __global__ void hopper_split_sum_kernel(OutT* c, const float* ws, long plane, in
     }
 }
 
+// The map of a matrix [batches][rows][cols] of `type` (elements of `bytes` bytes) in boxes of 128
+// bytes a row (a column of the 128-byte swizzle) and box_rows rows, for the ladder's maps that
+// lib/attention.cuh's bf16 cache does not make: fp32 C and its split partials, FP8 operands.
+static CUtensorMap hopper_encode_map(const void* base, CUtensorMapDataType type, int bytes, int cols, int rows,
+                                     int batches, int box_rows) {
+    CUtensorMap map;
+    const cuuint64_t dims[3] = {(cuuint64_t)cols, (cuuint64_t)rows, (cuuint64_t)batches};
+    const cuuint64_t strides[2] = {(cuuint64_t)cols * bytes, (cuuint64_t)rows * cols * bytes};
+    const cuuint32_t box[3] = {(cuuint32_t)(128 / bytes), (cuuint32_t)box_rows, 1}, elem_strides[3] = {1, 1, 1};
+    const CUresult r = tma_encode_fn()(&map, type, 3, const_cast<void*>(base), dims, strides, box, elem_strides,
+                                       CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                       CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) {
+        fprintf(stderr, "matmul: cuTensorMapEncodeTiled failed (%d) for a [%d][%d][%d] of %d-byte elements\n", (int)r,
+                batches, rows, cols, bytes);
+        exit(1);
+    }
+    return map;
+}
+
 // The map of an fp32 matrix [batches][rows][cols] for version 5's stores (C of a weight gradient,
-// or the split partials): boxes {32 columns (128 bytes), 64 rows, 1}, the 128-byte swizzle. The
-// last map is kept, since the ladder calls one shape many times in a row.
+// or the split partials): boxes {32 columns (128 bytes), 64 rows, 1}. The last map is kept, since
+// the ladder calls one shape many times in a row.
 static CUtensorMap hopper_f32_map(const float* base, int cols, int rows, int batches) {
     static CUtensorMap map;
     static const float* map_base = nullptr;
     static int map_dims[3];
     if (base == map_base && cols == map_dims[0] && rows == map_dims[1] && batches == map_dims[2]) return map;
-    const cuuint64_t dims[3] = {(cuuint64_t)cols, (cuuint64_t)rows, (cuuint64_t)batches};
-    const cuuint64_t strides[2] = {(cuuint64_t)cols * sizeof(float), (cuuint64_t)rows * cols * sizeof(float)};
-    const cuuint32_t box[3] = {32, 64, 1}, elem_strides[3] = {1, 1, 1};
-    const CUresult r = tma_encode_fn()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 3, const_cast<float*>(base), dims,
-                                       strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                       CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS) {
-        fprintf(stderr, "matmul: cuTensorMapEncodeTiled failed (%d) for an fp32 [%d][%d][%d]\n", (int)r, batches,
-                rows, cols);
-        exit(1);
-    }
+    map = hopper_encode_map(base, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, cols, rows, batches, 64);
     map_base = base, map_dims[0] = cols, map_dims[1] = rows, map_dims[2] = batches;
     return map;
 }
 
-// Version 5's split partials: one buffer, grown when a product needs more (floats of them); like the
+// An operand's map: bf16 through lib/attention.cuh's cache (boxes {64, box_rows}), K-major or not;
+// FP8 (K-major only) encoded anew, boxes {128 k, box_rows} (a microsecond or two of host time a
+// call, under the products of every timed shape).
+template <typename T>
+static CUtensorMap hopper_operand_map(const T* p, int cols, int rows, int box_rows) {
+    if constexpr (sizeof(T) == 2) return tma_tensor_map(p, cols, cols, rows, 1, box_rows);
+    else return hopper_encode_map(p, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, cols, rows, 1, box_rows);
+}
+
+// Version 5's split partials (and version 7's): one buffer, grown when a product needs more (floats of them); like the
 // tensor-map caches, it assumes one stream at a time.
 static float* hopper_workspace(size_t floats) {
     static float* ws = nullptr;
@@ -476,33 +122,55 @@ static int hopper_splits(int tiles, int k_blocks, int sms) {
     return std::max(1, std::min(sms / std::max(tiles, 1), k_blocks / HOP_MIN_SPLIT_KB));
 }
 
-template <bool A_K, bool B_K, typename OutT, int EPI>
-static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
-                          const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
-                          cudaStream_t s) {
-    constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS);
-    attn_allow_smem(hopper_matmul_kernel<A_K, B_K, OutT, EPI>, smem);
-    hopper_matmul_kernel<A_K, B_K, OutT, EPI>
-        <<<grid, HOP_THREADS, smem, s>>>(tm_a, tm_b, tm_c, fuse, c, M, N, K, group_m, splits);
-    LAUNCH_CHECK();
+// C's own map for the TMA epilogue: bf16 boxes {64, 64} (the attention cache's), or fp32 {32, 64}.
+template <typename OutT>
+static CUtensorMap hopper_c_map(OutT* c, int M, int N) {
+    if constexpr (sizeof(OutT) == 2) return tma_tensor_map(c, N, N, M, 1, 64);
+    else return hopper_f32_map(c, N, M, 1);
 }
 
-static int hopper_sms(void) {
-    static int sms = 0;
-    if (!sms) CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    return sms;
+// Version 7's choice: stream-K where version 5's units (tiles x splits) would leave more than a
+// tenth of their last wave's SMs idle (the trainer's shapes of 48, 96 and 192 tiles; 30 and 18
+// tiles split 4 and 7 ways fill 91% and 95%, and keep version 5's plan). Its grid: a block an SM,
+// or fewer where the k-blocks are few, so that no range is shorter than HOP_MIN_SPLIT_KB; 0 for
+// version 5's plan.
+static int hopper_stream_k_blocks(int tiles, int k_blocks, int sms) {
+    const int units = tiles * hopper_splits(tiles, k_blocks, sms), slots = ceil_div(units, sms) * sms;
+    if (10 * units >= 9 * slots) return 0;
+    return (int)std::max(1L, std::min((long)sms, (long)tiles * k_blocks / HOP_MIN_SPLIT_KB));
+}
+
+// Version 7's workspace: the partials (hopper_workspace) and a flag per consumer of each of `grid`
+// blocks, zeroed once; each launch takes the next epoch. Like the tensor-map caches, it assumes one
+// stream at a time, and launches in order (a CUDA graph would replay one epoch).
+static HopperStreamK hopper_stream_k_workspace(int grid) {
+    static int* flags = nullptr;
+    static int have = 0, epoch = 0;
+    if (grid > have) {
+        if (flags) CUDA_CHECK(cudaFree(flags));
+        CUDA_CHECK(cudaMalloc(&flags, 2 * grid * sizeof(int)));
+        CUDA_CHECK(cudaMemset(flags, 0, 2 * grid * sizeof(int)));
+        have = grid, epoch = 0;
+    }
+    float* partials = hopper_workspace((size_t)grid * 2 * (HOP_BN / 8) * 128 * 4);
+    return {reinterpret_cast<float4*>(partials), flags, ++epoch};
 }
 
 // VERSION 3: a block per tile, row-major order; 4: persistent, grouped walk; 5: 4 with the TMA
-// epilogue and split K.
+// epilogue and split K; 6: 5 never split, the plain product whose accumulators version 6's fused
+// epilogues round (each output one fp32 sum in k order, as theirs), against which the ladder checks
+// the bits of SwiGLU's fused backward; 7: 5 with stream-K where its units fill the SMs badly.
 template <int VERSION>
 struct HopperMatmul {
-    template <bool A_K, bool B_K, typename OutT>
-    static void gemm(OutT* c, const bf16* a, const bf16* b, int M, int N, int K, cudaStream_t s) {
-        const int sms = hopper_sms();
-        // 2-D maps as 3-D ones of one batch: {row length, rows, 1}, boxes {64, box rows}
-        const CUtensorMap tm_a = A_K ? tma_tensor_map(a, K, K, M, 1, HOP_BM) : tma_tensor_map(a, M, M, K, 1, 64);
-        const CUtensorMap tm_b = B_K ? tma_tensor_map(b, K, K, N, 1, HOP_BN) : tma_tensor_map(b, N, N, K, 1, 64);
+    template <bool A_K, bool B_K, typename OutT, typename AT = bf16, typename BT = bf16>
+    static void gemm(OutT* c, const AT* a, const BT* b, int M, int N, int K, cudaStream_t s,
+                     const float* a_scale_inv = nullptr, const float* b_scale_inv = nullptr) {
+        const int sms = hopper_sms(), k_blocks = hopper_k_blocks<AT>(K);
+        // 2-D maps as 3-D ones of one batch: {row length, rows, 1}, boxes {128 bytes, box rows}
+        const CUtensorMap tm_a = A_K ? hopper_operand_map(a, K, M, HOP_BM) : hopper_operand_map(a, M, K, 64);
+        const CUtensorMap tm_b = B_K ? hopper_operand_map(b, K, N, HOP_BN) : hopper_operand_map(b, N, K, 64);
+        HopperFusion scales = {};  // version 8's: real = a_scale_inv b_scale_inv x the FP8 product
+        scales.a_scale_inv = a_scale_inv, scales.b_scale_inv = b_scale_inv;
         const int tiles = ceil_div(M, HOP_BM) * ceil_div(N, HOP_BN);
         if constexpr (VERSION < 5) {
             const int grid = VERSION == 4 ? std::min(tiles, sms) : tiles;
@@ -510,18 +178,23 @@ struct HopperMatmul {
                                                              grid, VERSION == 4 ? HOP_GROUP_M : 1, 1, s);
             return;
         }
-        const int splits = hopper_splits(tiles, ceil_div(K, HOP_BK), sms);
-        if (splits == 1) {  // C's own map: bf16 boxes {64, 64} (the attention cache's), or fp32 {32, 64}
-            CUtensorMap tm_c;
-            if constexpr (sizeof(OutT) == 2) tm_c = tma_tensor_map(c, N, N, M, 1, 64);
-            else tm_c = hopper_f32_map(c, N, M, 1);
-            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA>(tm_a, tm_b, tm_c, HopperFusion{}, c, M, N, K,
-                                                       std::min(tiles, sms), HOP_GROUP_M, 1, s);
+        if constexpr (VERSION == 7) {
+            if (const int grid = hopper_stream_k_blocks(tiles, k_blocks, sms)) {
+                hopper_launch<A_K, B_K, OutT, HOP_EPI_STREAM_K>(tm_a, tm_b, hopper_c_map(c, M, N), HopperFusion{}, c,
+                                                                M, N, K, grid, HOP_GROUP_M, 1, s,
+                                                                hopper_stream_k_workspace(grid));
+                return;
+            }
+        }
+        const int splits = VERSION == 6 ? 1 : hopper_splits(tiles, k_blocks, sms);
+        if (splits == 1) {
+            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT>(tm_a, tm_b, hopper_c_map(c, M, N), scales, c, M, N, K,
+                                                               std::min(tiles, sms), HOP_GROUP_M, 1, s);
             return;
         }
         float* ws = hopper_workspace((size_t)splits * M * N);
-        hopper_launch<A_K, B_K, float, HOP_EPI_TMA>(tm_a, tm_b, hopper_f32_map(ws, N, M, splits), HopperFusion{}, ws,
-                                                    M, N, K, tiles * splits, HOP_GROUP_M, splits, s);
+        hopper_launch<A_K, B_K, float, HOP_EPI_TMA, AT, BT>(tm_a, tm_b, hopper_f32_map(ws, N, M, splits), scales, ws, M,
+                                                            N, K, tiles * splits, HOP_GROUP_M, splits, s);
         const long plane = (long)M * N;
         hopper_split_sum_kernel<<<(int)std::min<long>(ceil_div(plane / 4, 256L), 8L * sms), 256, 0, s>>>(c, ws, plane,
                                                                                                      splits);
@@ -541,26 +214,6 @@ static void hopper_forward_residual(bf16* y, const bf16* x, const bf16* W, const
     hopper_launch<true, true, bf16, HOP_EPI_RESIDUAL>(
         tma_tensor_map(x, K, K, M, 1, HOP_BM), tma_tensor_map(W, K, K, NC, 1, HOP_BN),
         tma_tensor_map(y, NC, NC, M, 1, 64), fuse, y, M, NC, K, std::min(tiles, hopper_sms()), HOP_GROUP_M, 1, s);
-}
-
-// Version 6, the gate/up forward with SwiGLU fused: gate_up[N, 2F] = x[N, I] W[2F, I]^T and act[N, F]
-// = silu(gate) * up (kernels.cuh's swiglu_forward on the stored gate_up), F = O / 2 a multiple of 8
-// (so that W's and gate_up's up halves start on 16 bytes). A tile takes 128 features: W's gate rows
-// and up rows of them, each half of W, gate_up and act a map of its own, whose edges TMA zero-fills
-// (loads) and clips (stores).
-static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const bf16* W, int N, int I, int O,
-                                  cudaStream_t s) {
-    const int M = N, F = O / 2, K = I;
-    HopperFusion fuse;
-    fuse.b_up = tma_tensor_map(W + (size_t)F * K, K, K, F, 1, HOP_BN / 2);
-    fuse.c_up = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, 64);
-    fuse.act = tma_tensor_map(act, F, F, M, 1, 64);
-    fuse.residual = nullptr;
-    const int tiles = ceil_div(M, HOP_BM) * ceil_div(F, HOP_BN / 2);
-    hopper_launch<true, true, bf16, HOP_EPI_SWIGLU>(
-        tma_tensor_map(x, K, K, M, 1, HOP_BM), tma_tensor_map(W, K, K, F, 1, HOP_BN / 2),
-        tma_tensor_map(gate_up, F, 2 * F, M, 1, 64), fuse, gate_up, M, F, K, std::min(tiles, hopper_sms()), HOP_GROUP_M,
-        1, s);
 }
 
 #endif

@@ -1,7 +1,7 @@
 /*
  * lib/ptx.cuh - inline-PTX wrappers for the Hopper (sm_90a) instructions CUDA C++ does not expose:
  * warpgroup matrix products (wgmma: fence, commit, wait, shared-memory descriptors, the products
- * with both operands in shared memory and with A in registers), mbarriers, TMA tensor loads (and
+ * with both operands in shared memory and with A in registers, and the FP8 product), mbarriers, TMA tensor loads (and
  * cuTensorMapEncodeTiled, fetched through the runtime to encode their maps) and stores, setmaxnreg,
  * bulk copies and bulk reductions with their waits, named barriers, the gpu-scope acquire / release
  * pair, and the async-proxy fences.
@@ -166,6 +166,40 @@ static __device__ __forceinline__ void wg_mma_ss(float (&d)[N / 8][4], uint64_t 
     else wg_mma_ss_n256<SCALE_D, TA, TB>(d, desc_a, desc_b);
 }
 
+// The FP8 product: d[16][4] (+)= A (64 x 32, shared, K-major) * B (128 rows x 32, shared, K-major)^T,
+// A in E5M2 where A_E5M2 (else E4M3), B in E4M3; accumulate = 0 overwrites d. FP8 wgmma has no
+// transpose: both operands are K-major, a k-step of 32 is 32 bytes as bf16's k16 is, so the
+// 128-byte-swizzle descriptors above serve unchanged. Only the pairs the trainer's FP8 products
+// take (doc/fp8.md: x W^T is E4M3 x E4M3; dy W and dy^T x read dy, the row operand, in E5M2). The
+// accumulator layout is wg_mma_ss's for N = 128.
+#define WG_MMA_FP8_N128(types)                                                                        \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                              \
+                 "wgmma.mma_async.sync.aligned.m64n128k32.f32." types " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1;\n}\n" \
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),\
+                   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),\
+                   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),\
+                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),\
+                   "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),\
+                   "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),\
+                   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),\
+                   "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]),\
+                   "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),\
+                   "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]),\
+                   "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]),\
+                   "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]),\
+                   "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),\
+                   "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]),\
+                   "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]),\
+                   "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
+                 : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+template <bool A_E5M2>
+static __device__ __forceinline__ void wg_mma_fp8_n128(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b,
+                                                      int accumulate) {
+    if constexpr (A_E5M2) WG_MMA_FP8_N128("e5m2.e4m3");
+    else WG_MMA_FP8_N128("e4m3.e4m3");
+}
+#undef WG_MMA_FP8_N128
+
 // d[OFF .. OFF+7][4] += A (64 x 16 bf16 in registers, the mma.m16n8k16 A layout per warp) *
 // B (16 x 64, shared, MN-major: each k row holds 64 contiguous columns, hence trans-b = 1).
 template <int OFF, int N8>
@@ -299,6 +333,19 @@ static __device__ __forceinline__ int load_acquire_gpu(const int* p) {
 }
 static __device__ __forceinline__ void add_release_gpu(int* p, int v) {
     asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+static __device__ __forceinline__ void store_release_gpu(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+// bar.sync of `threads` threads on barrier id that also returns whether pred held in all of them.
+static __device__ __forceinline__ bool named_barrier_and(int id, int threads, bool pred) {
+    int all;
+    asm volatile("{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.and.pred q, %2, %3, p;\n"
+                 " selp.s32 %0, 1, 0, q;\n}\n"
+                 : "=r"(all)
+                 : "r"((int)pred), "r"(id), "r"(threads)
+                 : "memory");
+    return all;
 }
 // Orders this thread's generic-proxy global accesses with its bulk (async-proxy) ones.
 static __device__ __forceinline__ void fence_proxy_async_global() {

@@ -447,6 +447,10 @@ static int test_fp8_gpu_model_gradients_vs_bf16(void) {
             GPT m;
             gpt_create(&m, c, B, c->seq_len, v.recompute ? c->n_layer : 0, 128, &ONE_GPU, OPTIMIZER_ADAMW,
                        run == 1 ? (Fp8Mode){true, FP8_CURRENT, v.head, v.fast_accum} : FP8_OFF);
+            for (int l = 0; l < c->n_layer; l++) {  // BF16: our fused GEMMs; FP8: cuBLASLt, SwiGLU apart
+                EXPECT(gate_up_fused(&m, l) == (run == 0), "run %d, layer %d: the gate/up path", run, l);
+                EXPECT(down_swiglu_fused(&m, l) == (run == 0), "run %d, layer %d: the down backward path", run, l);
+            }
             Uploader up;
             uploader_create(&up, m.N, c->vocab_size);
             m.fp8.weights_stale = true;

@@ -1,0 +1,789 @@
+/*
+ * lib/matmul_hopper.cuh - our own Hopper GEMM (sm_90a): one kernel template, TMA loads into a ring
+ * of shared-memory stages guarded by mbarriers, warpgroup matrix products (wgmma) reading both
+ * operands from shared memory, a producer warpgroup and two consumer warpgroups, on a persistent
+ * grid; its epilogue, a template parameter, stores through shared memory and TMA, with the next
+ * kernel's work fused in where that pays.
+ *
+ * How it fits: the trainer runs two instantiations of it, both at the bottom: the gate/up forward
+ * with SwiGLU in its epilogue (hopper_forward_swiglu: gate_up and act = silu(gate) * up in one
+ * launch, 1.27x cuBLASLt plus swiglu_forward at the default config, 1.14x at 1b; doc/matmul.md), and
+ * its mirror in the backward, the down matrix's input gradient with SwiGLU's backward in its
+ * epilogue (hopper_backward_swiglu: d_gate_up from d_mlp_act = dy W_down, which is never stored);
+ * every other matmul of the trainer stays with cuBLASLt through kernels.cuh's matmul(). The kernel
+ * is the matmul ladder's (dev/matmul.cu): its versions 3 to 7 are this kernel's launch
+ * configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and
+ * splits K), 6 adds the residual or applies SwiGLU or its backward, 7 (the ladder's only) stores as
+ * 5 on a stream-K walk (HopperStreamK, below), 8 (the ladder's only) is 5 on FP8 operands (below). train_gpt.cu includes this file after kernels.cuh,
+ * whose swiglu8 and swiglu_backward8 and lib/attention.cuh helpers (the tensor-map cache, shared
+ * addresses, bf16 packing) it uses.
+ *
+ * Work split: a 128 x 256 output tile, k-blocks of 64, a 4-stage ring of A [128 x 64] and B
+ * [256 x 64] tiles (4 x 48 KiB = 192 KiB of shared memory), 384 threads:
+ *   warpgroup 0, the producer, shrinks to 40 registers; one thread waits for a free stage (its
+ *     empty barrier), announces the bytes to come on the stage's full barrier and issues the TMA
+ *     loads, k-block after k-block and tile after tile;
+ *   warpgroups 1 and 2, the consumers, grow to 232 registers; consumer c owns rows 64c .. 64c+63
+ *     of the tile (a 64 x 256 fp32 accumulator, 128 registers a thread). Per k-block it waits for
+ *     the full barrier, issues 4 wgmma m64n256k16 (one per 16 k), commits them, waits for the
+ *     previous k-block's group, and hands that stage back (one arrive per warp). At the end of a
+ *     tile it stores the accumulator (the epilogues, below).
+ * The stage and barrier phase of k-block t (counted over the block's whole walk) are t % 4 and
+ * (t / 4) & 1 on both sides, so the ring runs on from one tile into the next. A persistent block
+ * walks tiles blockIdx, blockIdx + grid, ... in groups of 8 tile rows (hopper_tile_of), so that the
+ * operands of the tiles in flight stay in L2, and loads its next tile while this one's epilogue
+ * stores (version 7 walks a contiguous range of all the tiles' k-blocks instead: HopperStreamK).
+ *
+ * Shared-memory layouts (TMA writes them with the 128-byte swizzle, wgmma reads them through
+ * descriptors; lib/ptx.cuh): a K-major operand tile is [rows][64 k], 128-byte rows, one TMA box; a
+ * k-step of 16 advances the descriptor 32 bytes. An MN-major tile is 64-column panels [64 k][64 mn]
+ * of 8 KiB, one box each: consumer c's A is panel c; B's four panels are one wgmma operand whose
+ * descriptor's leading offset is the panel size; a k-step advances 16 rows, 2048 bytes. Boxes
+ * that cross the matrix's edge are zero-filled by TMA (and still count their full bytes); panels
+ * wholly past M or N are not loaded, and only feed rows or columns the epilogue does not store.
+ *
+ * The TMA epilogue: each consumer writes its 64 x 256 accumulator in chunks of 64 rows x 128 bytes
+ * (64 bf16 or 32 fp32 columns) into one of its two 8 KiB staging buffers (32 KiB in all, 224 KiB
+ * with the ring), in the 128-byte swizzle, which puts the 8 rows a warp's store touches in 8
+ * different bank groups; its first thread then issues one TMA store of the chunk (bf16 C: a store;
+ * fp32 C: a reduction that adds it to C in L2, so dW += needs no load) and goes on. A buffer is
+ * written again only once the store of two chunks before has read it (cp.async.bulk.wait_group.read
+ * 1), so the last stores of a tile drain while the next tile's products run. TMA clips the boxes
+ * at the matrix's edges. The fused epilogues (one split of K):
+ *   SwiGLU: W [2F][K] holds the gate rows, then the up rows. A tile takes features f .. f+127: its
+ *     256-row B tile is W's gate rows f .. f+127 and up rows F+f .., two TMA boxes a stage through
+ *     two maps (each half's edge zero-filled at F), so that in wgmma's m64n256 accumulator the
+ *     thread holding gate column c of a row also holds up column c + 128. Per 64 features the
+ *     epilogue stores three chunks: gate and up (gate_up [M][2F], kept for the backward, through two
+ *     maps of row stride 2F) and act = swiglu8(gate, up) of the bf16-rounded values [M][F], the
+ *     very function and inputs of swiglu_forward, so the bits are the trainer's.
+ *   SwiGLU's backward, in the down matrix's input gradient d_mlp_act [M][F] = dy [M][K] W [K][F]
+ *     (dy K-major, W N-major): the tile is the plain product's; per 64 features the epilogue rounds
+ *     the accumulator to bf16 (d_mlp_act as it would be stored), takes gate and up of the same
+ *     entries from gate_up [M][2F], and stores d_gate and d_up = swiglu_backward8(gate, up, d_mlp_act)
+ *     into d_gate_up's two halves (two maps of row stride 2F): the very function and inputs of
+ *     swiglu_backward on the stored d_mlp_act, so the bits are the trainer's.
+ *   residual (the ladder's only: it ties cuBLASLt's beta = 1, doc/matmul.md): y = acc + residual,
+ *     rounded once to bf16.
+ *   Both reads from global memory (the residual; gate and up) go straight into the registers of the
+ *   thread that holds the matching accumulator entries, a chunk ahead: the first chunk's before the
+ *   tile's products, chunk q+1's before chunk q is staged, so the loads fly under other work.
+ *
+ * FP8 operands (version 8; AT, BT: __nv_fp8_e4m3 or __nv_fp8_e5m2, the trainer's TN products of
+ * doc/fp8.md): a k-block is 128 deep, so the tiles are the same 128-byte rows and the same bytes;
+ * both operands K-major (FP8 wgmma has no transpose). The tensor cores sum FP8 products in less
+ * than fp32 (doc/matmul.md, version 8), so a consumer sums each k-block afresh, in two halves of
+ * 128 columns (4 wgmma m64n128k32 into 64 scratch registers, waited for), and adds each into its fp32
+ * accumulator with the CUDA cores, times alpha = the product of the operands' scale_inv (device
+ * floats, read once a launch): "promotion" every 128 k, as cuBLASLt does. Version 5's epilogue and
+ * split K then store the real values, bf16 or fp32 +=.
+ *
+ * Determinism: with one split of K (all the trainer runs) each output is one fp32 sum over k in a
+ * fixed order, whatever the grid; the ladder's split K and stream-K sum their partials in a fixed
+ * order too.
+ *
+ * Bounded waits: every mbarrier wait (and stream-K's flag wait) gives up after HOP_WAIT_TRIES
+ * tries of at most HOP_WAIT_HINT_NS each (about a second; no legitimate wait here lasts a
+ * millisecond), raises MM_TIMEOUT in mm_error and returns, so that a broken pipeline ends as a
+ * raised flag (the ladder reads it after each shape, the trainer with each step's figures) rather
+ * than a hung program. One edge is left (found by reading, not seen): the consumers' 128 threads
+ * wait on a full barrier each on their own, so if one gives up just as the phase completes, it
+ * leaves while the others go on to the epilogue's named barrier and wait there for it; stream-K's
+ * flag wait avoids this (one thread waits, bar.red shares the outcome), the mbarrier waits do not
+ * yet. Only an already broken pipeline can get there.
+ */
+#ifndef MATMUL_HOPPER_CUH
+#define MATMUL_HOPPER_CUH
+
+#include <stdint.h>
+#include <algorithm>
+#include <type_traits>
+#include <cuda_fp8.h>  // __nv_fp8_e4m3, __nv_fp8_e5m2: the FP8 operands' element types
+#include "../kernels.cuh"  // swiglu8, swiglu_backward8, bf16x8; through it lib/attention.cuh: tma_tensor_map (the
+                           // encoded-map cache), attn_smem_u32, attn_allow_smem, attn_pack_bf16
+
+constexpr int HOP_BM = 128, HOP_BN = 256, HOP_BK = 64, HOP_STAGES = 4, HOP_THREADS = 384;
+// A k-block's depth for operands of type T: 128-byte rows, 64 bf16 (HOP_BK) or 128 FP8 elements, so
+// the tiles, the ring and the swizzle are the same bytes for both.
+template <typename T>
+constexpr int hop_bk = 128 / (int)sizeof(T);
+template <typename T>
+static int hopper_k_blocks(int K) { return (K + hop_bk<T> - 1) / hop_bk<T>; }
+constexpr int HOP_PANEL_BYTES = 64 * 64 * 2;         // one [64][64] bf16 panel
+constexpr int HOP_A_BYTES = HOP_BM * HOP_BK * 2;       // 16 KiB: 2 panels
+constexpr int HOP_B_BYTES = HOP_BN * HOP_BK * 2;       // 32 KiB: 4 panels
+constexpr int HOP_RING_BYTES = HOP_STAGES * (HOP_A_BYTES + HOP_B_BYTES);
+constexpr int HOP_OUT_BUF_BYTES = 64 * 128, HOP_OUT_BUFS = 2;               // version 5: a consumer's staging
+constexpr int HOP_OUT_BYTES = 2 * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES;         // 32 KiB for the two consumers
+// The ring, version 5's staging buffers, and the barriers: 192 KiB + 64 B, or 224 KiB + 64 B (of 227 KiB).
+constexpr int hopper_smem_bytes(bool tma_store) {
+    return HOP_RING_BYTES + (tma_store ? HOP_OUT_BYTES : 0) + 2 * HOP_STAGES * 8;
+}
+constexpr int HOP_PROD_REGS = 40, HOP_CONS_REGS = 232;  // 128 * 40 + 256 * 232 = 64512 <= 65536
+constexpr int HOP_GROUP_M = 8;                          // versions 4 and 5: tile rows per group
+constexpr int HOP_WAIT_TRIES = 1 << 20, HOP_WAIT_HINT_NS = 1000;
+
+// Why a kernel gave up, raised in mm_error (0: it did not). A wait that runs past its bound raises
+// MM_TIMEOUT and returns; MM_MISALIGNED: the shared memory was not 1024-byte aligned, as the
+// 128-byte swizzle needs. The flag stays raised until mm_error_take clears it.
+enum { MM_OK = 0, MM_TIMEOUT = 1, MM_MISALIGNED = 2 };
+__device__ int mm_error;
+
+static int mm_error_take(void) {  // reads and clears the flag (the device must be idle)
+    int e = MM_OK;
+    CUDA_CHECK(cudaMemcpyFromSymbol(&e, mm_error, sizeof(int)));
+    const int zero = MM_OK;
+    CUDA_CHECK(cudaMemcpyToSymbol(mm_error, &zero, sizeof(int)));
+    return e;
+}
+
+static const char* mm_error_text(int error) {
+    return error == MM_TIMEOUT ? "an mbarrier wait timed out" : "shared memory not 1024-byte aligned";
+}
+
+// The register epilogue's store (the ladder's versions 2 to 4): c[at], c[at + 1] = v0, v1 as bf16,
+// or += in fp32. The caller checks bounds; a pair starts at an even column of a row of even
+// length, so it is 4- or 8-byte aligned.
+template <typename OutT>
+static __device__ __forceinline__ void mm_store_pair(OutT* c, long at, float v0, float v1) {
+    if constexpr (sizeof(OutT) == 2) {
+        *reinterpret_cast<__nv_bfloat162*>(c + at) = __floats2bfloat162_rn(v0, v1);
+    } else {
+        float2* p = reinterpret_cast<float2*>(c + at);
+        float2 old = *p;
+        old.x += v0;
+        old.y += v1;
+        *p = old;
+    }
+}
+
+// Tile t of the walk, as (tile row tm, tile column tn): groups of group_m tile rows, each group
+// walked column by column (group_m = 1: row by row, in launch order). Consecutive tiles share B's
+// column tile and, within a column, A's row tiles of one group, so a grid's worth of tiles in
+// flight reads about group_m row tiles of A and grid/group_m column tiles of B.
+static __host__ __device__ __forceinline__ void hopper_tile_of(int t, int tiles_m, int tiles_n, int group_m, int* tm,
+                                                           int* tn) {
+    const int per_group = group_m * tiles_n, first = t / per_group * group_m;
+    const int rows = min(tiles_m - first, group_m), in_group = t % per_group;
+    *tm = first + in_group % rows;
+    *tn = in_group / rows;
+}
+
+// Unit `unit` of a walk of tiles x splits units: its tile's first row m0 and column n0, its split,
+// and the split's k-blocks kb0 .. kb1-1 (k_blocks cut in `splits` nearly equal runs, none empty
+// while splits <= k_blocks).
+struct HopperUnit {
+    int m0, n0, split, kb0, kb1;
+};
+static __device__ __forceinline__ HopperUnit hopper_unit(int unit, int tiles_m, int tiles_n, int tile_n, int group_m,
+                                                         int k_blocks, int splits) {
+    const int tiles = tiles_m * tiles_n, split = unit / tiles;
+    int tm, tn;
+    hopper_tile_of(unit % tiles, tiles_m, tiles_n, group_m, &tm, &tn);
+    return {tm * HOP_BM, tn * tile_n, split, split * k_blocks / splits, (split + 1) * k_blocks / splits};
+}
+
+// mbar wait that gives up: false (and MM_TIMEOUT raised) after HOP_WAIT_TRIES tries, or at once
+// (within 1024 tries) when some other thread of the launch has given up already, so that a broken
+// pipeline costs a launch about one bound, not one per wave of blocks.
+static __device__ __forceinline__ bool hopper_wait(uint32_t bar, uint32_t parity) {
+    for (int i = 0; i < HOP_WAIT_TRIES; ++i) {
+        if (mbar_try_wait(bar, parity, HOP_WAIT_HINT_NS)) return true;
+        if ((i & 1023) == 1023 && *(volatile int*)&mm_error != MM_OK) return false;
+    }
+    atomicExch(&mm_error, MM_TIMEOUT);
+    return false;
+}
+
+// The epilogues (the kernel's EPI): versions 3 and 4 store from registers; version 5 stages C in
+// shared memory and stores it by TMA; version 6 does the same with the next kernel's work fused in:
+// the residual added (y = x W^T + residual), or SwiGLU (gate_up and act = silu(gate) * up), or, in
+// the down matrix's input gradient, SwiGLU's backward (d_gate_up from d_mlp_act = dy W and gate_up);
+// version 7 is version 5's on a stream-K walk, where a piece of a tile hands its partial to the
+// tile's owner.
+enum HopperEpilogue {
+    HOP_EPI_REGISTERS,
+    HOP_EPI_TMA,
+    HOP_EPI_RESIDUAL,
+    HOP_EPI_SWIGLU,
+    HOP_EPI_SWIGLU_BWD,
+    HOP_EPI_STREAM_K
+};
+
+// Version 7's stream-K walk. The k-blocks of all tiles, tile after tile in the walk's order
+// (tiles x k_blocks in all), are cut in gridDim.x nearly equal contiguous ranges, one a block, so
+// that every SM gets the same share of the products; a range may start and end inside a tile.
+// Block b's units are the tiles its range touches, each clipped to the range. A tile's first piece
+// (k-block 0 on) belongs to its owner, the block whose range it is; every later piece is the first
+// unit of the next blocks' ranges. Such a block stores that piece's fp32 partial in its slot of the
+// workspace and raises its flag; the owner, after its own piece (the last unit of its range), waits
+// for the flags of blocks b+1, b+2, ... in turn and adds their partials in that order, then stores
+// the tile as version 5 does. The sum's order is fixed by the shape and the grid, never by timing.
+// Each block writes at most one partial, so the workspace is one tile a block (128 KiB, 16.5 MiB on
+// 132 SMs). A flag holds the number of the launch that wrote it (epoch), so no launch need clear
+// them. The owner waits only on blocks of higher index, which start their ranges with the awaited
+// piece; blocks are dispatched in index order and the grid is one block an SM, so they are running.
+// The other epilogues take an empty one (hopper_launch's default) and never read it.
+struct HopperStreamK {
+    float4* partials;  // [grid][2 consumers][HOP_BN / 8][128 threads]: d[j] of each consumer thread
+    int* flags;        // [grid][2 consumers]: = epoch once that consumer's partial is written
+    int epoch;         // this launch's number (from 1); flags of other launches never hold it
+};
+constexpr int HOP_SK_BARRIER = 3;  // named barriers 3, 4: the two consumers' fix-up waits (1, 2: staging)
+
+// The first k-block (over all tiles, tile after tile) of block b's range among `blocks`.
+static __device__ __forceinline__ long hopper_sk_begin(int b, long total, int blocks) { return b * total / blocks; }
+
+// Version 7: a piece of a tile that another block finishes, by all 128 threads of consumer cw: its
+// fp32 accumulator into this block's workspace slot in accumulator order (thread tid's d[j] at
+// [j][tid], so a warp's store is 512 contiguous bytes, and the owner's same thread reads it back),
+// then the flag raised once every thread's stores are visible at gpu scope.
+static __device__ __forceinline__ void hopper_sk_put(const float (&acc)[HOP_BN / 8][4], const HopperStreamK& sk,
+                                                     int cw) {
+    const int tid = threadIdx.x & 127, slot = 2 * blockIdx.x + cw;
+    float4* dst = sk.partials + (size_t)slot * (HOP_BN / 8) * 128 + tid;
+#pragma unroll
+    for (int j = 0; j < HOP_BN / 8; ++j) __stcg(dst + j * 128, make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]));
+    __threadfence();
+    named_barrier(HOP_SK_BARRIER + cw, 128);
+    if (tid == 0) store_release_gpu(sk.flags + slot, sk.epoch);
+}
+
+// A flag wait that gives up like hopper_wait: false (and MM_TIMEOUT raised) after HOP_WAIT_TRIES
+// tries HOP_WAIT_HINT_NS apart, or within 1024 tries once another thread of the launch has given up.
+static __device__ __forceinline__ bool hopper_wait_flag(const int* flag, int value) {
+    for (int i = 0; i < HOP_WAIT_TRIES; ++i) {
+        if (load_acquire_gpu(flag) == value) return true;
+        if ((i & 1023) == 1023 && *(volatile int*)&mm_error != MM_OK) return false;
+        __nanosleep(HOP_WAIT_HINT_NS);
+    }
+    atomicExch(&mm_error, MM_TIMEOUT);
+    return false;
+}
+
+// Version 7, the fix-up of a tile this block owns but did not finish, by all 128 threads of consumer
+// cw: its last `rest` k-blocks are the first pieces of the ranges of blocks blockIdx.x + 1, + 2, ...
+// (of `total` k-blocks among gridDim.x); their partials are added to acc in that order, each once
+// its flag holds this launch's epoch (thread 0 waits; the barrier passes its verdict and orders the
+// reads after its acquire; the reads skip L1, which may hold an earlier launch's lines). False when
+// a wait timed out.
+static __device__ __forceinline__ bool hopper_sk_fixup(float (&acc)[HOP_BN / 8][4], const HopperStreamK& sk, int cw,
+                                                       int rest, long total) {
+    const int tid = threadIdx.x & 127;
+    for (int b = blockIdx.x + 1; rest > 0; ++b) {
+        const int slot = 2 * b + cw;
+        const bool seen = tid != 0 || hopper_wait_flag(sk.flags + slot, sk.epoch);
+        if (!named_barrier_and(HOP_SK_BARRIER + cw, 128, seen)) return false;
+        const float4* src = sk.partials + (size_t)slot * (HOP_BN / 8) * 128 + tid;
+#pragma unroll
+        for (int j = 0; j < HOP_BN / 8; ++j) {
+            const float4 p = __ldcg(src + j * 128);
+            acc[j][0] += p.x, acc[j][1] += p.y, acc[j][2] += p.z, acc[j][3] += p.w;
+        }
+        rest -= (int)(hopper_sk_begin(b + 1, total, gridDim.x) - hopper_sk_begin(b, total, gridDim.x));
+    }
+    return true;
+}
+
+// Version 6's operands beyond A, B and C (unused by the other epilogues), and version 8's scales. SwiGLU: the kernel's B
+// map (tm_b) is W's gate half [F][K] and b_up its up half, C's map (tm_c) gate_up's gate half [M][F]
+// (row stride 2F) and c_up its up half, act the map of act [M][F]. Residual: [M][N], C's shape.
+// SwiGLU's backward (N = F): C's map is d_gate_up's gate half [M][F] (row stride 2F) and c_up its up
+// half; gate_up [M][2F], the forward's, is read.
+struct HopperFusion {
+    CUtensorMap b_up, c_up, act;
+    const bf16* residual;
+    const bf16* gate_up;
+    const float *a_scale_inv, *b_scale_inv;  // version 8 (FP8 operands): stored -> real, each a device float
+};
+
+// Where thread tid (0..127) of a consumer holds its accumulator (lib/ptx.cuh): rows r and r + 8 of
+// the consumer's 64, columns 8j + 2i and 8j + 2i + 1 of d[j]. Since (r + 8) % 8 = r % 8, both rows
+// fall in the same swizzle phase.
+static __device__ __forceinline__ int hopper_row_of(int tid) { return (tid >> 5) * 16 + ((tid & 31) >> 2); }
+static __device__ __forceinline__ int hopper_pair_of(int tid) { return tid & 3; }
+
+// One chunk of a consumer's epilogue, run by all 128 threads of consumer cw: 64 rows x 128 bytes of
+// T (64 bf16 or 32 fp32 columns), whose word for row r + 8h and columns 8jj + 2i, +1 is word(jj, h)
+// (two bf16 packed in a uint32_t, or a float2), staged in one of the consumer's two buffers in the
+// 128-byte swizzle and stored by one TMA copy at (c0, t0, batch) of map (added to C when add).
+// *chunks counts the consumer's chunks over its walk: chunk e goes to buffer e % 2, once the copy of
+// chunk e - 2 has read it.
+template <typename T, typename Word>
+static __device__ __forceinline__ void hopper_stage_store(unsigned char* bufs, int cw, int* chunks,
+                                                          const CUtensorMap* map, int c0, int t0, int batch, bool add,
+                                                          Word word) {
+    constexpr int J_PER_CHUNK = 128 / sizeof(T) / 8;  // the chunk's d[j]
+    const int tid = threadIdx.x & 127, r = hopper_row_of(tid), i = hopper_pair_of(tid);
+    unsigned char* buf = bufs + (*chunks % HOP_OUT_BUFS) * HOP_OUT_BUF_BYTES;
+    if (tid == 0) bulk_wait_read_but<HOP_OUT_BUFS - 1>();  // the copy that used buf last has read it
+    named_barrier(1 + cw, 128);
+#pragma unroll
+    for (int jj = 0; jj < J_PER_CHUNK; ++jj) {
+        // columns 8jj + 2i, +1: byte b of a 128-byte row, stored (128-byte swizzle) in 16-byte slot
+        // (b / 16) ^ (row % 8); the 8 rows of one warp's store fall in 8 different bank groups
+        const int b = (8 * jj + 2 * i) * (int)sizeof(T);
+        const int at = ((((b >> 4) ^ (r & 7)) << 4) | (b & 15)) + r * 128;
+        *reinterpret_cast<decltype(word(0, 0))*>(buf + at) = word(jj, 0);
+        *reinterpret_cast<decltype(word(0, 0))*>(buf + at + 8 * 128) = word(jj, 1);
+    }
+    wg_fence_proxy_async();  // the writes above, before the copy engine reads them
+    named_barrier(1 + cw, 128);
+    if (tid == 0) {
+        if (add) tma_store_3d<true>(map, attn_smem_u32(buf), c0, t0, batch);
+        else tma_store_3d<false>(map, attn_smem_u32(buf), c0, t0, batch);
+    }
+    ++*chunks;
+}
+
+// The entries of a bf16 matrix [M][N] (row stride ld) that match this thread's accumulator in one
+// chunk of 64 columns from col0: rows row0 + r (h = 0) and row0 + r + 8 (h = 1), columns col0 + 8jj
+// + 2i, +1, a pair a word; zero outside [M][N].
+static __device__ __forceinline__ void hopper_load_pairs(uint32_t (&pairs)[8][2], const bf16* base, long ld, int row0,
+                                                         int col0, int M, int N) {
+    const int tid = threadIdx.x & 127, r = hopper_row_of(tid), i = hopper_pair_of(tid);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + r + 8 * h, col = col0 + 8 * jj + 2 * i;  // N even: the pair is in the row
+            const unsigned* at = reinterpret_cast<const unsigned*>(base + row * ld + col);
+            pairs[jj][h] = row < M && col < N ? __ldg(at) : 0u;
+        }
+}
+
+// What version 6's epilogue reads for the chunk of 64 columns from col0, one chunk ahead of its use
+// (the tile's first chunk before its products), so that the loads fly under other work: the
+// residual's entries into pre[0]; SwiGLU's backward, gate's and up's of the same features into pre[0]
+// and pre[1] (gate_up [M][2N], N = F). The other epilogues read nothing.
+template <int EPI>
+static __device__ __forceinline__ void hopper_prefetch(uint32_t (&pre)[2][8][2], const HopperFusion& fuse, int row0,
+                                                       int col0, int M, int N) {
+    if constexpr (EPI == HOP_EPI_RESIDUAL) hopper_load_pairs(pre[0], fuse.residual, N, row0, col0, M, N);
+    if constexpr (EPI == HOP_EPI_SWIGLU_BWD) {
+        hopper_load_pairs(pre[0], fuse.gate_up, 2L * N, row0, col0, M, N);
+        hopper_load_pairs(pre[1], fuse.gate_up + N, 2L * N, row0, col0, M, N);
+    }
+}
+
+static __device__ __forceinline__ float hopper_bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
+static __device__ __forceinline__ float hopper_bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+// Versions 5 and 6's epilogue, run by all 128 threads of consumer cw: its 64 x 256 accumulator
+// (rows row0 .. row0+63, columns from n0; splits > 1: split `batch`'s partial) in chunks of 128
+// bytes a row. EPI_TMA: C itself, bf16 or fp32 (added to C when add). EPI_RESIDUAL: bf16 acc +
+// residual, whose chunk 0 the caller read into pre[0] before the tile's products. EPI_SWIGLU: the
+// 256 columns are gate columns n0 .. n0+127 (d[0..15]) and the up columns of the same features
+// (d[16..31]), so this thread holds gate and up of each feature it holds; per 64 features it stores
+// gate, up and act = swiglu8(gate, up) of the bf16-rounded values, as swiglu_forward computes from
+// the stored gate_up. EPI_SWIGLU_BWD: the 256 columns are d_mlp_act's features n0 .., rounded to
+// bf16 as a stored d_mlp_act would be; with gate and up of the same entries (read a chunk ahead
+// into pre, chunk 0 by the caller) swiglu_backward8 makes d_gate and d_up, stored per 64 features
+// into d_gate_up's two halves: swiglu_backward's bits on that d_mlp_act. Chunks wholly past M or N
+// (SwiGLU: F) are skipped, the same for the whole warpgroup; TMA clips the others.
+template <int EPI, typename T>
+static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_BN / 8][4], uint32_t (&pre)[2][2][8][2],
+                                                        const CUtensorMap* tm_c, const HopperFusion& fuse,
+                                                        unsigned char* bufs, int cw, int row0, int n0, int batch,
+                                                        bool add, int M, int N, int* chunks) {
+    constexpr int COLS = 128 / sizeof(T), J_PER_CHUNK = COLS / 8;  // a chunk's columns, and its d[j]
+    if (row0 >= M) return;
+    if constexpr (EPI == HOP_EPI_SWIGLU) {
+#pragma unroll
+        for (int q = 0; q < HOP_BN / 2 / COLS; ++q) {
+            const int f0 = n0 + q * COLS;
+            if (f0 >= N) break;
+            uint32_t gate[J_PER_CHUNK][2], up[J_PER_CHUNK][2], act[J_PER_CHUNK][2];
+#pragma unroll
+            for (int jj = 0; jj < J_PER_CHUNK; ++jj)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int j = q * J_PER_CHUNK + jj;
+                    gate[jj][h] = attn_pack_bf16(acc[j][2 * h], acc[j][2 * h + 1]);
+                    up[jj][h] = attn_pack_bf16(acc[j + HOP_BN / 16][2 * h], acc[j + HOP_BN / 16][2 * h + 1]);
+                }
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int p = 0; p < J_PER_CHUNK / 4; ++p) {  // 8 features at a time, as swiglu8 takes them
+                    bf16x8 g, u;
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+                        reinterpret_cast<uint32_t*>(g.v)[w] = gate[4 * p + w][h];
+                        reinterpret_cast<uint32_t*>(u.v)[w] = up[4 * p + w][h];
+                    }
+                    const bf16x8 y = swiglu8(g, u);
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) act[4 * p + w][h] = reinterpret_cast<const uint32_t*>(y.v)[w];
+                }
+            const CUtensorMap* maps[3] = {tm_c, &fuse.c_up, &fuse.act};  // gate, up, act: 64 features each
+            const uint32_t(*words[3])[2] = {gate, up, act};
+#pragma unroll
+            for (int o = 0; o < 3; ++o)
+                hopper_stage_store<T>(bufs, cw, chunks, maps[o], f0, row0, 0, false,
+                                      [&](int jj, int h) { return words[o][jj][h]; });
+        }
+    } else if constexpr (EPI == HOP_EPI_SWIGLU_BWD) {
+#pragma unroll
+        for (int q = 0; q < HOP_BN / COLS; ++q) {
+            const int f0 = n0 + q * COLS;
+            if (f0 >= N) break;
+            uint32_t d_gate[J_PER_CHUNK][2], d_up[J_PER_CHUNK][2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int p = 0; p < J_PER_CHUNK / 4; ++p) {  // 8 features at a time, as swiglu_backward8 takes them
+                    bf16x8 g, u, dy, dg, du;
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+                        const int jj = 4 * p + w;
+                        const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
+                        reinterpret_cast<uint32_t*>(dy.v)[w] = attn_pack_bf16(d[2 * h], d[2 * h + 1]);
+                        reinterpret_cast<uint32_t*>(g.v)[w] = pre[q % 2][0][jj][h];
+                        reinterpret_cast<uint32_t*>(u.v)[w] = pre[q % 2][1][jj][h];
+                    }
+                    swiglu_backward8(&dg, &du, g, u, dy);
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+                        d_gate[4 * p + w][h] = reinterpret_cast<const uint32_t*>(dg.v)[w];
+                        d_up[4 * p + w][h] = reinterpret_cast<const uint32_t*>(du.v)[w];
+                    }
+                }
+            if (q + 1 < HOP_BN / COLS)  // the next chunk's gate and up, in flight while this one is staged
+                hopper_prefetch<EPI>(pre[(q + 1) % 2], fuse, row0, f0 + COLS, M, N);
+            hopper_stage_store<T>(bufs, cw, chunks, tm_c, f0, row0, 0, false,
+                                  [&](int jj, int h) { return d_gate[jj][h]; });
+            hopper_stage_store<T>(bufs, cw, chunks, &fuse.c_up, f0, row0, 0, false,
+                                  [&](int jj, int h) { return d_up[jj][h]; });
+        }
+    } else {
+#pragma unroll
+        for (int q = 0; q < HOP_BN / COLS; ++q) {
+            const int col0 = n0 + q * COLS;
+            if (col0 >= N) break;
+            if constexpr (EPI == HOP_EPI_RESIDUAL) {
+                if (q + 1 < HOP_BN / COLS)  // the next chunk's, in flight while this one is staged
+                    hopper_prefetch<EPI>(pre[(q + 1) % 2], fuse, row0, col0 + COLS, M, N);
+                hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, false, [&](int jj, int h) {
+                    const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
+                    const uint32_t rw = pre[q % 2][0][jj][h];
+                    return attn_pack_bf16(d[2 * h] + hopper_bf16_lo(rw), d[2 * h + 1] + hopper_bf16_hi(rw));
+                });
+            } else if constexpr (sizeof(T) == 2) {
+                hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, add, [&](int jj, int h) {
+                    const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
+                    return attn_pack_bf16(d[2 * h], d[2 * h + 1]);
+                });
+            } else {
+                hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, add, [&](int jj, int h) {
+                    const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
+                    return make_float2(d[2 * h], d[2 * h + 1]);
+                });
+            }
+        }
+    }
+}
+
+// EPI (HopperEpilogue): HOP_EPI_REGISTERS, versions 3 and 4, stores to c from registers (tm_c
+// unused); the others store through tm_c (c unused): HOP_EPI_TMA (version 5) bf16 C, fp32 C added
+// to (splits 1), or the fp32 partials of `splits` > 1 (batch = split); version 6's fused epilogues
+// (splits 1) with the operands of `fuse`. HOP_EPI_SWIGLU walks tiles of 128 features (N = F): its
+// B tile is W's 128 gate rows of them and the 128 up rows (tm_b and fuse.b_up), two boxes a stage.
+// HOP_EPI_SWIGLU_BWD is the plain input gradient's product (N = F), tile for tile.
+// HOP_EPI_STREAM_K (version 7, splits 1): version 5's epilogue on the stream-K walk of `sk`.
+template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16>
+__global__ void __launch_bounds__(HOP_THREADS, 1)
+    hopper_matmul_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
+                         const __grid_constant__ CUtensorMap tm_c, const __grid_constant__ HopperFusion fuse,
+                         OutT* __restrict__ c, int M, int N, int K, int group_m, int splits,
+                         const __grid_constant__ HopperStreamK sk) {
+    constexpr bool TMA_STORE = EPI != HOP_EPI_REGISTERS, SWIGLU = EPI == HOP_EPI_SWIGLU;
+    constexpr bool STREAM_K = EPI == HOP_EPI_STREAM_K;
+    constexpr int TILE_N = SWIGLU ? HOP_BN / 2 : HOP_BN;  // the columns of C (SwiGLU: features) a tile covers
+    constexpr bool FP8 = sizeof(AT) == 1;                 // version 8
+    constexpr int BK = hop_bk<AT>;
+    static_assert(sizeof(AT) == sizeof(BT) && (!FP8 || std::is_same_v<BT, __nv_fp8_e4m3>),
+                  "operands: both bf16, or FP8 with B in E4M3 (the trainer's pairs, lib/ptx.cuh)");
+    static_assert(!FP8 || (A_K && B_K && (EPI == HOP_EPI_TMA)),
+                  "FP8 wgmma takes K-major operands only (the TN form), stored by version 5's epilogue");
+    static_assert(!SWIGLU || (A_K && B_K), "SwiGLU fuses into the forward, whose operands are K-major");
+    static_assert(EPI != HOP_EPI_SWIGLU_BWD || (A_K && !B_K && sizeof(OutT) == 2),
+                  "SwiGLU's backward fuses into an input gradient: dy K-major, W N-major, bf16 out");
+    extern __shared__ __align__(1024) unsigned char hopper_smem[];
+    const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * HOP_A_BYTES;
+    unsigned char* out_bufs = hopper_smem + HOP_RING_BYTES;  // version 5: consumer c's are the c-th pair
+    const uint32_t full = a_tiles + HOP_RING_BYTES + (TMA_STORE ? HOP_OUT_BYTES : 0);  // 8 bytes a barrier
+    const uint32_t empty = full + 8 * HOP_STAGES;
+    if (a_tiles % 1024 != 0) {  // the same for every thread: all leave
+        if (threadIdx.x == 0) atomicExch(&mm_error, MM_MISALIGNED);
+        return;
+    }
+    const int tiles_m = (M + HOP_BM - 1) / HOP_BM, tiles_n = (N + TILE_N - 1) / TILE_N;
+    const int units = tiles_m * tiles_n * splits, k_blocks = (K + BK - 1) / BK;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
+    // The block's units: first, first + step, ... below last; version 7: the tiles its range
+    // sk_begin .. sk_end-1 of all k-blocks touches, each clipped to it (block_unit).
+    int first = blockIdx.x, last = units, step = gridDim.x;
+    const long sk_total = STREAM_K ? (long)units * k_blocks : 0;
+    const long sk_begin = hopper_sk_begin(blockIdx.x, sk_total, gridDim.x);
+    const long sk_end = hopper_sk_begin(blockIdx.x + 1, sk_total, gridDim.x);
+    if constexpr (STREAM_K) first = (int)(sk_begin / k_blocks), last = (int)((sk_end - 1) / k_blocks) + 1, step = 1;
+    auto block_unit = [&](int unit) {
+        HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
+        if constexpr (STREAM_K) {
+            const long tile_begin = (long)unit * k_blocks;
+            u.kb0 = sk_begin > tile_begin ? (int)(sk_begin - tile_begin) : 0;
+            u.kb1 = sk_end < tile_begin + k_blocks ? (int)(sk_end - tile_begin) : k_blocks;
+        }
+        return u;
+    };
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < HOP_STAGES; ++s) {
+            mbar_init(full + 8 * s, 1);   // the producer's arrive (with the expected bytes)
+            mbar_init(empty + 8 * s, 8);  // one arrive per consumer warp
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // producer
+        setmaxnreg_dec<HOP_PROD_REGS>();
+        if (threadIdx.x == 0) {
+            int t = 0;  // k-blocks loaded so far
+            for (int unit = first; unit < last; unit += step) {
+                const HopperUnit u = block_unit(unit);
+                const int a_panels = min(2, (M - u.m0 + 63) / 64), b_panels = min(4, (N - u.n0 + 63) / 64);
+                const uint32_t bytes = (A_K ? HOP_A_BYTES : a_panels * HOP_PANEL_BYTES) +
+                                       (B_K ? HOP_B_BYTES : b_panels * HOP_PANEL_BYTES);
+                for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
+                    const int st = t % HOP_STAGES, use = t / HOP_STAGES;
+                    const uint32_t bar = full + 8 * st;
+                    // the stage's previous use (k-block t - STAGES) is done once its phase use-1 completed
+                    if (use > 0 && !hopper_wait(empty + 8 * st, (use - 1) & 1)) return;
+                    mbar_expect_tx(bar, bytes);
+                    const uint32_t as = a_tiles + st * HOP_A_BYTES, bs = b_tiles + st * HOP_B_BYTES;
+                    const int k0 = kb * BK;
+                    if constexpr (A_K) {
+                        tma_load_3d(as, &tm_a, k0, u.m0, 0, bar);  // box {64 k, 128 m}
+                    } else {
+                        for (int p = 0; p < a_panels; ++p)  // boxes {64 m, 64 k}
+                            tma_load_3d(as + p * HOP_PANEL_BYTES, &tm_a, u.m0 + 64 * p, k0, 0, bar);
+                    }
+                    if constexpr (SWIGLU) {  // boxes {64 k, 128 features}: gate rows, then up rows
+                        tma_load_3d(bs, &tm_b, k0, u.n0, 0, bar);
+                        tma_load_3d(bs + HOP_B_BYTES / 2, &fuse.b_up, k0, u.n0, 0, bar);
+                    } else if constexpr (B_K) {
+                        tma_load_3d(bs, &tm_b, k0, u.n0, 0, bar);  // box {64 k, 256 n}
+                    } else {
+                        for (int p = 0; p < b_panels; ++p)  // boxes {64 n, 64 k}
+                            tma_load_3d(bs + p * HOP_PANEL_BYTES, &tm_b, u.n0 + 64 * p, k0, 0, bar);
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    // consumers
+    setmaxnreg_inc<HOP_CONS_REGS>();
+    const int cw = wg - 1;
+    const bool store_thread = TMA_STORE && (threadIdx.x & 127) == 0;  // issues the consumer's TMA stores
+    float acc[HOP_BN / 8][4];  // wgmma's accumulator layout (lib/ptx.cuh): d[j] holds columns 8j .. 8j+7
+    // version 8: real = alpha x the product of the stored FP8 values, read once a launch (the scales are the device's)
+    const float alpha = FP8 ? *fuse.a_scale_inv * *fuse.b_scale_inv : 1.0f;
+    int t = 0;                // k-blocks consumed so far
+    int chunks = 0;           // versions 5, 6: chunks this consumer has staged
+    uint32_t pre[2][2][8][2];  // version 6: what a chunk's epilogue reads, one chunk ahead (hopper_prefetch)
+    for (int unit = first; unit < last; unit += step) {
+        const HopperUnit u = block_unit(unit);
+#pragma unroll
+        for (int j = 0; j < HOP_BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+        hopper_prefetch<EPI>(pre[0], fuse, u.m0 + 64 * cw, u.n0, M, N);  // the first chunk's, under the products
+        for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
+            const int st = t % HOP_STAGES;
+            if (!hopper_wait(full + 8 * st, (t / HOP_STAGES) & 1)) {
+                wg_wait<0>();                          // leave no product in flight
+                if (store_thread) bulk_wait<false>();  // nor a store reading shared memory
+                return;
+            }
+            const uint32_t as = a_tiles + st * HOP_A_BYTES + cw * (A_K ? 64 * 128 : HOP_PANEL_BYTES);
+            const uint32_t bs = b_tiles + st * HOP_B_BYTES;
+            if constexpr (FP8) {
+                // Version 8: the tensor cores sum FP8 products in less than fp32 (the promotion in
+                // doc/matmul.md), so each k-block's 128 k are summed afresh, 128 columns at a time
+                // (4 m64n128k32 into part, the first overwriting it), and then added, times alpha,
+                // into the fp32 totals acc by the CUDA cores. The stage is free once both halves are.
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float part[HOP_BN / 16][4];
+                    wg_fence();
+#pragma unroll
+                    for (int kk = 0; kk < BK / 32; ++kk)
+                        wg_mma_fp8_n128<std::is_same_v<AT, __nv_fp8_e5m2>>(
+                            part, wg_desc(as + kk * 32), wg_desc(bs + h * (HOP_BN / 2) * 128 + kk * 32), kk > 0);
+                    wg_commit();
+                    wg_wait<0>();
+                    wg_fence_regs(part);
+#pragma unroll
+                    for (int j = 0; j < HOP_BN / 16; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            acc[h * HOP_BN / 16 + j][e] = fmaf(alpha, part[j][e], acc[h * HOP_BN / 16 + j][e]);
+                }
+                if (lane == 0) mbar_arrive(empty + 8 * st);
+                continue;
+            }
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < HOP_BK / 16; ++kk) {
+                const uint64_t da = wg_desc(as + (A_K ? kk * 32 : kk * 16 * 128));
+                const uint64_t db = B_K ? wg_desc(bs + kk * 32) : wg_desc(bs + kk * 16 * 128, HOP_PANEL_BYTES);
+                wg_mma_ss<HOP_BN, 1, A_K ? 0 : 1, B_K ? 0 : 1>(acc, da, db);
+            }
+            wg_commit();
+            wg_wait<1>();  // k-block kb-1's products are done: its stage can be refilled
+            if (kb > u.kb0 && lane == 0) mbar_arrive(empty + 8 * ((t - 1) % HOP_STAGES));
+        }
+        if constexpr (!FP8) {  // (version 8 waited for each k-block and handed its stage back)
+            wg_wait<0>();
+            wg_fence_regs(acc);
+            if (u.kb1 > u.kb0 && lane == 0) mbar_arrive(empty + 8 * ((t - 1) % HOP_STAGES));
+        }
+
+        if constexpr (STREAM_K) {
+            if (u.kb0 > 0) {  // a later piece of a tile: its owner adds it
+                hopper_sk_put(acc, sk, cw);
+                continue;
+            }
+            if (u.kb1 < k_blocks && !hopper_sk_fixup(acc, sk, cw, k_blocks - u.kb1, sk_total)) {
+                if (store_thread) bulk_wait<false>();  // the wait timed out: leave no store reading shared memory
+                return;
+            }
+        }
+        if constexpr (TMA_STORE) {
+            hopper_store_tma<STREAM_K ? HOP_EPI_TMA : EPI, OutT>(acc, pre, &tm_c, fuse,
+                                                                 out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw,
+                                                                 u.m0 + 64 * cw, u.n0, u.split,
+                                                                 sizeof(OutT) == 4 && splits == 1, M, N, &chunks);
+        } else {
+            // Versions 3 and 4: warp w of the consumer holds rows 16w + g and 16w + g + 8 of its 64,
+            // columns 8j + 2i and 8j + 2i + 1 of d[j] (lane = 4g + i).
+            const int row = u.m0 + cw * 64 + (warp & 3) * 16 + (lane >> 2), col0 = u.n0 + 2 * (lane & 3);
+#pragma unroll
+            for (int j = 0; j < HOP_BN / 8; ++j) {
+                const int col = col0 + 8 * j;
+                if (col >= N) continue;
+                if (row < M) mm_store_pair(c, (long)row * N + col, acc[j][0], acc[j][1]);
+                if (row + 8 < M) mm_store_pair(c, (long)(row + 8) * N + col, acc[j][2], acc[j][3]);
+            }
+        }
+    }
+    if (store_thread) bulk_wait<false>();  // every store done before the block's shared memory goes
+}
+
+// One launch of the kernel, its shared memory allowed first (past the 48 KiB default).
+template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16>
+static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
+                          const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
+                          cudaStream_t s, const HopperStreamK& sk = {}) {
+    constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS);
+    attn_allow_smem(hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT>, smem);
+    hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT>
+        <<<grid, HOP_THREADS, smem, s>>>(tm_a, tm_b, tm_c, fuse, c, M, N, K, group_m, splits, sk);
+    LAUNCH_CHECK();
+}
+
+// The SMs of the current device: the persistent grid's size.
+static int hopper_sms(void) {
+    static int sms = 0;
+    if (!sms) {
+        int device;
+        CUDA_CHECK(cudaGetDevice(&device));
+        CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    }
+    return sms;
+}
+
+// What the fused SwiGLU products need of their operands, or NULL when they are fine: TMA's row
+// strides and base addresses are multiples of 16 bytes, so the product's inner width K (d_model in
+// both: the gate/up forward's I, the down input gradient's O) and the features F are multiples of 8
+// (the up halves start F elements in), and every operand is 16-byte aligned. The rows N may be any
+// number: TMA zero-fills and clips the edge tiles. The one place these are checked, through the two
+// below: the trainer takes a fused path only where they say NULL, and the ladder skips what they refuse.
+static const char* hopper_swiglu_operands_problem(int N, int K, int F, const bf16* const (&operands)[4]) {
+    if (N < 1 || K < 1 || F < 1) return "empty matrices";
+    if (K % 8) return "the product's inner width (d_model) must be a multiple of 8";
+    if (F % 8) return "the features F must be a multiple of 8";
+    for (const bf16* p : operands)
+        if ((uintptr_t)p % 16) return "every operand must be 16-byte aligned";
+    return NULL;
+}
+
+// The gate/up forward's (hopper_forward_swiglu): x [N, I], W [O, I] with O = 2F.
+static const char* hopper_swiglu_problem(const bf16* gate_up, const bf16* act, const bf16* x, const bf16* W, int N,
+                                         int I, int O) {
+    if (O % 2) return "O must be even: F gate rows, then F up rows";
+    return hopper_swiglu_operands_problem(N, I, O / 2, {gate_up, act, x, W});
+}
+
+// The down input gradient's (hopper_backward_swiglu): dy [N, O], W [O, I] with I = F, gate_up and
+// d_gate_up [N, 2F].
+static const char* hopper_swiglu_backward_problem(const bf16* d_gate_up, const bf16* dy, const bf16* W,
+                                                  const bf16* gate_up, int N, int I, int O) {
+    return hopper_swiglu_operands_problem(N, O, I, {d_gate_up, dy, W, gate_up});
+}
+
+// The gate/up forward with SwiGLU fused (the ladder's version 6, the trainer's BF16 gate/up
+// forward): gate_up[N, 2F] = x[N, I] W[2F, I]^T and act[N, F] = silu(gate) * up, with the bits of
+// kernels.cuh's swiglu_forward run on the stored gate_up, in one launch; for operands that
+// hopper_swiglu_problem accepts (else it exits with that line). A tile takes 128 features: W's gate
+// rows and up rows of them, each half of W, gate_up and act a map of its own, whose edges TMA
+// zero-fills (loads) and clips (stores). One split of K, so the result repeats bit for bit.
+static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const bf16* W, int N, int I, int O,
+                                  cudaStream_t s) {
+    if (const char* problem = hopper_swiglu_problem(gate_up, act, x, W, N, I, O)) {
+        fprintf(stderr, "hopper_forward_swiglu: %s (N %d, I %d, O %d)\n", problem, N, I, O);
+        exit(1);
+    }
+    const int M = N, F = O / 2, K = I;
+    HopperFusion fuse = {};
+    fuse.b_up = tma_tensor_map(W + (size_t)F * K, K, K, F, 1, HOP_BN / 2);
+    fuse.c_up = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, 64);
+    fuse.act = tma_tensor_map(act, F, F, M, 1, 64);
+    fuse.residual = fuse.gate_up = nullptr;
+    const int tiles = ceil_div(M, HOP_BM) * ceil_div(F, HOP_BN / 2);
+    hopper_launch<true, true, bf16, HOP_EPI_SWIGLU>(
+        tma_tensor_map(x, K, K, M, 1, HOP_BM), tma_tensor_map(W, K, K, F, 1, HOP_BN / 2),
+        tma_tensor_map(gate_up, F, 2 * F, M, 1, 64), fuse, gate_up, M, F, K, std::min(tiles, hopper_sms()), HOP_GROUP_M,
+        1, s);
+}
+
+// The down matrix's input gradient with SwiGLU's backward fused (the ladder's version 6, the
+// trainer's BF16 MLP backward): d_mlp_act[N, F] = dy[N, O] W[O, I], I = F, never stored, and
+// d_gate_up[N, 2F] = [d_gate | d_up] of swiglu_backward8 on it (rounded to bf16, as it would be
+// stored) and on gate_up [N, 2F]: the bits of kernels.cuh's swiglu_backward run on this kernel's
+// plain product, in one launch; for operands that hopper_swiglu_backward_problem accepts (else it
+// exits with that line). A tile is 128 rows x 256 features of d_mlp_act, as in the plain dx; its
+// epilogue reads their gate and up entries from gate_up and stores d_gate and d_up through a map of
+// each half of d_gate_up. One split of K, so the result repeats bit for bit.
+static void hopper_backward_swiglu(bf16* d_gate_up, const bf16* dy, const bf16* W, const bf16* gate_up, int N, int I,
+                                   int O, cudaStream_t s) {
+    if (const char* problem = hopper_swiglu_backward_problem(d_gate_up, dy, W, gate_up, N, I, O)) {
+        fprintf(stderr, "hopper_backward_swiglu: %s (N %d, I %d, O %d)\n", problem, N, I, O);
+        exit(1);
+    }
+    const int M = N, F = I, K = O;  // the GEMM: d_mlp_act[M][F] = dy[M][K] W[K][F]
+    HopperFusion fuse = {};
+    fuse.c_up = tma_tensor_map(d_gate_up + F, F, 2 * F, M, 1, 64);
+    fuse.gate_up = gate_up;
+    const int tiles = ceil_div(M, HOP_BM) * ceil_div(F, HOP_BN);
+    hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD>(
+        tma_tensor_map(dy, K, K, M, 1, HOP_BM), tma_tensor_map(W, F, F, K, 1, 64),
+        tma_tensor_map(d_gate_up, F, 2 * F, M, 1, 64), fuse, d_gate_up, M, F, K, std::min(tiles, hopper_sms()),
+        HOP_GROUP_M, 1, s);
+}
+
+#endif
