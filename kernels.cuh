@@ -17,9 +17,11 @@
  *  - Every reduction accumulates in fp32, and every reduction across rows is deterministic: a
  *    fixed grid writes per-block partial sums, and a second kernel adds them in a fixed order.
  *    There are no floating-point atomics anywhere, so a run repeats bit for bit on the same GPU.
- *  - Parameter gradients are fp32 and accumulate (+=) so that micro-batches add up; they are
- *    zeroed once per optimizer step. The gradient of the residual stream is bf16 and is updated
- *    in place as the backward walks down the layers.
+ *  - Parameter gradients are fp32. Their first write in an optimizer step sets them (beta 0);
+ *    later ones (more micro-batches, the head's later chunks) add to them (+=, beta 1): every
+ *    gradient kernel takes `accumulate`, so the gradients are never zeroed (a memset of 4 bytes a
+ *    parameter) nor read back before their first write. The gradient of the residual stream is
+ *    bf16 and is updated in place as the backward walks down the layers.
  *  - Rows are read in 16-byte vectors of 8 bf16, so every row length must be a multiple of 8
  *    (train_gpt's config check enforces this before anything is allocated).
  */
@@ -89,10 +91,11 @@ __device__ float block_max(float x) {
 // Deterministic reductions
 
 // Many kernels below produce one row of partial sums per block: partials[p * stride + c] for
-// p < n_partials, c < C. This adds them up and accumulates into dst (+=). A block owns 32 columns;
+// p < n_partials, c < C. This adds them up into dst (=), or onto it (+=, accumulate). A block owns 32 columns;
 // its 32 thread rows each sum every 32nd partial row, and thread row 0 then adds the 32 sums in
 // order: a fixed order (deterministic), with enough loads in flight to run at memory speed.
-__global__ void sum_partials_kernel(float* dst, const float* partials, int n_partials, int C, int stride) {
+__global__ void sum_partials_kernel(float* dst, const float* partials, int n_partials, int C, int stride,
+                                    bool accumulate) {
     __shared__ float row_sums[32][33];  // +1: no bank conflicts on the transposed read
     int c = blockIdx.x * 32 + threadIdx.x;
     float sum = 0.0f;
@@ -103,12 +106,13 @@ __global__ void sum_partials_kernel(float* dst, const float* partials, int n_par
     if (threadIdx.y == 0 && c < C) {
         float total = 0.0f;
         for (int y = 0; y < 32; y++) total += row_sums[y][threadIdx.x];
-        dst[c] += total;
+        dst[c] = accumulate ? dst[c] + total : total;
     }
 }
 
-static void sum_partials(float* dst, const float* partials, int n_partials, int C, int stride, cudaStream_t s) {
-    sum_partials_kernel<<<ceil_div(C, 32), dim3(32, 32), 0, s>>>(dst, partials, n_partials, C, stride);
+static void sum_partials(float* dst, const float* partials, int n_partials, int C, int stride, bool accumulate,
+                         cudaStream_t s) {
+    sum_partials_kernel<<<ceil_div(C, 32), dim3(32, 32), 0, s>>>(dst, partials, n_partials, C, stride, accumulate);
     LAUNCH_CHECK();
 }
 
@@ -211,7 +215,8 @@ static void embedding_forward(bf16* out, const int* tokens, const bf16* embed, i
     LAUNCH_CHECK();
 }
 
-// Backward: dE[v, :] += sum over positions n with token[n] == v of dx[n, :].
+// Backward: dE[v, :] += sum over positions n with token[n] == v of dx[n, :]. Always +=: the
+// embedding is tied to the output head, whose backward has written all of dE before this runs.
 // Many positions share a token, so a naive scatter-add would need atomics. Instead the host sorts
 // the positions by token (a stable counting sort of the batch it already holds): bucket u holds the
 // positions of token bucket_token[u], in increasing order, at bucket_pos[bucket_start[u] ..
@@ -343,7 +348,7 @@ __global__ void rmsnorm_backward_kernel(bf16* d_residual, float* dw_partials, co
 
 // dw_partials must hold ceil(N / rmsnorm_bwd_rows(N)) * C floats.
 static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partials, const bf16* dy, const bf16* in,
-                             const bf16* weight, const float* rstd, int N, int C, cudaStream_t s) {
+                             const bf16* weight, const float* rstd, int N, int C, bool accumulate, cudaStream_t s) {
     int rows = rmsnorm_bwd_rows(N), blocks = ceil_div(N, rows);
     size_t smem = RMSNORM_BWD_WARPS * C * sizeof(float);
     static bool configured = false;  // once, for the widest row allowed, so no launch sets it again
@@ -355,7 +360,7 @@ static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partia
     rmsnorm_backward_kernel<<<blocks, 32 * RMSNORM_BWD_WARPS, smem, s>>>(d_residual, dw_partials, dy, in, weight,
                                                                          rstd, N, C, rows);
     LAUNCH_CHECK();
-    sum_partials(d_weight, dw_partials, blocks, C, C, s);
+    sum_partials(d_weight, dw_partials, blocks, C, C, accumulate, s);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -483,7 +488,7 @@ static void qk_norm_rope_forward(bf16* qkv_rot, float* rstd, const bf16* qkv, co
 static void qk_norm_rope_backward(bf16* d_qkv, float* dq_weight, float* dk_weight, float* dw_partials,
                                   const bf16* qkv, const float* rstd, const bf16* q_weight, const bf16* k_weight,
                                   const float* rope_cos, const float* rope_sin, int N, int T, int Hq, int Hkv, int D,
-                                  cudaStream_t s) {
+                                  bool accumulate, cudaStream_t s) {
     int blocks = ceil_div((size_t)N * (Hq + Hkv), QK_BWD_TASKS);
     if (D == 64)
         qk_norm_rope_backward_kernel<64><<<blocks, 32 * QK_BWD_WARPS, 0, s>>>(
@@ -492,8 +497,8 @@ static void qk_norm_rope_backward(bf16* d_qkv, float* dq_weight, float* dk_weigh
         qk_norm_rope_backward_kernel<128><<<blocks, 32 * QK_BWD_WARPS, 0, s>>>(
             d_qkv, dw_partials, qkv, rstd, q_weight, k_weight, rope_cos, rope_sin, N, T, Hq, Hkv);
     LAUNCH_CHECK();
-    sum_partials(dq_weight, dw_partials, blocks, D, 2 * D, s);
-    sum_partials(dk_weight, dw_partials + D, blocks, D, 2 * D, s);
+    sum_partials(dq_weight, dw_partials, blocks, D, 2 * D, accumulate, s);
+    sum_partials(dk_weight, dw_partials + D, blocks, D, 2 * D, accumulate, s);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -969,7 +974,7 @@ static void q8_quantize(uint8_t* codes, float* absmax, const float* x, size_t n,
 // x [N, I], W [O, I] (PyTorch's layout: one row per output feature) and y [N, O]:
 //   forward          y  = x W^T (+ residual)           bf16 out
 //   backward input   dx = dy W                         bf16 out
-//   backward weight  dW += dy^T x                      fp32 out, accumulated (beta = 1)
+//   backward weight  dW  = dy^T x, or += (beta = 1)    fp32 out
 // cuBLASLt is column-major, and a row-major matrix is its column-major transpose, so each form
 // becomes one column-major call (the comments give the mapping). matmul() is the one place that
 // talks to cuBLASLt, for every operand type: bf16 and fp32, and FP8 (E4M3, E5M2) with a scale per
@@ -1163,9 +1168,11 @@ static void linear_backward_input(bf16* dx, const bf16* dy, const bf16* W, int N
     matmul(mm_bf16(dx), 1.0f, mm_bf16(W), mm_bf16(dy), NULL, 0.0f, I, N, O, false, false, s);
 }
 
-// dW[O, I] += dy[N, O]^T x[N, I].   Column-major: D[m=I, n=O] = x^T(stored [I, N]) op_T(dy stored [O, N]).
-static void linear_backward_weight(float* dW, const bf16* dy, const bf16* x, int N, int I, int O, cudaStream_t s) {
-    matmul(mm_f32(dW), 1.0f, mm_bf16(x), mm_bf16(dy), dW, 1.0f, I, O, N, false, true, s);
+// dW[O, I] = dy[N, O]^T x[N, I], or += with accumulate (then dW is also C, beta 1).
+// Column-major: D[m=I, n=O] = x^T(stored [I, N]) op_T(dy stored [O, N]).
+static void linear_backward_weight(float* dW, const bf16* dy, const bf16* x, int N, int I, int O, bool accumulate,
+                                   cudaStream_t s) {
+    matmul(mm_f32(dW), 1.0f, mm_bf16(x), mm_bf16(dy), accumulate ? dW : NULL, 1.0f, I, O, N, false, true, s);
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -649,27 +649,26 @@ static int test_kernel_rmsnorm(void) {
     REQUIRE_GPU();
     int failed = 0;
     int shapes[][2] = {{1, 8}, {77, 768}, {300, 2056}, {64, 8192}};
-    for (auto& s : shapes) {
-        int N = s[0], C = s[1];
+    for (int k = 0; k < 4; k++) {
+        int N = shapes[k][0], C = shapes[k][1];
+        bool accumulate = k % 2;  // dw += onto random values, or dw = over NaNs
         double *x = random_array((size_t)N * C, 2.0), *w = random_array(C, 1.0), *dy = random_array((size_t)N * C, 1.0);
         double* dres0 = random_array((size_t)N * C, 1.0);
         bf16 *d_x = to_device_bf16(x, (size_t)N * C), *d_w = to_device_bf16(w, C);
         bf16 *d_dy = to_device_bf16(dy, (size_t)N * C), *d_dres = to_device_bf16(dres0, (size_t)N * C);
         bf16* d_y = (bf16*)device_alloc_poisoned((size_t)N * C * 2);
         float* d_rstd = (float*)device_alloc_poisoned(N * 4);
-        float* d_dw;
-        CUDA_CHECK(cudaMalloc(&d_dw, C * 4));
-        double* dw0 = random_array(C, 1.0);  // accumulates into what is there
-        CUDA_CHECK(cudaMemcpy(d_dw, to_device_f32(dw0, C), C * 4, cudaMemcpyDeviceToDevice));
+        double* dw0 = random_array(C, 1.0);
+        float* d_dw = accumulate ? to_device_f32(dw0, C) : (float*)device_alloc_poisoned(C * 4);
         float* partials = (float*)device_alloc_poisoned((size_t)ceil_div(N, rmsnorm_bwd_rows(N)) * C * 4);
         rmsnorm_forward(d_y, d_rstd, d_x, d_w, N, C, 1e-6f, 0);
-        rmsnorm_backward(d_dres, d_dw, partials, d_dy, d_x, d_w, d_rstd, N, C, 0);
+        rmsnorm_backward(d_dres, d_dw, partials, d_dy, d_x, d_w, d_rstd, N, C, accumulate, 0);
         double *y = (double*)malloc((size_t)N * C * 8), *rstd = (double*)malloc(N * 8);
         ref_rmsnorm_forward(y, rstd, x, w, N, C, 1e-6);
         double* dres = (double*)malloc((size_t)N * C * 8);
         memcpy(dres, dres0, (size_t)N * C * 8);
         double* dw = (double*)malloc(C * 8);
-        for (int c = 0; c < C; c++) dw[c] = (float)dw0[c];
+        for (int c = 0; c < C; c++) dw[c] = accumulate ? (float)dw0[c] : 0.0;
         ref_rmsnorm_backward(dres, dw, dy, x, w, rstd, N, C);
         double *gy = from_device_bf16(d_y, (size_t)N * C), *gr = from_device_f32(d_rstd, N);
         double *gres = from_device_bf16(d_dres, (size_t)N * C), *gdw = from_device_f32(d_dw, C);
@@ -691,8 +690,10 @@ static int test_kernel_qk_norm_rope(void) {
     REQUIRE_GPU();
     int failed = 0;
     int shapes[][5] = {{2, 37, 6, 2, 128}, {1, 100, 4, 1, 64}, {3, 9, 4, 4, 64}, {1, 1, 2, 1, 128}};
-    for (auto& s : shapes) {
+    for (int k = 0; k < 4; k++) {
+        const int* s = shapes[k];
         int B = s[0], T = s[1], Hq = s[2], Hkv = s[3], D = s[4], N = B * T, H = Hq + 2 * Hkv;
+        bool accumulate = k % 2;  // the norm weights' gradients += onto random values, or = over NaNs
         size_t n = (size_t)N * H * D;
         double theta = 10000.0;
         double *qkv = random_array(n, 1.5), *wq = random_array(D, 1.0), *wk = random_array(D, 1.0);
@@ -701,11 +702,13 @@ static int test_kernel_qk_norm_rope(void) {
         bf16* d_rot = (bf16*)device_alloc_poisoned(n * 2);
         bf16* d_grad = to_device_bf16(dout, n);
         float* d_rstd = (float*)device_alloc_poisoned((size_t)N * (Hq + Hkv) * 4);
-        float *d_dwq, *d_dwk;
-        CUDA_CHECK(cudaMalloc(&d_dwq, D * 4));
-        CUDA_CHECK(cudaMalloc(&d_dwk, D * 4));
-        CUDA_CHECK(cudaMemset(d_dwq, 0, D * 4));
-        CUDA_CHECK(cudaMemset(d_dwk, 0, D * 4));
+        double *dwq = random_array(D, 1.0), *dwk = random_array(D, 1.0);
+        float* d_dwq = accumulate ? to_device_f32(dwq, D) : (float*)device_alloc_poisoned(D * 4);
+        float* d_dwk = accumulate ? to_device_f32(dwk, D) : (float*)device_alloc_poisoned(D * 4);
+        for (int i = 0; i < D; i++) {  // what the reference adds onto
+            dwq[i] = accumulate ? (float)dwq[i] : 0.0;
+            dwk[i] = accumulate ? (float)dwk[i] : 0.0;
+        }
         float* partials = (float*)device_alloc_poisoned((size_t)ceil_div((size_t)N * (Hq + Hkv), QK_BWD_TASKS) * 2 * D * 4);
         float* host_rope = (float*)malloc((size_t)T * D * 4);
         rope_tables(host_rope, host_rope + (size_t)T * D / 2, T, D, (float)theta);
@@ -715,9 +718,9 @@ static int test_kernel_qk_norm_rope(void) {
         qk_norm_rope_forward(d_rot, d_rstd, d_qkv, d_wq, d_wk, d_rope, d_rope + (size_t)T * D / 2, N, T, Hq, Hkv, D,
                              1e-6f, 0);
         qk_norm_rope_backward(d_grad, d_dwq, d_dwk, partials, d_qkv, d_rstd, d_wq, d_wk, d_rope,
-                              d_rope + (size_t)T * D / 2, N, T, Hq, Hkv, D, 0);
+                              d_rope + (size_t)T * D / 2, N, T, Hq, Hkv, D, accumulate, 0);
         double *rot = (double*)malloc(n * 8), *rstd = (double*)malloc((size_t)N * (Hq + Hkv) * 8);
-        double *dqkv = (double*)malloc(n * 8), *dwq = (double*)calloc(D, 8), *dwk = (double*)calloc(D, 8);
+        double* dqkv = (double*)malloc(n * 8);
         ref_qk_norm_rope_forward(rot, rstd, qkv, wq, wk, N, T, Hq, Hkv, D, 1e-6, theta);
         ref_qk_norm_rope_backward(dqkv, dwq, dwk, dout, qkv, rstd, wq, wk, N, T, Hq, Hkv, D, theta);
         double *grot = from_device_bf16(d_rot, n), *gdq = from_device_bf16(d_grad, n);
@@ -937,24 +940,25 @@ static int test_kernel_matmuls(void) {
     int failed = 0;
     matmul_init();
     int shapes[][3] = {{1, 8, 8}, {77, 264, 136}, {300, 768, 1280}, {1000, 56, 2000}};
-    for (auto& s : shapes) {
-        int N = s[0], I = s[1], O = s[2];
+    for (int k = 0; k < 4; k++) {
+        int N = shapes[k][0], I = shapes[k][1], O = shapes[k][2];
+        bool accumulate = k % 2;  // dW += onto random values, or dW = over NaNs
         double *x = random_array((size_t)N * I, 1.0), *W = random_array((size_t)O * I, 1.0);
         double *res = random_array((size_t)N * O, 1.0), *dy = random_array((size_t)N * O, 1.0);
         double* dW0 = random_array((size_t)O * I, 1.0);
         bf16 *d_x = to_device_bf16(x, (size_t)N * I), *d_W = to_device_bf16(W, (size_t)O * I);
         bf16 *d_res = to_device_bf16(res, (size_t)N * O), *d_dy = to_device_bf16(dy, (size_t)N * O);
-        float* d_dW = to_device_f32(dW0, (size_t)O * I);
+        float* d_dW = accumulate ? to_device_f32(dW0, (size_t)O * I) : (float*)device_alloc_poisoned((size_t)O * I * 4);
         bf16* d_y = (bf16*)device_alloc_poisoned((size_t)N * O * 2);
         bf16* d_dx = (bf16*)device_alloc_poisoned((size_t)N * I * 2);
         linear_forward(d_y, d_x, d_W, d_res, N, I, O, 0);
         linear_backward_input(d_dx, d_dy, d_W, N, I, O, 0);
-        linear_backward_weight(d_dW, d_dy, d_x, N, I, O, 0);
+        linear_backward_weight(d_dW, d_dy, d_x, N, I, O, accumulate, 0);
         double *y = (double*)malloc((size_t)N * O * 8), *dx = (double*)malloc((size_t)N * I * 8);
         double* dW = (double*)malloc((size_t)O * I * 8);
         ref_linear_forward(y, x, W, N, I, O);
         for (size_t i = 0; i < (size_t)N * O; i++) y[i] += res[i];
-        for (size_t i = 0; i < (size_t)O * I; i++) dW[i] = (float)dW0[i];
+        for (size_t i = 0; i < (size_t)O * I; i++) dW[i] = accumulate ? (float)dW0[i] : 0.0;
         ref_linear_backward(dx, dW, dy, x, W, N, I, O);
         double *gy = from_device_bf16(d_y, (size_t)N * O), *gdx = from_device_bf16(d_dx, (size_t)N * I);
         double* gdW = from_device_f32(d_dW, (size_t)O * I);
@@ -1158,8 +1162,8 @@ static int test_kernel_down_swiglu_backward(void) {
         uint16_t* bits[2];  // each run's d_gate_up, as stored
         for (int run = 0; run < 2; run++) {
             CUDA_CHECK(cudaMemset(a->d_gate_up, 0xFF, n_gu * 2));  // NaN
-            CUDA_CHECK(cudaMemset(G(&m, P_DOWN, l), 0, n_w * 4));
-            mlp_down_backward(&m, l);
+            CUDA_CHECK(cudaMemset(G(&m, P_DOWN, l), 0xFF, n_w * 4));  // NaN: the first write sets dW
+            mlp_down_backward(&m, l, false);
             CUDA_CHECK(cudaStreamSynchronize(m.stream));
             const int error = mm_error_take();
             EXPECT(error == MM_OK, "N %d, C %d, F %d: %s", N, C, F, mm_error_text(error));
@@ -1318,7 +1322,10 @@ static double gpu_forward_backward(GPT* m, Uploader* up, double* p, const uint16
     }
     CUDA_CHECK(cudaMemcpy(m->master, host, n * 4, cudaMemcpyHostToDevice));
     cast_to_bf16(m->params, m->master, n, m->stream);
-    CUDA_CHECK(cudaMemsetAsync(m->grads, 0, n * 4, m->stream));
+    for (int i = 0; i < m->table.n_tensors; i++) {  // NaN: the first micro-batch must set every gradient
+        const ParamTensor* t = &m->table.tensors[i];
+        CUDA_CHECK(cudaMemsetAsync(m->grads + t->offset, 0xFF, (size_t)(t->rows * t->cols) * 4, m->stream));
+    }
     for (int micro = 0; micro < accum; micro++) {
         Batch b = upload_batch(up, m, window + (size_t)micro * m->B * (m->T + 1));
         forward_backward(m, &b, micro, accum);
@@ -1473,7 +1480,6 @@ static int test_model_bucket_hook(void) {
     m.grads_ready = record_bucket;
     m.grads_ready_ctx = &rec;
     uint16_t* window = random_window(2, c.seq_len, c.vocab_size);
-    CUDA_CHECK(cudaMemsetAsync(m.grads, 0, m.table.n_elements * 4, m.stream));
     Batch b = upload_batch(&up, &m, window);
     forward_backward(&m, &b, 0, 1);
     CUDA_CHECK(cudaStreamSynchronize(m.stream));
@@ -1525,7 +1531,6 @@ static void zero_mode_run(int zero, int accum, const ModelConfig* c, const uint1
     uploader_create(&up, m.N, c->vocab_size);
     OptimConfig o = {3e-3f, 0.1f, 0.1f, 0.9f, 0.95f, 1e-8f, 1.0f, 2, steps, 0, 0.0f};
     for (int step = 0; step < steps; step++) {  // the same batch every step: the loss must fall
-        zero_grads(&m);
         for (int micro = 0; micro < accum; micro++) {
             Batch b = upload_batch(&up, &m, windows + (size_t)micro * 2 * (c->seq_len + 1));
             forward_backward(&m, &b, micro, accum);
@@ -1601,7 +1606,6 @@ static int test_model_trains(void) {
     OptimConfig o = {3e-3f, 1.0f, 0.1f, 0.9f, 0.95f, 1e-8f, 1.0f, 0, 30, 0, 0.0f};
     float first = 0, last = 0;
     for (int step = 0; step < 30; step++) {
-        CUDA_CHECK(cudaMemsetAsync(m.grads, 0, m.table.n_elements * 4, m.stream));
         Batch b = upload_batch(&up, &m, window);
         forward_backward(&m, &b, 0, 1);
         optimizer_step(&m, &o);

@@ -824,7 +824,8 @@ static void gpt_upload_decay_flags(GPT* m) {
 }
 
 // The gradient buffers, and where each bucket's gradients are written: in place in the full
-// buffer (ZeRO 0, 1), or in the ring and grad_tail (ZeRO 2).
+// buffer (ZeRO 0, 1), or in the ring and grad_tail (ZeRO 2). Zeroed once here, for the padding
+// between tensors: no kernel writes it, and the norm and the optimizer read it (grads_accumulate).
 static void gpt_allocate_grads(GPT* m) {
     const ParamTable* pt = &m->table;
     int L = pt->n_layers;
@@ -835,8 +836,12 @@ static void gpt_allocate_grads(GPT* m) {
         for (int b = 0; b <= L; b++) m->grad_bucket[b] = m->grads + pt->bucket_offset[b];
         return;
     }
-    for (int i = 0; i < 2; i++) CUDA_CHECK(cudaMalloc(&m->grad_ring[i], largest_bucket(pt, L) * 4));
+    for (int i = 0; i < 2; i++) {
+        CUDA_CHECK(cudaMalloc(&m->grad_ring[i], largest_bucket(pt, L) * 4));
+        CUDA_CHECK(cudaMemsetAsync(m->grad_ring[i], 0, largest_bucket(pt, L) * 4, m->stream));
+    }
     CUDA_CHECK(cudaMalloc(&m->grad_tail, bucket_len(pt, L) * 4));
+    CUDA_CHECK(cudaMemsetAsync(m->grad_tail, 0, bucket_len(pt, L) * 4, m->stream));
     CUDA_CHECK(cudaMalloc(&m->rs_scratch, largest_bucket(pt, L + 1) / m->dp.world * 4));
     for (int i = 0; i < 3; i++) {
         CUDA_CHECK(cudaEventCreateWithFlags(&m->ring_free[i], cudaEventDisableTiming));
@@ -1311,15 +1316,29 @@ static void mlp_gate_up(GPT* m, int l) {
     if (!fp8_fused(m)) mlp_swiglu(m, l);
 }
 
-// dW += dy^T x and dx = dy W, for dy [N, O] and the matrix's input x [N, I] (as the forward saw it).
-// On the fused FP8 path a layer's codes come from fp8_input and fp8_grad, made from what the
-// forward kept (x unused, and GATE_UP's dy too); the head's are cast as they are.
-static void layer_backward(GPT* m, ParamKind kind, int l, int N, bf16* dx, const bf16* dy, const bf16* x) {
+// Whether this micro-batch's gradient writes add to the gradient buffers (+=, beta 1) or set them
+// (=, beta 0). The first micro-batch of an optimizer step sets them, so nothing zeroes them and no
+// product reads them back before its first write: at 1b that is 4.3 GB of memset and as much read
+// a step saved. The padding between tensors, which no kernel writes and the norm and the optimizer
+// read, stays zero from its allocation (gpt_allocate_grads; gpt_download_state, which borrows the
+// buffers, zeroes them again). Later micro-batches add. With ZeRO 2 each micro-batch sets them:
+// its buckets lie in ring slots that every micro-batch fills afresh, once the previous contents
+// have been reduce-scattered into this rank's piece (grads_ready).
+static bool grads_accumulate(const GPT* m) {
+    return m->dp.zero < 2 && m->micro > 0;
+}
+
+// dW = dy^T x (or += with `accumulate`: grads_accumulate) and dx = dy W, for dy [N, O] and the
+// matrix's input x [N, I] (as the forward saw it). On the fused FP8 path a layer's codes come from
+// fp8_input and fp8_grad, made from what the forward kept (x unused, and GATE_UP's dy too); the
+// head's are cast as they are.
+static void layer_backward(GPT* m, ParamKind kind, int l, int N, bf16* dx, const bf16* dy, const bf16* x,
+                           bool accumulate) {
     const ParamTensor* t = param(&m->table, kind, l);
     int O = (int)t->rows, I = (int)t->cols;
     float* dW = G(m, kind, l);
     if (!fp8_product(m, kind)) {
-        linear_backward_weight(dW, dy, x, N, I, O, m->stream);
+        linear_backward_weight(dW, dy, x, N, I, O, accumulate, m->stream);
         linear_backward_input(dx, dy, m->params + t->offset, N, I, O, m->stream);
         return;
     }
@@ -1336,9 +1355,9 @@ static void layer_backward(GPT* m, ParamKind kind, int l, int N, bf16* dx, const
                  fp8_how(m) == FP8_CAST_DELAYED ? FP8_CAST_DELAYED : FP8_CAST_MEASURED, m->stream);
     }
     // dW [O, I] is column-major D[m = I, n = O] = op_T(A) B over k = N, with A = x^T (row-major
-    // [I, N]) and B = dy^T (row-major [O, N]); beta 1 accumulates into dW
-    matmul(mm_f32(dW), 1.0f, fp8_operand(f->x_t, false, sx), fp8_operand(f->dy_t, true, sg), dW, 1.0f, I, O, N, true,
-           false, m->stream);
+    // [I, N]) and B = dy^T (row-major [O, N]); with dW as C too (beta 1) it accumulates
+    matmul(mm_f32(dW), 1.0f, fp8_operand(f->x_t, false, sx), fp8_operand(f->dy_t, true, sg), accumulate ? dW : NULL,
+           1.0f, I, O, N, true, false, m->stream);
     // dx [N, I] is column-major D[m = I, n = N] = op_T(A) B over k = O, with A = W^T (row-major
     // [I, O]) and B = dy (row-major [N, O])
     matmul(mm_bf16(dx), 1.0f, fp8_operand(f->weights_t + t->offset, false, sw), fp8_operand(f->dy, true, sg), NULL, 0.0f,
@@ -1364,17 +1383,17 @@ static bool down_swiglu_fused(const GPT* m, int l) {
                                                                       (int)t->cols, (int)t->rows);
 }
 
-static void mlp_down_backward(GPT* m, int l) {
+static void mlp_down_backward(GPT* m, int l, bool accumulate) {
     Activations* a = &m->act;
     if (down_swiglu_fused(m, l)) {
         const ParamTensor* t = param(&m->table, P_DOWN, l);
         int O = (int)t->rows, I = (int)t->cols;
-        linear_backward_weight(G(m, P_DOWN, l), a->d_residual, a->mlp_act[l], m->N, I, O, m->stream);
+        linear_backward_weight(G(m, P_DOWN, l), a->d_residual, a->mlp_act[l], m->N, I, O, accumulate, m->stream);
         hopper_backward_swiglu(a->d_gate_up, a->d_residual, m->params + t->offset, a->gate_up[l], m->N, I, O,
                                m->stream);
         return;
     }
-    layer_backward(m, P_DOWN, l, m->N, a->d_mlp_act, a->d_residual, a->mlp_act[l]);
+    layer_backward(m, P_DOWN, l, m->N, a->d_mlp_act, a->d_residual, a->mlp_act[l], accumulate);
     if (!fp8_fused(m))  // fused: SwiGLU's backward runs inside GATE_UP's cast of its output gradient
         swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], m->N, m->cfg.ffn_dim, m->stream);
 }
@@ -1456,7 +1475,8 @@ static void forward_layers(GPT* m, const Batch* batch) {
 // and, in place, into dL/dlogits (scaled by d_loss); with `backward`, the chunk's gradient flows
 // on at once: d_xnorm = dlogits E and dE += dlogits^T xnorm_final. Both are the products of a
 // matrix, E [V, C], over the chunk's rows (layer_forward, layer_backward; in FP8 with --fp8-head).
-// Adds the losses' sum to *loss_sum (or sets it, when accumulate is false).
+// Adds the losses' sum to *loss_sum (or sets it, when accumulate is false). The first chunk writes
+// dE as grads_accumulate says; the later ones add to it.
 static void head_and_loss(GPT* m, const Batch* batch, float d_loss, bool backward, float* loss_sum, bool accumulate) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
@@ -1466,14 +1486,17 @@ static void head_and_loss(GPT* m, const Batch* batch, float d_loss, bool backwar
         const bf16* x = a->xnorm_final + (size_t)r0 * C;
         layer_forward(m, P_EMBED, 0, rows, a->logits, x, NULL);
         cross_entropy(a->logits, a->losses + r0, batch->targets + r0, rows, V, d_loss, m->stream);
-        if (backward) layer_backward(m, P_EMBED, 0, rows, a->d_xnorm + (size_t)r0 * C, a->logits, x);
+        if (backward)
+            layer_backward(m, P_EMBED, 0, rows, a->d_xnorm + (size_t)r0 * C, a->logits, x,
+                           r0 > 0 || grads_accumulate(m));
     }
     reduce_sum(loss_sum, a->losses, N, false, accumulate, a->partials, m->stream);
 }
 
 // ----------------------------------------------------------------------------------------------
 // Backward: from dL/d(xnorm_final), left in d_xnorm by head_and_loss, down to the embedding.
-// Parameter gradients accumulate (+=); d_residual carries dL/d(residual stream) down the layers.
+// Parameter gradients are set or accumulated as grads_accumulate says; d_residual carries
+// dL/d(residual stream) down the layers.
 
 // Before bucket b's gradients are first written in a micro-batch. With ZeRO 2 the bucket's buffer
 // is a ring slot (or grad_tail) that the previous reduce-scatter from it may still be reading.
@@ -1481,7 +1504,6 @@ static void grads_open(GPT* m, int b) {
     if (m->dp.zero < 2) return;
     int slot = b == m->table.n_layers ? 2 : b % 2;
     CUDA_CHECK(cudaStreamWaitEvent(m->stream, m->ring_free[slot], 0));
-    CUDA_CHECK(cudaMemsetAsync(m->grad_bucket[b], 0, bucket_len(&m->table, b) * 4, m->stream));
 }
 
 // Bucket b's gradients are complete for this micro-batch: sum them across the ranks, on the comm
@@ -1512,9 +1534,10 @@ static void backward(GPT* m, const Batch* batch) {
     int N = m->N, C = c->d_model, Q = qkv_dim(c);
     int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim, L = c->n_layer;
     bool fused = fp8_fused(m);  // the FP8 casts make the norms' and SwiGLU's outputs: nothing to recompute
+    bool acc = grads_accumulate(m);
     CUDA_CHECK(cudaMemsetAsync(a->d_residual, 0, (size_t)N * C * sizeof(bf16), m->stream));
     rmsnorm_backward(a->d_residual, G(m, P_FINAL_NORM, 0), a->partials, a->d_xnorm, a->residual[L],
-                     P(m, P_FINAL_NORM, 0), a->rstd_final, N, C, m->stream);
+                     P(m, P_FINAL_NORM, 0), a->rstd_final, N, C, acc, m->stream);
     for (int l = L - 1; l >= 0; l--) {
         grads_open(m, l);
         // MLP block. d_residual = dL/d(residual[l+1]) flows both through the skip connection
@@ -1523,24 +1546,24 @@ static void backward(GPT* m, const Batch* batch) {
             mlp_norm(m, l);
             mlp_swiglu(m, l);
         }
-        mlp_down_backward(m, l);
-        layer_backward(m, P_GATE_UP, l, N, a->d_xnorm, a->d_gate_up, a->xnorm_mlp[l]);
+        mlp_down_backward(m, l, acc);
+        layer_backward(m, P_GATE_UP, l, N, a->d_xnorm, a->d_gate_up, a->xnorm_mlp[l], acc);
         rmsnorm_backward(a->d_residual, G(m, P_MLP_NORM, l), a->partials, a->d_xnorm, a->residual_mid[l],
-                         P(m, P_MLP_NORM, l), a->rstd_mlp[l], N, C, m->stream);
+                         P(m, P_MLP_NORM, l), a->rstd_mlp[l], N, C, acc, m->stream);
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
         if (shares_norms(m, l) && !fused) attention_norm(m, l);
         if (recomputed(m, l)) qk_norm_rope(m, l);
-        layer_backward(m, P_ATTN_OUT, l, N, a->d_attn_out, a->d_residual, a->attn_out[l]);
+        layer_backward(m, P_ATTN_OUT, l, N, a->d_attn_out, a->d_residual, a->attn_out[l], acc);
         const bf16* q = a->qkv_rot[l];
         attention_backward(a->d_qkv, a->d_qkv + Hq * D, a->d_qkv + (Hq + Hkv) * D, a->attn_scratch, a->d_attn_out,
                            a->attn_out[l], a->lse[l], q, q + Hq * D, q + (Hq + Hkv) * D, Q, Q, m->B, m->T, Hq, Hkv, D,
                            m->stream, m->deterministic);
         qk_norm_rope_backward(a->d_qkv, G(m, P_Q_NORM, l), G(m, P_K_NORM, l), a->partials, a->qkv[l], a->rstd_qk[l],
                               P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos, m->rope_sin, N, m->T, Hq, Hkv, D,
-                              m->stream);
-        layer_backward(m, P_QKV, l, N, a->d_xnorm, a->d_qkv, a->xnorm_attn[l]);
+                              acc, m->stream);
+        layer_backward(m, P_QKV, l, N, a->d_xnorm, a->d_qkv, a->xnorm_attn[l], acc);
         rmsnorm_backward(a->d_residual, G(m, P_ATTN_NORM, l), a->partials, a->d_xnorm, a->residual[l],
-                         P(m, P_ATTN_NORM, l), a->rstd_attn[l], N, C, m->stream);
+                         P(m, P_ATTN_NORM, l), a->rstd_attn[l], N, C, acc, m->stream);
         grads_ready(m, l);  // layer l's gradients are complete
     }
     embedding_backward(G(m, P_EMBED, 0), a->d_residual, batch->bucket_start, batch->bucket_pos, batch->bucket_token,
@@ -1548,13 +1571,8 @@ static void backward(GPT* m, const Batch* batch) {
     grads_ready(m, L);  // and the embedding's and the final norm's
 }
 
-// The start of an optimizer step: gradients start from zero (ZeRO 2 zeroes each bucket as it opens).
-static void zero_grads(GPT* m) {
-    if (m->grads) CUDA_CHECK(cudaMemsetAsync(m->grads, 0, m->table.n_elements * sizeof(float), m->stream));
-}
-
-// Micro-batch `micro` of `accum` of a step: forward and backward. Gradients accumulate, and so
-// does the step's loss sum; dL/dloss_token = 1 / (all the step's tokens, over every rank).
+// Micro-batch `micro` of `accum` of a step: forward and backward. Gradients accumulate (the first
+// micro-batch sets them: grads_accumulate), and so does the step's loss sum; dL/dloss_token = 1 / (all the step's tokens, over every rank).
 static void forward_backward(GPT* m, const Batch* batch, int micro, int accum) {
     m->micro = micro;
     m->accum = accum;
@@ -2137,8 +2155,9 @@ static void gpt_upload_state(GPT* m, const float* master, const void* opt_state)
 
 // The reverse, into pinned or pageable host memory of the flat layout (queued on the model's
 // stream, or with ZeRO 1/2 on the comm stream behind an all-gather per bucket, through a
-// gradient buffer, which is free between steps). Every rank must call it; host is filled on rank
-// 0 only (other ranks pass NULL). The caller synchronizes.
+// gradient buffer, which is free between steps and zeroed again after: its padding must read
+// zero, grads_accumulate). Every rank must call it; host is filled on rank 0 only (other ranks
+// pass NULL). The caller synchronizes.
 static void gpt_download_state(GPT* m, const float* state, float* host) {
     const ParamTable* pt = &m->table;
     if (m->dp.zero == 0) {
@@ -2154,6 +2173,7 @@ static void gpt_download_state(GPT* m, const float* state, float* host) {
         if (host)
             CUDA_CHECK(cudaMemcpyAsync(host + pt->bucket_offset[b], whole, bucket_len(pt, b) * 4,
                                        cudaMemcpyDeviceToHost, c->stream));
+        CUDA_CHECK(cudaMemsetAsync(whole, 0, bucket_len(pt, b) * 4, c->stream));
     }
     comm_join(c, m->stream);
 }
@@ -2578,7 +2598,6 @@ static void sample_text(GPT* m, Uploader* up, const Tokenizer* tk, const TokenLi
 // GPU computed with, for scripts/hf_check.py to recompute in transformers.
 static void dump_grads(GPT* m, Uploader* up, const uint16_t* window, const char* dir) {
     Batch b = upload_batch(up, m, window);
-    zero_grads(m);
     forward_backward(m, &b, 0, 1);
     float loss_sum;
     CUDA_CHECK(cudaMemcpyAsync(&loss_sum, &m->scalars->loss_sum, 4, cudaMemcpyDeviceToHost, m->stream));
@@ -2769,7 +2788,7 @@ static void resume_from(GPT* m, const char* dir, TrainerState* state) {
 
 #define STEPS_IN_FLIGHT 3  // read-back slots: the step being logged, the one running, the next
 
-// --cuda-graph 1: a step's launches (zero the gradients, forward, backward, the optimizer) captured
+// --cuda-graph 1: a step's launches (forward, backward, the optimizer) captured
 // once and replayed, one cudaGraphLaunch in place of ~560 kernel launches (doc/perf.md). A replay
 // runs exactly the kernels of the capture with exactly their arguments, so it equals an eager
 // step only where everything the host decides was the same then as now:
@@ -3029,12 +3048,11 @@ static void fp8_scales_readback(Trainer* t, int slot) {
                                cudaMemcpyDeviceToHost, m->stream));
 }
 
-// Micro-batch `micro` of the step, its batch uploaded: the first zeroes the gradients, the last
-// runs the optimizer once the gradients are complete. `capturing`: inside a graph's capture, where
+// Micro-batch `micro` of the step, its batch uploaded (the first sets the gradients:
+// grads_accumulate); the last runs the optimizer once the gradients are complete. `capturing`: inside a graph's capture, where
 // the wait for the checkpoint's snapshot becomes a node that waits at each replay.
 static void step_compute(Trainer* t, const Batch* batch, int micro, bool capturing) {
     GPT* m = &t->model;
-    if (micro == 0) zero_grads(m);
     forward_backward(m, batch, micro, t->accum);
     if (micro < t->accum - 1) return;
     // The gradients are complete here; the optimizer may overwrite what the last snapshot copies.

@@ -161,6 +161,10 @@ typedef struct {
 static void cublaslt_forward(bf16* y, const bf16* x, const bf16* W, int N, int I, int O, cudaStream_t s) {
     linear_forward(y, x, W, NULL, N, I, O, s);
 }
+// dW += dy^T x, as every version here computes it (the trainer's later micro-batches; its first sets dW).
+static void cublaslt_backward_weight(float* dW, const bf16* dy, const bf16* x, int N, int I, int O, cudaStream_t s) {
+    linear_backward_weight(dW, dy, x, N, I, O, true, s);
+}
 // The trainer's own two steps: the product, then swiglu_forward on the stored gate_up (O = 2F).
 static void cublaslt_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const bf16* W, int N, int I, int O,
                                     cudaStream_t s) {
@@ -202,7 +206,7 @@ static void hopper_backward_swiglu_form(bf16* d_gate_up, bf16*, const bf16* dy, 
 }
 
 static const Impl IMPLS[] = {
-    {0, "cuBLASLt", cublaslt_forward, linear_backward_input, linear_backward_weight, linear_forward,
+    {0, "cuBLASLt", cublaslt_forward, linear_backward_input, cublaslt_backward_weight, linear_forward,
      cublaslt_forward_swiglu, cublaslt_backward_swiglu, linear_backward_input, cublaslt_fp8, true, 3, 10},
     {1, "naive", mm_forward<NaiveMatmul>, mm_backward_input<NaiveMatmul>, mm_backward_weight<NaiveMatmul>, NULL, NULL,
      NULL, NULL, NULL, false, 0, 0},

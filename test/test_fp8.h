@@ -369,12 +369,12 @@ static int test_fp8_gpu_layer_products(void) {
     CUDA_CHECK(cudaMemcpy(m.params + t->offset, d_W, (size_t)O * I * 2, cudaMemcpyDeviceToDevice));
     bf16 *d_x = to_device_bf16(x, (size_t)N * I), *d_dy = to_device_bf16(dy, (size_t)N * O);
     bf16 *d_y = (bf16*)device_alloc_poisoned((size_t)N * O * 2), *d_dx = (bf16*)device_alloc_poisoned((size_t)N * I * 2);
-    CUDA_CHECK(cudaMemset(m.grads, 0, m.table.n_elements * 4));
+    CUDA_CHECK(cudaMemset(m.grads, 0xFF, m.table.n_elements * 4));  // NaN: the first write sets dW
     m.fp8.weights_stale = true;
     fp8_cast_weights(&m, 0);
     fp8_cast_weights(&m, 1);
     layer_forward(&m, P_GATE_UP, 0, N, d_y, d_x, NULL);
-    layer_backward(&m, P_GATE_UP, 0, N, d_dx, d_dy, d_x);
+    layer_backward(&m, P_GATE_UP, 0, N, d_dx, d_dy, d_x, false);
     Fp8Scale sw = fp8_scale_download(fp8_scale(&m, FP8_ROLE_WEIGHT, P_GATE_UP, 0));
     Fp8Scale sx = fp8_scale_download(fp8_scale(&m, FP8_ROLE_INPUT, P_GATE_UP, 0));
     Fp8Scale sg = fp8_scale_download(fp8_scale(&m, FP8_ROLE_GRAD, P_GATE_UP, 0));
