@@ -165,31 +165,33 @@ static __device__ __forceinline__ void attn_rescale(float (&o)[DT][4], const flo
 // Computed with every (KV tile, query tile) pair visited once: dK, dV summed in registers over the
 // query tiles, dQ summed over the KV tiles in global memory (ws_backward_kernel).
 
-// The backward's per-row inputs, one warp per (b, h, t) row of a [B, Hq, Tp] layout (Tp >= T pads
+// The backward's per-row inputs, for each (b, h, t) row of a [B, Hq, Tp] layout (Tp >= T pads
 // each head's rows): delta[(b*Hq + h)*Tp + t] = sum_d dout[b, t, h, d] * out[b, t, h, d], and, when
 // lse2 is given, lse2[...] = lse[b, h, t] * log2 e, the logsumexp in the kernels' base 2. Pad rows
-// (t >= T) get delta 0 and lse2 +inf, so that P = exp2(s - lse2) is 0 there.
+// (t >= T) get delta 0 and lse2 +inf, so that P = exp2(s - lse2) is 0 there. A row is D / 8 lanes
+// (D = 64 or 128, attn_check_args), each reading 16 bytes of dout and of out, so that a warp keeps
+// 32 such loads of each in flight (4 or 2 rows); the lanes of a row then add up by shuffles.
 __global__ void attn_delta_kernel(float* __restrict__ delta, float* __restrict__ lse2, const float* __restrict__ lse,
                                  const bf16* __restrict__ dout, const bf16* __restrict__ out, int T, int Tp, int Hq,
                                  int D, long rows) {
-    const long row = (long)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    if (row >= rows) return;
+    const int lanes = D / 8, lane = threadIdx.x & 31, part = lane % lanes;
+    const long row = ((long)blockIdx.x * blockDim.x + threadIdx.x) / lanes;
     const long bh = row / Tp;
     const int t = (int)(row % Tp);
     float acc = 0.f;
-    if (t < T) {
-        const long off = (((bh / Hq) * T + t) * Hq + bh % Hq) * D;
-        const __nv_bfloat162* a = reinterpret_cast<const __nv_bfloat162*>(dout + off);
-        const __nv_bfloat162* c = reinterpret_cast<const __nv_bfloat162*>(out + off);
-        for (int i = lane; i < D / 2; i += 32) {
-            const float2 x = __bfloat1622float2(a[i]), y = __bfloat1622float2(c[i]);
-            acc += x.x * y.x + x.y * y.y;
-        }
+    if (row < rows && t < T) {  // every lane stays to the shuffles, past the last row too
+        const long off = (((bh / Hq) * T + t) * Hq + bh % Hq) * D + 8 * part;
+        const uint4 a = *reinterpret_cast<const uint4*>(dout + off), c = *reinterpret_cast<const uint4*>(out + off);
+        const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
+        const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&c);
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        for (int i = 0; i < 4; i++) {
+            const float2 xf = __bfloat1622float2(x[i]), yf = __bfloat1622float2(y[i]);
+            acc += xf.x * yf.x + xf.y * yf.y;
+        }
     }
-    if (lane == 0) {
+    for (int o = lanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+    if (row < rows && part == 0) {
         delta[row] = acc;
         if (lse2) lse2[row] = t < T ? lse[bh * T + t] * ATTN_LOG2E : INFINITY;
     }
@@ -234,7 +236,8 @@ static void attn_allow_smem(Kernel kernel, int bytes) {
 static void attn_delta_launch(float* delta, float* lse2, const float* lse, const bf16* dout, const bf16* out, int B,
                              int T, int Tp, int Hq, int D, cudaStream_t stream) {
     const long rows = (long)B * Hq * Tp;
-    attn_delta_kernel<<<ceil_div(rows, 8), 256, 0, stream>>>(delta, lse2, lse, dout, out, T, Tp, Hq, D, rows);
+    attn_delta_kernel<<<ceil_div(rows * (D / 8), 256), 256, 0, stream>>>(delta, lse2, lse, dout, out, T, Tp, Hq, D,
+                                                                        rows);
     CUDA_CHECK(cudaGetLastError());
 }
 
