@@ -372,41 +372,51 @@ static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partia
 //   y[i]       = a[i] cos(t f_i) - a[i + D/2] sin(t f_i)
 //   y[i + D/2] = a[i + D/2] cos(t f_i) + a[i] sin(t f_i),    f_i = theta^(-2i/D).
 // Value heads are copied unchanged, so that qkv_rot has the same layout as qkv and attention reads
-// q, k and v from one buffer. One warp per (row, head); lane l owns pairs i = l + 32j. The tables
-// rope_cos and rope_sin are [T, D/2] fp32.
+// q, k and v from one buffer. A (row, head) task is D/16 lanes (8 at D = 128, 4 at D = 64), lane
+// k of it owning the pairs i = 8k .. 8k+7: it reads and writes them 16 bytes at a time (x, w,
+// and the fp32 tables rope_cos and rope_sin, [T, D/2]), and the task's lanes add up sum(x^2) by
+// shuffles. (One warp per task, 2-byte accesses, ran at 2 TB/s.)
 
 template <int D>
 __global__ void qk_norm_rope_forward_kernel(bf16* qkv_rot, float* rstd, const bf16* qkv, const bf16* q_weight,
                                             const bf16* k_weight, const float* rope_cos, const float* rope_sin,
                                             int N, int T, int Hq, int Hkv, float eps) {
-    constexpr int PAIRS = D / 64;  // pairs (i, i + D/2) per lane
-    const int H = Hq + 2 * Hkv;
-    size_t task = blockIdx.x * (size_t)(blockDim.x / 32) + threadIdx.x / 32;
-    if (task >= (size_t)N * H) return;
-    const int lane = threadIdx.x % 32, n = (int)(task / H), h = (int)(task % H), t = n % T;
+    constexpr int LANES = D / 16;
+    const int H = Hq + 2 * Hkv, k = threadIdx.x % LANES, i0 = 8 * k;
+    const size_t task = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / LANES;
+    const bool live = task < (size_t)N * H;  // every lane stays to the shuffles, past the last task too
+    const int n = live ? (int)(task / H) : 0, h = (int)(task % H), t = n % T;
     const bf16* x = qkv + (size_t)n * H * D + h * D;
     bf16* y = qkv_rot + (size_t)n * H * D + h * D;
-    if (h >= Hq + Hkv) {  // a value head
-        for (int i = lane; i < D; i += 32) y[i] = x[i];
+    bf16x8 lo = live ? load8(x + i0) : bf16x8{}, hi = live ? load8(x + i0 + D / 2) : bf16x8{};
+    float sum_sq = 0.0f;
+    for (int e = 0; e < 8; e++) {
+        float a = __bfloat162float(lo.v[e]), b = __bfloat162float(hi.v[e]);
+        sum_sq += a * a + b * b;
+    }
+    for (int offset = LANES / 2; offset > 0; offset >>= 1) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
+    if (!live) return;
+    if (h >= Hq + Hkv) {  // a value head: copied
+        store8(y + i0, lo);
+        store8(y + i0 + D / 2, hi);
         return;
     }
+    float r = rsqrtf(sum_sq / D + eps);
     const bf16* w = h < Hq ? q_weight : k_weight;
-    float lo[PAIRS], hi[PAIRS], sum_sq = 0.0f;
-    for (int j = 0; j < PAIRS; j++) {
-        lo[j] = __bfloat162float(x[lane + 32 * j]);
-        hi[j] = __bfloat162float(x[lane + 32 * j + D / 2]);
-        sum_sq += lo[j] * lo[j] + hi[j] * hi[j];
+    bf16x8 w_lo = load8(w + i0), w_hi = load8(w + i0 + D / 2), y_lo, y_hi;
+    const float4* cos4 = reinterpret_cast<const float4*>(rope_cos + t * (D / 2) + i0);
+    const float4* sin4 = reinterpret_cast<const float4*>(rope_sin + t * (D / 2) + i0);
+    float4 cs[2] = {cos4[0], cos4[1]}, sn[2] = {sin4[0], sin4[1]};
+    const float *c = &cs[0].x, *sv = &sn[0].x;  // the 8 pairs' cos and sin, in order
+    for (int e = 0; e < 8; e++) {
+        float a_lo = __bfloat162float(lo.v[e]) * r * __bfloat162float(w_lo.v[e]);
+        float a_hi = __bfloat162float(hi.v[e]) * r * __bfloat162float(w_hi.v[e]);
+        y_lo.v[e] = __float2bfloat16(a_lo * c[e] - a_hi * sv[e]);
+        y_hi.v[e] = __float2bfloat16(a_hi * c[e] + a_lo * sv[e]);
     }
-    float r = rsqrtf(warp_sum(sum_sq) / D + eps);
-    for (int j = 0; j < PAIRS; j++) {
-        int i = lane + 32 * j;
-        float a_lo = lo[j] * r * __bfloat162float(w[i]);
-        float a_hi = hi[j] * r * __bfloat162float(w[i + D / 2]);
-        float c = rope_cos[t * (D / 2) + i], s = rope_sin[t * (D / 2) + i];
-        y[i] = __float2bfloat16(a_lo * c - a_hi * s);
-        y[i + D / 2] = __float2bfloat16(a_hi * c + a_lo * s);
-    }
-    if (lane == 0) rstd[(size_t)n * (Hq + Hkv) + h] = r;
+    store8(y + i0, y_lo);
+    store8(y + i0 + D / 2, y_hi);
+    if (k == 0) rstd[(size_t)n * (Hq + Hkv) + h] = r;
 }
 
 // Backward, in place on d_qkv: on entry its q and k heads hold dL/dy (attention's dq, dk), on exit
@@ -474,7 +484,7 @@ static void qk_norm_rope_forward(bf16* qkv_rot, float* rstd, const bf16* qkv, co
                                  const bf16* k_weight, const float* rope_cos, const float* rope_sin, int N, int T,
                                  int Hq, int Hkv, int D, float eps, cudaStream_t s) {
     size_t tasks = (size_t)N * (Hq + 2 * Hkv);
-    int blocks = ceil_div(tasks, 8);
+    int blocks = ceil_div(tasks * (D / 16), 256);
     if (D == 64)
         qk_norm_rope_forward_kernel<64><<<blocks, 256, 0, s>>>(qkv_rot, rstd, qkv, q_weight, k_weight, rope_cos,
                                                                rope_sin, N, T, Hq, Hkv, eps);
