@@ -19,9 +19,10 @@
  *    There are no floating-point atomics anywhere, so a run repeats bit for bit on the same GPU.
  *  - Parameter gradients are fp32. Their first write in an optimizer step sets them (beta 0);
  *    later ones (more micro-batches, the head's later chunks) add to them (+=, beta 1): every
- *    gradient kernel takes `accumulate`, so the gradients are never zeroed (a memset of 4 bytes a
- *    parameter) nor read back before their first write. The gradient of the residual stream is
- *    bf16 and is updated in place as the backward walks down the layers.
+ *    gradient kernel that may write first takes `accumulate` (the embedding's lookup backward
+ *    always adds: the tied output head has written first), so the gradients are never zeroed (a
+ *    memset of 4 bytes a parameter) nor read before their first write. The gradient of the
+ *    residual stream is bf16 and is updated in place as the backward walks down the layers.
  *  - Rows are read in 16-byte vectors of 8 bf16, so every row length must be a multiple of 8
  *    (train_gpt's config check enforces this before anything is allocated).
  */
