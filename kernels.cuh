@@ -426,57 +426,78 @@ __global__ void qk_norm_rope_forward_kernel(bf16* qkv_rot, float* rstd, const bf
 // and then, as for RMSNorm, with x_hat = x * rstd and g = da * w:
 //   dx = rstd * (g - x_hat * mean(g * x_hat)),   dw += da * x_hat (summed over rows and heads).
 // Each block takes QK_BWD_TASKS consecutive (row, head) tasks and writes one partial row of
-// [dq_norm (D) | dk_norm (D)].
+// [dq_norm (D) | dk_norm (D)]. As in the forward, a task is D/16 lanes, lane k owning channels
+// 8k .. 8k+7 and their partners + D/2 in 16-byte accesses, so a warp runs 32 / (D/16) tasks side by
+// side (its slots); each lane sums its channels' dw over the tasks it runs, and the block adds those
+// sums in a fixed order (warp, then slot) into its partial row.
 #define QK_BWD_TASKS 256
 #define QK_BWD_WARPS 8
 template <int D>
 __global__ void qk_norm_rope_backward_kernel(bf16* d_qkv, float* dw_partials, const bf16* qkv, const float* rstd,
                                              const bf16* q_weight, const bf16* k_weight, const float* rope_cos,
                                              const float* rope_sin, int N, int T, int Hq, int Hkv) {
-    constexpr int PAIRS = D / 64;
-    __shared__ float dw_warp[QK_BWD_WARPS][2 * D];
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, H = Hq + 2 * Hkv;
-    float dw_q[2 * PAIRS] = {0}, dw_k[2 * PAIRS] = {0};  // this lane's channels: lo pairs, then hi pairs
-    size_t task_end = min((size_t)N * (Hq + Hkv), (blockIdx.x + 1) * (size_t)QK_BWD_TASKS);
-    for (size_t task = blockIdx.x * (size_t)QK_BWD_TASKS + warp; task < task_end; task += QK_BWD_WARPS) {
-        const int n = (int)(task / (Hq + Hkv)), h = (int)(task % (Hq + Hkv)), t = n % T;
+    constexpr int LANES = D / 16, SLOTS = 32 / LANES;
+    __shared__ float dw_slot[QK_BWD_WARPS * SLOTS][2 * D];  // 32 KB at D = 64 and at D = 128
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, k = lane % LANES, slot = lane / LANES, i0 = 8 * k;
+    const int H = Hq + 2 * Hkv;
+    float dw_q[16] = {0}, dw_k[16] = {0};  // channels i0 .. i0+7, then i0 + D/2 .. i0 + D/2 + 7
+    const size_t begin = blockIdx.x * (size_t)QK_BWD_TASKS;
+    const size_t task_end = min((size_t)N * (Hq + Hkv), begin + QK_BWD_TASKS);
+    for (size_t base = begin + warp * SLOTS; base < task_end; base += QK_BWD_WARPS * SLOTS) {  // the warp as one
+        const size_t task = base + slot;
+        const bool live = task < task_end;  // every lane stays to the shuffle
+        const int n = live ? (int)(task / (Hq + Hkv)) : 0, h = (int)(task % (Hq + Hkv)), t = n % T;
+        const bool is_q = h < Hq;
         const bf16* x = qkv + (size_t)n * H * D + h * D;
         bf16* dx = d_qkv + (size_t)n * H * D + h * D;
-        const bf16* w = h < Hq ? q_weight : k_weight;
-        float* dw = h < Hq ? dw_q : dw_k;
-        const float r = rstd[(size_t)n * (Hq + Hkv) + h];
-        float x_hat[2 * PAIRS], g[2 * PAIRS], dot = 0.0f;
-        for (int j = 0; j < PAIRS; j++) {
-            int i = lane + 32 * j;
-            float c = rope_cos[t * (D / 2) + i], s = rope_sin[t * (D / 2) + i];
-            float dy_lo = __bfloat162float(dx[i]), dy_hi = __bfloat162float(dx[i + D / 2]);
-            float da_lo = dy_lo * c + dy_hi * s, da_hi = dy_hi * c - dy_lo * s;
-            x_hat[j] = __bfloat162float(x[i]) * r;
-            x_hat[PAIRS + j] = __bfloat162float(x[i + D / 2]) * r;
-            dw[j] += da_lo * x_hat[j];
-            dw[PAIRS + j] += da_hi * x_hat[PAIRS + j];
-            g[j] = da_lo * __bfloat162float(w[i]);
-            g[PAIRS + j] = da_hi * __bfloat162float(w[i + D / 2]);
-            dot += g[j] * x_hat[j] + g[PAIRS + j] * x_hat[PAIRS + j];
+        float x_hat[16], g[16], dot = 0.0f;
+        if (live) {
+            const float r = rstd[(size_t)n * (Hq + Hkv) + h];
+            const bf16* w = is_q ? q_weight : k_weight;
+            bf16x8 dy_lo = load8(dx + i0), dy_hi = load8(dx + i0 + D / 2), x_lo = load8(x + i0),
+                   x_hi = load8(x + i0 + D / 2), w_lo = load8(w + i0), w_hi = load8(w + i0 + D / 2);
+            const float4* cos4 = reinterpret_cast<const float4*>(rope_cos + t * (D / 2) + i0);
+            const float4* sin4 = reinterpret_cast<const float4*>(rope_sin + t * (D / 2) + i0);
+            float4 cs[2] = {cos4[0], cos4[1]}, sn[2] = {sin4[0], sin4[1]};
+            const float *c = &cs[0].x, *sv = &sn[0].x;
+            for (int e = 0; e < 8; e++) {
+                float lo = __bfloat162float(dy_lo.v[e]), hi = __bfloat162float(dy_hi.v[e]);
+                float da_lo = lo * c[e] + hi * sv[e], da_hi = hi * c[e] - lo * sv[e];
+                x_hat[e] = __bfloat162float(x_lo.v[e]) * r;
+                x_hat[8 + e] = __bfloat162float(x_hi.v[e]) * r;
+                float dw_lo = da_lo * x_hat[e], dw_hi = da_hi * x_hat[8 + e];
+                dw_q[e] += is_q ? dw_lo : 0.0f;
+                dw_q[8 + e] += is_q ? dw_hi : 0.0f;
+                dw_k[e] += is_q ? 0.0f : dw_lo;
+                dw_k[8 + e] += is_q ? 0.0f : dw_hi;
+                g[e] = da_lo * __bfloat162float(w_lo.v[e]);
+                g[8 + e] = da_hi * __bfloat162float(w_hi.v[e]);
+                dot += g[e] * x_hat[e] + g[8 + e] * x_hat[8 + e];
+            }
         }
-        float mean_dot = warp_sum(dot) / D;
-        for (int j = 0; j < PAIRS; j++) {
-            int i = lane + 32 * j;
-            dx[i] = __float2bfloat16(r * (g[j] - x_hat[j] * mean_dot));
-            dx[i + D / 2] = __float2bfloat16(r * (g[PAIRS + j] - x_hat[PAIRS + j] * mean_dot));
+        for (int offset = LANES / 2; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+        if (live) {
+            const float r = rstd[(size_t)n * (Hq + Hkv) + h], mean_dot = dot / D;
+            bf16x8 out_lo, out_hi;
+            for (int e = 0; e < 8; e++) {
+                out_lo.v[e] = __float2bfloat16(r * (g[e] - x_hat[e] * mean_dot));
+                out_hi.v[e] = __float2bfloat16(r * (g[8 + e] - x_hat[8 + e] * mean_dot));
+            }
+            store8(dx + i0, out_lo);
+            store8(dx + i0 + D / 2, out_hi);
         }
     }
-    for (int j = 0; j < PAIRS; j++) {
-        int i = lane + 32 * j;
-        dw_warp[warp][i] = dw_q[j];
-        dw_warp[warp][i + D / 2] = dw_q[PAIRS + j];
-        dw_warp[warp][D + i] = dw_k[j];
-        dw_warp[warp][D + i + D / 2] = dw_k[PAIRS + j];
+    float* mine = dw_slot[warp * SLOTS + slot];
+    for (int e = 0; e < 8; e++) {
+        mine[i0 + e] = dw_q[e];
+        mine[i0 + D / 2 + e] = dw_q[8 + e];
+        mine[D + i0 + e] = dw_k[e];
+        mine[D + i0 + D / 2 + e] = dw_k[8 + e];
     }
     __syncthreads();
     for (int c = threadIdx.x; c < 2 * D; c += blockDim.x) {
         float sum = 0.0f;
-        for (int w = 0; w < QK_BWD_WARPS; w++) sum += dw_warp[w][c];
+        for (int row = 0; row < QK_BWD_WARPS * SLOTS; row++) sum += dw_slot[row][c];
         dw_partials[(size_t)blockIdx.x * 2 * D + c] = sum;
     }
 }
