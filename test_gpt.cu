@@ -65,17 +65,23 @@ static void gpt_create(GPT* m, const ModelConfig* cfg, int B, int T, int recompu
 
 static double round_bf16(double x) { return (double)__bfloat162float(__float2bfloat16((float)x)); }
 
-// Uploads x as bf16, rounding x in place to the values the GPU sees.
-static bf16* to_device_bf16(double* x, size_t n) {
+// Uploads x as bf16 into the device buffer d (a model's weights or activations, say), rounding x
+// in place to the values the GPU sees.
+static void upload_bf16(bf16* d, double* x, size_t n) {
     bf16* host = (bf16*)malloc(n * sizeof(bf16));
     for (size_t i = 0; i < n; i++) {
         host[i] = __float2bfloat16((float)x[i]);
         x[i] = __bfloat162float(host[i]);
     }
-    bf16* d;
-    CUDA_CHECK(cudaMalloc(&d, n * sizeof(bf16) + 256));
     CUDA_CHECK(cudaMemcpy(d, host, n * sizeof(bf16), cudaMemcpyHostToDevice));
     free(host);
+}
+
+// The same into a new device buffer (256 bytes of slack past the end).
+static bf16* to_device_bf16(double* x, size_t n) {
+    bf16* d;
+    CUDA_CHECK(cudaMalloc(&d, n * sizeof(bf16) + 256));
+    upload_bf16(d, x, n);
     return d;
 }
 
@@ -1094,9 +1100,8 @@ static int test_kernel_gate_up_swiglu(void) {
         Activations* a = &m.act;
         EXPECT(gate_up_fused(&m, l), "N %d, I %d, F %d: the fused path refused", N, I, F);
         double *x = random_array((size_t)N * I, 1.0), *W = random_array((size_t)2 * F * I, 1.0);
-        bf16 *d_x = to_device_bf16(x, (size_t)N * I), *d_W = to_device_bf16(W, (size_t)2 * F * I);
-        CUDA_CHECK(cudaMemcpy(a->xnorm_mlp[l], d_x, (size_t)N * I * 2, cudaMemcpyDeviceToDevice));
-        CUDA_CHECK(cudaMemcpy(P(&m, P_GATE_UP, l), d_W, (size_t)2 * F * I * 2, cudaMemcpyDeviceToDevice));
+        upload_bf16(a->xnorm_mlp[l], x, (size_t)N * I);
+        upload_bf16(P(&m, P_GATE_UP, l), W, (size_t)2 * F * I);
         uint16_t* bits[2];  // each run's gate_up, then its act, as stored
         for (int run = 0; run < 2; run++) {
             CUDA_CHECK(cudaMemset(a->gate_up[l], 0xFF, n_gu * 2));  // NaN
@@ -1125,8 +1130,7 @@ static int test_kernel_gate_up_swiglu(void) {
         EXPECT(differ == 0, "N %d, I %d, F %d: act differs from swiglu_forward on its gate_up in %zu of %zu entries", N,
                I, F, differ, n_act);
         free(x); free(W); free(gu); free(ggu); free(want_act); free(bits[0]); free(bits[1]);
-        void* dev[] = {d_x, d_W, d_act};
-        for (void* d : dev) CUDA_CHECK(cudaFree(d));
+        CUDA_CHECK(cudaFree(d_act));
         gpt_free(&m);
     }
     return TEST_RESULT;
@@ -1153,12 +1157,10 @@ static int test_kernel_down_swiglu_backward(void) {
         EXPECT(down_swiglu_fused(&m, l), "N %d, C %d, F %d: the fused path refused", N, C, F);
         double *dy = random_array(n_dy, 1.0), *W = random_array(n_w, 1.0);
         double *gu = random_array(n_gu, 1.0), *act = random_array(n_act, 1.0);
-        bf16 *d_dy = to_device_bf16(dy, n_dy), *d_W = to_device_bf16(W, n_w);
-        bf16 *d_gu = to_device_bf16(gu, n_gu), *d_act = to_device_bf16(act, n_act);
-        CUDA_CHECK(cudaMemcpy(a->d_residual, d_dy, n_dy * 2, cudaMemcpyDeviceToDevice));
-        CUDA_CHECK(cudaMemcpy(P(&m, P_DOWN, l), d_W, n_w * 2, cudaMemcpyDeviceToDevice));
-        CUDA_CHECK(cudaMemcpy(a->gate_up[l], d_gu, n_gu * 2, cudaMemcpyDeviceToDevice));
-        CUDA_CHECK(cudaMemcpy(a->mlp_act[l], d_act, n_act * 2, cudaMemcpyDeviceToDevice));
+        upload_bf16(a->d_residual, dy, n_dy);
+        upload_bf16(P(&m, P_DOWN, l), W, n_w);
+        upload_bf16(a->gate_up[l], gu, n_gu);
+        upload_bf16(a->mlp_act[l], act, n_act);
         uint16_t* bits[2];  // each run's d_gate_up, as stored
         for (int run = 0; run < 2; run++) {
             CUDA_CHECK(cudaMemset(a->d_gate_up, 0xFF, n_gu * 2));  // NaN
@@ -1182,8 +1184,6 @@ static int test_kernel_down_swiglu_backward(void) {
         CHECK_CLOSE(name, g_dW, dW, n_w, 1e-4);  // fp32 sums of exact bf16 products
         free(dy); free(W); free(gu); free(act); free(d_mlp_act); free(dW); free(dgu); free(g_dgu); free(g_dW);
         free(bits[0]); free(bits[1]);
-        void* dev[] = {d_dy, d_W, d_gu, d_act};
-        for (void* d : dev) CUDA_CHECK(cudaFree(d));
         gpt_free(&m);
     }
     return TEST_RESULT;
@@ -1200,8 +1200,7 @@ static int test_kernel_embedding_and_reductions(void) {
     uploader_create(&up, m.N, c.vocab_size);
     uint16_t* window = random_window(3, 50, 11);  // tokens < 11: heavy repetition
     double* E = random_array((size_t)64 * 72, 1.0);
-    bf16* dE_bf16 = to_device_bf16(E, (size_t)64 * 72);
-    CUDA_CHECK(cudaMemcpy(P(&m, P_EMBED, 0), dE_bf16, (size_t)64 * 72 * 2, cudaMemcpyDeviceToDevice));
+    upload_bf16(P(&m, P_EMBED, 0), E, (size_t)64 * 72);
     Batch b = upload_batch(&up, &m, window);
     double* dx = random_array((size_t)m.N * 72, 1.0);
     bf16* d_dx = to_device_bf16(dx, (size_t)m.N * 72);
@@ -1241,7 +1240,7 @@ static int test_kernel_embedding_and_reductions(void) {
     EXPECT(fabs(got[0] - sum) < 1e-3 * sqrt((double)n), "sum %.6f vs %.6f", got[0], sum);
     EXPECT(fabs(got[1] - sq) / sq < 1e-5, "sum of squares %.6f vs %.6f", got[1], sq);
     free(window); free(E); free(dx); free(x); free(dE); free(gx); free(gdE); free(v); free(got);
-    void* dev[] = {dE_bf16, d_dx, d_x, d_v, d_out};
+    void* dev[] = {d_dx, d_x, d_v, d_out};
     for (void* d : dev) CUDA_CHECK(cudaFree(d));
     uploader_free(&up);
     gpt_free(&m);

@@ -365,8 +365,7 @@ static int test_fp8_gpu_layer_products(void) {
     for (size_t i = 0; i < (size_t)O * I; i++) W[i] = round_bf16(W[i]);
     for (size_t i = 0; i < (size_t)N * I; i++) x[i] = round_bf16(x[i]);
     for (size_t i = 0; i < (size_t)N * O; i++) dy[i] = round_bf16(dy[i]);
-    bf16* d_W = to_device_bf16(W, (size_t)O * I);
-    CUDA_CHECK(cudaMemcpy(m.params + t->offset, d_W, (size_t)O * I * 2, cudaMemcpyDeviceToDevice));
+    upload_bf16(m.params + t->offset, W, (size_t)O * I);
     bf16 *d_x = to_device_bf16(x, (size_t)N * I), *d_dy = to_device_bf16(dy, (size_t)N * O);
     bf16 *d_y = (bf16*)device_alloc_poisoned((size_t)N * O * 2), *d_dx = (bf16*)device_alloc_poisoned((size_t)N * I * 2);
     CUDA_CHECK(cudaMemset(m.grads, 0xFF, m.table.n_elements * 4));  // NaN: the first write sets dW
@@ -398,7 +397,7 @@ static int test_fp8_gpu_layer_products(void) {
     CHECK_CLOSE("fp8 weight gradient", gdW, dW, sizes[0], 1e-3);
     double* all[] = {W, x, dy, Wq, xq, dyq, y, dx, dW, gy, gdx, gdW};
     for (double* a : all) free(a);
-    void* dev[] = {d_W, d_x, d_dy, d_y, d_dx};
+    void* dev[] = {d_x, d_dy, d_y, d_dx};
     for (void* d : dev) CUDA_CHECK(cudaFree(d));
     gpt_free(&m);
     return TEST_RESULT;
