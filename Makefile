@@ -11,7 +11,7 @@ GPU_ARCH  ?= -gencode=arch=compute_90a,code=sm_90a
 NVFLAGS   ?= -O3 -std=c++17 $(GPU_ARCH) --use_fast_math -Xcompiler -Wall,-Wno-unused-function,-Wno-format-truncation
 CFLAGS    ?= -O2 -std=c11 -Wall -Wextra -Wno-unused-function -Wno-format-truncation
 LIBS      := -lcublasLt -lnccl -lpthread
-HEADERS   := lib/cuda_check.h lib/util.h lib/ptx.cuh lib/attention.cuh lib/fp8.cuh lib/matmul_hopper.cuh kernels.cuh data.h lib/tokenizer.h lib/unicode_classes.h ckpt.h lib/config.h comm.h
+HEADERS   := lib/cuda_check.h lib/util.h lib/ptx.cuh lib/attention.cuh lib/fp8_codes.cuh lib/fp8.cuh lib/matmul_hopper.cuh kernels.cuh data.h lib/tokenizer.h lib/unicode_classes.h ckpt.h lib/config.h comm.h
 TEST_HEADERS := test/testing.h test/reference.h test/test_data.h test/test_ckpt.h test/test_comm.h test/test_fp8.h test/test_inputs.h test/test_optim.h
 
 .PHONY: all test data train bench plot dev clean
@@ -29,7 +29,7 @@ prepro: tools/prepro.c data.h lib/util.h lib/tokenizer.h lib/unicode_classes.h
 
 dev: dev/attention dev/matmul
 
-dev/attention: dev/attention.cu dev/common.h $(wildcard dev/attention*.cuh) kernels.cuh lib/attention.cuh lib/ptx.cuh \
+dev/attention: dev/attention.cu dev/common.h $(wildcard dev/attention*.cuh) kernels.cuh lib/attention.cuh lib/fp8_codes.cuh lib/ptx.cuh \
                lib/cuda_check.h
 	$(NVCC) $(NVFLAGS) -lineinfo $< -o $@ $(LIBS)
 

@@ -744,6 +744,50 @@ static int test_kernel_qk_norm_rope(void) {
     return TEST_RESULT;
 }
 
+// The attention forward with its output's E4M3 codes (FP8 training's fused path), on the inputs
+// that gave `out_plain` [no] (the plain forward's bf16 output), at a scale twice the largest that
+// fits its amax, so that the largest values saturate as a cast's would: the bf16 output must be
+// the plain forward's bit for bit, each code the reference's rounding of that very bf16 value at
+// the scale (test/reference.h), the amax recorded max |out| exactly, and nothing written past the end.
+static int check_attention_codes(const char* name, const double* out_plain, size_t no, const bf16* d_qkv, int Q, int B,
+                                 int T, int Hq, int Hkv, int D) {
+    int failed = 0;
+    double amax = 0.0;
+    for (size_t i = 0; i < no; i++) amax = fmax(amax, fabs(out_plain[i]));
+    Fp8Scale s = fp8_scale_initial(false), after;
+    int k = fp8_scale_exponent((float)amax, s.max) + 1;
+    s.scale = ldexpf(1.0f, k), s.scale_inv = ldexpf(1.0f, -k);
+    Fp8Scale* d_s;
+    CUDA_CHECK(cudaMalloc(&d_s, sizeof(s)));
+    CUDA_CHECK(cudaMemcpy(d_s, &s, sizeof(s), cudaMemcpyHostToDevice));
+    bf16* d_out = (bf16*)device_alloc_poisoned(no * 2);
+    float* d_lse = (float*)device_alloc_poisoned((size_t)B * Hq * T * 4);
+    uint8_t* d_codes = (uint8_t*)device_alloc_poisoned(no);  // and 256 poisoned bytes past the end
+    attention_forward(d_out, d_lse, d_qkv, d_qkv + Hq * D, d_qkv + (Hq + Hkv) * D, Q, B, T, Hq, Hkv, D, 0, d_codes,
+                      d_s);
+    double* out = from_device_bf16(d_out, no);
+    uint8_t* codes = (uint8_t*)malloc(no + 256);
+    CUDA_CHECK(cudaMemcpy(codes, d_codes, no + 256, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(&after, d_s, sizeof(after), cudaMemcpyDeviceToHost));
+    EXPECT(!memcmp(out, out_plain, no * sizeof(double)), "%s: the bf16 output changes with the codes asked for", name);
+    size_t wrong = 0, saturated = 0, overrun = 0;
+    for (size_t i = 0; i < no; i++) {
+        wrong += codes[i] != ref_fp8_encode(out_plain[i] * s.scale, false);
+        saturated += fabs(out_plain[i] * s.scale) > s.max;
+    }
+    for (size_t i = no; i < no + 256; i++) overrun += codes[i] != 0xFF;
+    EXPECT(wrong == 0, "%s: %zu of %zu codes differ from the reference's rounding of the bf16 output", name, wrong, no);
+    EXPECT(saturated > 0, "%s: no value saturates at scale 2^%d", name, k);
+    EXPECT(overrun == 0, "%s: %zu bytes written past the codes' end", name, overrun);
+    EXPECT(after.amax == (float)amax && after.scale == s.scale, "%s: amax %.9g (want %.9g), scale %g (was %g)", name,
+           after.amax, amax, after.scale, s.scale);
+    free(out);
+    free(codes);
+    void* dev[] = {d_s, d_out, d_lse, d_codes};
+    for (void* d : dev) CUDA_CHECK(cudaFree(d));
+    return failed;
+}
+
 static int test_kernel_attention(void) {
     REQUIRE_GPU();
     int failed = 0;
@@ -780,6 +824,7 @@ static int test_kernel_attention(void) {
         char name[96];
         snprintf(name, sizeof(name), "attention B%d T%d Hq%d Hkv%d D%d out", B, T, Hq, Hkv, D);
         CHECK_CLOSE(name, out_gpu, out, no, 1.5e-2);
+        failed |= check_attention_codes(name, out_gpu, no, d_qkv, Q, B, T, Hq, Hkv, D);
         CHECK_CLOSE("lse", glse, lse, (size_t)B * Hq * T, 1e-4);
         CHECK_CLOSE("dqkv", gd, dqkv, nq, 1.5e-2);
         EXPECT(memcmp(gd_runs[0], gd_runs[1], nq * sizeof(double)) == 0, "%s", "deterministic backward repeats bitwise");

@@ -1168,7 +1168,9 @@ static Fp8CastScale fp8_how(const GPT* m) {
 // after the first step), the FP8 copies of RMSNorm's and SwiGLU's outputs and of SwiGLU's input
 // gradient are cast where they are computed (fp8_input, fp8_grad), the backward's from what the
 // forward keeps anyway; those bf16 tensors are then neither written nor read, and the backward
-// recomputes neither norm nor SwiGLU. Otherwise the producing kernels write bf16 and a cast reads it.
+// recomputes neither norm nor SwiGLU. The attention forward writes its output's codes beside the
+// bf16 output (fp8_attention_codes), which no cast then reads back in the forward. Otherwise the
+// producing kernels write bf16 and a cast reads it.
 static bool fp8_fused(const GPT* m) { return m->fp8.on && m->fp8.fuse && fp8_how(m) == FP8_CAST_DELAYED; }
 
 // Whether layer l shares qkv_rot (activations_layout), and so remakes it in the backward: the first
@@ -1219,7 +1221,9 @@ static bool fp8_product(const GPT* m, ParamKind kind) { return m->fp8.on && (kin
 // for the forward, or transposed into fp8.x_t for the weight gradient. The kernel that makes x
 // runs inside the cast: QKV's and GATE_UP's RMSNorm (the forward's computes rstd and saves it as
 // the bf16 norm does; the backward's applies the saved one to the kept input), DOWN's SwiGLU on
-// gate_up; ATTN_OUT's input, attention's output, is cast as it is.
+// gate_up. ATTN_OUT's input is attention's output O: its row-major codes are already in fp8.x,
+// written by the attention forward beside O (fp8_attention_codes), and its x^T is cast from O,
+// which the backward keeps for attention's own backward.
 static void fp8_input(GPT* m, ParamKind kind, int l, bool transposed) {
     Activations* a = &m->act;
     int N = m->N, I = (int)param(&m->table, kind, l)->cols;
@@ -1236,9 +1240,21 @@ static void fp8_input(GPT* m, ParamKind kind, int l, bool transposed) {
             fp8_rmsnorm_forward(out, rstd, x, w, N, I, m->cfg.norm_eps, sx, m->stream);
     } else if (kind == P_DOWN) {
         fp8_produce(out, out_t, Fp8FromSwiglu{a->gate_up[l], I}, N, I, false, sx, FP8_CAST_DELAYED, m->stream);
-    } else {
-        fp8_cast(out, out_t, a->attn_out[l], N, I, false, sx, FP8_CAST_DELAYED, m->stream);
+    } else if (transposed) {
+        fp8_cast(NULL, out_t, a->attn_out[l], N, I, false, sx, FP8_CAST_DELAYED, m->stream);
     }
+}
+
+// Where the attention forward of layer l writes its output's E4M3 codes, ATTN_OUT's forward input:
+// on the fused path fp8.x, at that input's scale, whose amax the attention kernel records as a cast
+// would (lib/attention.cuh); elsewhere nowhere (NULL: only the bf16 O, which a cast then reads).
+static uint8_t* fp8_attention_codes(const GPT* m, Fp8Scale** scale, int l) {
+    if (!fp8_fused(m)) {
+        *scale = NULL;
+        return NULL;
+    }
+    *scale = fp8_scale(m, FP8_ROLE_INPUT, P_ATTN_OUT, l);
+    return m->fp8.x;
 }
 
 // The fused path's E5M2 copies of matrix `kind`'s output gradient [N, O] in layer l, into fp8.dy
@@ -1272,7 +1288,8 @@ static void fp8_cast_weights(GPT* m, int l) {
 }
 
 // y[N, O] = x[N, I] W^T (+ residual). On the fused FP8 path a layer's x codes come from fp8_input
-// (x unused); the head's input is always cast as it is.
+// (x unused; ATTN_OUT's were written by the attention forward); the head's input is always cast
+// as it is.
 static void layer_forward(GPT* m, ParamKind kind, int l, int N, bf16* y, const bf16* x, const bf16* residual) {
     const ParamTensor* t = param(&m->table, kind, l);
     int O = (int)t->rows, I = (int)t->cols;
@@ -1458,8 +1475,10 @@ static void forward_layers(GPT* m, const Batch* batch) {
         layer_forward(m, P_QKV, l, N, a->qkv[l], a->xnorm_attn[l], NULL);
         qk_norm_rope(m, l);
         const bf16* q = a->qkv_rot[l];
+        Fp8Scale* codes_scale;
+        uint8_t* codes = fp8_attention_codes(m, &codes_scale, l);
         attention_forward(a->attn_out[l], a->lse[l], q, q + Hq * D, q + (Hq + Hkv) * D, Q, m->B, m->T, Hq, Hkv, D,
-                          m->stream);
+                          m->stream, codes, codes_scale);
         layer_forward(m, P_ATTN_OUT, l, N, a->residual_mid[l], a->attn_out[l], a->residual[l]);
         // MLP block: residual' = residual_mid + swiglu(rmsnorm(residual_mid) W_gate_up^T) W_down^T
         if (!fused) mlp_norm(m, l);

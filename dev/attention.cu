@@ -79,7 +79,12 @@ static void dq_cfg(bf16* dq, const bf16* dout, const float* lse, const float* de
 
 // An implementation under test: a version's public pair, or one tile configuration of version 2
 // (fwd plus, when bwd is null, delta + dkdv + dq). dims: bit 0 = runs at D 64, bit 1 = at D 128.
-// Version 4's backward with its dQ sums in a fixed order (the default) or in any order.
+// Version 4's forward without FP8 codes (the ladder times the bf16 output), and its backward with
+// its dQ sums in a fixed order (the default) or in any order.
+static void attention_forward_bf16(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int stride,
+                                   int B, int T, int Hq, int Hkv, int D, cudaStream_t st) {
+    attention_forward(out, lse, q, k, v, stride, B, T, Hq, Hkv, D, st);
+}
 static void attention_backward_det(bf16* dq, bf16* dk, bf16* dv, float* scratch, const bf16* dout, const bf16* out,
                                    const float* lse, const bf16* q, const bf16* k, const bf16* v, int stride,
                                    int dstride, int B, int T, int Hq, int Hkv, int D, cudaStream_t st) {
@@ -106,8 +111,8 @@ static const Impl VERSIONS[] = {
     {1, "naive", 3, naive_attention_forward, naive_attention_backward, nullptr, nullptr},
     {2, "fa2", 3, attention_forward_fa2, attention_backward_fa2, nullptr, nullptr},
     {3, "wgmma", 3, attention_forward_wgmma, attention_backward_wgmma, nullptr, nullptr},
-    {4, "tma-ws", 3, attention_forward, attention_backward_det, nullptr, nullptr},
-    {4, "tma-ws atomic dq", 3, attention_forward, attention_backward_atomic, nullptr, nullptr, true},
+    {4, "tma-ws", 3, attention_forward_bf16, attention_backward_det, nullptr, nullptr},
+    {4, "tma-ws atomic dq", 3, attention_forward_bf16, attention_backward_atomic, nullptr, nullptr, true},
 };
 // Tuning candidates; the default backward pieces are the first of each list.
 template <int BN>

@@ -26,6 +26,7 @@
 
 #include <math.h>
 #include "cuda_check.h"
+#include "fp8_codes.cuh"  // the forward's optional E4M3 copy of its output: FP8 training's fused path
 #include "ptx.cuh"
 
 // The softmax runs in base 2 (exp2 is one instruction): scores are scaled by scale * ATTN_LOG2E,
@@ -98,21 +99,27 @@ static __device__ __forceinline__ void attn_zero(float (&x)[N][4]) {
 }
 
 // Writes a warp's 16 x D fp32 accumulator (times mul) as bf16 rows row0+g and row0+g+8 of a
-// token-major tensor; rows at or past T are skipped.
+// token-major tensor; rows at or past T are skipped. With `codes` (a tensor of the same layout,
+// one byte an element), also the E4M3 codes of the stored bf16 values at codes_scale, raising
+// *codes_amax to their largest magnitude (lib/fp8_codes.cuh: the very codes a cast of g makes).
 template <int D>
 static __device__ __forceinline__ void attn_store_rows(bf16* g, long stride, int row0, int T,
                                                       const float (&acc)[D / 8][4], float mul0,
-                                                      float mul1, int lane) {
+                                                      float mul1, int lane, uint8_t* codes = nullptr,
+                                                      float codes_scale = 0.f, float* codes_amax = nullptr) {
     const int r0 = row0 + (lane >> 2), c0 = 2 * (lane & 3);
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-        if (r0 < T)
-            *reinterpret_cast<uint32_t*>(g + (long)r0 * stride + dt * 8 + c0) =
-                attn_pack_bf16(acc[dt][0] * mul0, acc[dt][1] * mul0);
-        if (r0 + 8 < T)
-            *reinterpret_cast<uint32_t*>(g + (long)(r0 + 8) * stride + dt * 8 + c0) =
-                attn_pack_bf16(acc[dt][2] * mul1, acc[dt][3] * mul1);
-    }
+    for (int dt = 0; dt < D / 8; ++dt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {  // rows r0 and r0 + 8
+            if (r0 + 8 * half >= T) continue;
+            const long at = (long)(r0 + 8 * half) * stride + dt * 8 + c0;
+            const float mul = half ? mul1 : mul0;
+            const __nv_bfloat162 v = __floats2bfloat162_rn(acc[dt][2 * half] * mul, acc[dt][2 * half + 1] * mul);
+            *reinterpret_cast<__nv_bfloat162*>(g + at) = v;
+            if (codes)
+                *reinterpret_cast<uint16_t*>(codes + at) = fp8_encode2<__NV_E4M3>(v.x, v.y, codes_scale, codes_amax);
+        }
 }
 
 // Online softmax of one tile of scores (one warp's 16 rows, NT 8-column blocks), in place: s becomes
@@ -426,14 +433,18 @@ static __device__ __forceinline__ int ws_next_item(int items, int grid) {
 //                        wait only for S_i, then mask it (diagonal tiles) and compute
 //   P_i = 2^(S_i*scale - m_i), l_i, alpha_i = 2^(m_{i-1} - m_i); then wait for P_{i-1} V_{i-1},
 //   O *= alpha_i, and pack P_i to bf16 for the next iteration's O += P_i V_i.
-// End of an item: O /= l, lse = (m + log2 l) ln 2, stored straight from registers.
+// End of an item: O /= l, lse = (m + log2 l) ln 2, stored straight from registers; with `codes`
+// (FP8 training's fused path, doc/fp8.md) also O's E4M3 codes at codes_scale->scale, from the bf16
+// values stored (attn_store_rows), and at the end of the block O's amax over its rows into
+// codes_scale->amax: a max over the consumer warps, published once (fp8_publish_amax).
 // Shared memory: Q [BM][D], K [2][BN][D], V [2][BN][D] bf16 in 64-column panels, the item slot, then
 // 10 mbarriers (D = 128: 160 KiB; D = 64: 80 or 88 KiB). One block per SM (the register file is full).
 template <int D, int BN, int NC>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
     ws_forward_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v, bf16* __restrict__ out, float* __restrict__ lse,
-                      int B, int T, int Hq, int Hkv, int group_heads, float scale_log2) {
+                      uint8_t* __restrict__ codes, Fp8Scale* codes_scale, int B, int T, int Hq, int Hkv,
+                      int group_heads, float scale_log2) {
     constexpr int BM = 64 * NC, NT = BN / 8, DT = D / 8, PANELS = D / 64;
     // Register budget: the block starts with the launch-bounds cap (168 registers a thread for 384
     // threads, 128 for 512) and the whole 64K file; the producer hands back all but PROD_REGS, and
@@ -527,6 +538,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     const uint32_t qs = attn_smem_u32(Qs) + cw * 64 * 128;
     float o[DT][4], s[NT][4], row_max[2], row_sum[2], alpha[2];
     uint32_t pa[BN / 16][4];  // P of the previous tile in bf16: the A operand of O += P V
+    const float codes_mul = codes ? codes_scale->scale : 0.f;
+    float codes_amax = 0.f;  // of this thread's O values over every item
 
     // S = Q K^T of ring stage st into s (issued and committed, not waited for)
     auto issue_s = [&](int st) {
@@ -619,17 +632,30 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
             if (tq < T && (lane & 3) == 0)
                 lse[((long)it.b * Hq + it.h) * T + tq] = (row_max[r] + __log2f(l)) * ATTN_LN2;
         }
-        attn_store_rows<D>(out + (long)it.b * T * Hq * D + it.h * D, (long)Hq * D, m0 + wrow, T, o, inv[0], inv[1],
-                           lane);
+        const long at = (long)it.b * T * Hq * D + it.h * D;
+        attn_store_rows<D>(out + at, (long)Hq * D, m0 + wrow, T, o, inv[0], inv[1], lane, codes ? codes + at : nullptr,
+                           codes_mul, &codes_amax);
+    }
+    if (codes) {  // the block's amax: the producer has left, so a named barrier over the consumers
+        __shared__ float warp_amax[4 * NC];
+        for (int offset = 16; offset > 0; offset >>= 1)
+            codes_amax = fmaxf(codes_amax, __shfl_xor_sync(0xffffffffu, codes_amax, offset));
+        if (lane == 0) warp_amax[warp - 4] = codes_amax;
+        named_barrier(1, 128 * NC);
+        if (threadIdx.x == 128) {
+            for (int i = 1; i < 4 * NC; ++i) codes_amax = fmaxf(codes_amax, warp_amax[i]);
+            fp8_publish_amax(codes_scale, codes_amax);
+        }
     }
 }
 
 // PERSIST: a grid of one block per SM, each taking work items until none is left (the next item's
 // loads overlap this one's epilogue); otherwise one block per item. Item groups hold the heads whose
-// K and V (shared by G query heads) fit in L2_MIB MiB.
+// K and V (shared by G query heads) fit in L2_MIB MiB. codes: attention_forward's.
 template <int D, int BN, int NC, bool PERSIST = true, int L2_MIB = 4>
 static void ws_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int stride, int B,
-                              int T, int Hq, int Hkv, cudaStream_t stream) {
+                              int T, int Hq, int Hkv, cudaStream_t stream, uint8_t* codes = nullptr,
+                              Fp8Scale* codes_scale = nullptr) {
     constexpr int BM = 64 * NC;
     auto kernel = ws_forward_kernel<D, BN, NC>;
     const int smem = (BM + 4 * BN) * D * (int)sizeof(bf16) + 16 + 10 * 8;
@@ -646,8 +672,8 @@ static void ws_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* 
     const int items = ceil_div(T, BM) * B * Hq, grid = PERSIST && items > sms ? sms : items;
     const double kv_bytes_per_head = 4.0 * T * D / (Hq / Hkv);
     const int group_heads = (int)fmin((double)B * Hq, fmax(1.0, L2_MIB * 1048576.0 / kv_bytes_per_head));
-    kernel<<<grid, 128 * (NC + 1), smem, stream>>>(tq, tk, tv, out, lse, B, T, Hq, Hkv, group_heads,
-                                                   ATTN_LOG2E / sqrtf((float)D));
+    kernel<<<grid, 128 * (NC + 1), smem, stream>>>(tq, tk, tv, out, lse, codes, codes_scale, B, T, Hq, Hkv,
+                                                   group_heads, ATTN_LOG2E / sqrtf((float)D));
     CUDA_CHECK(cudaGetLastError());
 }
 
@@ -917,13 +943,22 @@ static void ws_backward_launch(bf16* dq, bf16* dk, bf16* dv, float* scratch, con
 // The entry points. Tiles, the best of those timed by `./dev/attention tune` on an H100 (doc/attention.md):
 //   forward: 128 queries x 128 keys, 2 consumers; at D = 64 and T > 1024, 192 x 128, 3 consumers.
 //   backward: 128 keys x 64 queries at D = 128, 128 x 128 at D = 64.
+// codes (null: none): also out's E4M3 codes [B, T, Hq, D], one byte an element, at codes_scale's
+// scale, and out's amax raised into codes_scale->amax (FP8 training's fused path: the attention
+// output's product then reads these codes, and no cast reads out back; doc/fp8.md).
 static void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int qkv_stride,
-                              int B, int T, int Hq, int Hkv, int D, cudaStream_t stream) {
-    const void* ptrs[] = {out, q, k, v};
-    attn_check_args("attention_forward", ptrs, 4, qkv_stride, B, T, Hq, Hkv, D);
-    if (D == 128) ws_forward_launch<128, 128, 2>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream);
-    else if (T <= 1024) ws_forward_launch<64, 128, 2>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream);
-    else ws_forward_launch<64, 128, 3>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream);
+                              int B, int T, int Hq, int Hkv, int D, cudaStream_t stream, uint8_t* codes = nullptr,
+                              Fp8Scale* codes_scale = nullptr) {
+    const void* ptrs[] = {out, q, k, v, codes};
+    attn_check_args("attention_forward", ptrs, 5, qkv_stride, B, T, Hq, Hkv, D);
+    if (codes && !codes_scale) {
+        fprintf(stderr, "attention_forward: FP8 codes asked for without their scale\n");
+        exit(1);
+    }
+    if (D == 128) ws_forward_launch<128, 128, 2>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream, codes, codes_scale);
+    else if (T <= 1024)
+        ws_forward_launch<64, 128, 2>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream, codes, codes_scale);
+    else ws_forward_launch<64, 128, 3>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream, codes, codes_scale);
 }
 
 // scratch: attention_backward_scratch_bytes(B, T, Hq, D) bytes, 16-byte aligned, contents ignored.

@@ -17,40 +17,33 @@
  *   delayed  the largest amax of the last FP8_HISTORY optimizer steps; each cast records its
  *            tensor's amax as it goes (one pass), and fp8_update_scales rolls the history at the
  *            end of the step. Before the first step has filled the history, casts use current.
- * Everything lives on the device in an array of Fp8Scale, one per tensor role; during a step the
- * host never reads a scale (checkpoints and --fp8-log-scales copy them out at a step's end). The
- * convention to know: `scale` multiplies into FP8, `scale_inv` (what a matmul takes as its
- * operand's scale, and the first field so that it is 16-byte aligned as cuBLASLt wants) multiplies
- * back out.
+ * Everything lives on the device in an array of Fp8Scale (lib/fp8_codes.cuh), one per tensor role;
+ * during a step the host never reads a scale (checkpoints and --fp8-log-scales copy them out at a
+ * step's end). The convention to know: `scale` multiplies into FP8, `scale_inv` (what a matmul
+ * takes as its operand's scale, and the first field so that it is 16-byte aligned as cuBLASLt
+ * wants) multiplies back out.
  *
  * The cast kernel writes the row-major copy, the transposed copy, or both (Hopper's FP8 matmuls
  * take only the TN form, so the backward's products need transposed operands; doc/fp8.md). What
  * it casts comes from a producer: a bf16 tensor in memory, or (fused) the output of RMSNorm,
  * SwiGLU or SwiGLU's backward computed on the spot from that kernel's inputs, so that the bf16
  * tensor is never written nor read again; the forward's RMSNorm, which needs whole rows for its
- * rstd, has its own kernel that writes E4M3. A fused cast needs its scale before the data
- * exists: delayed scaling once the history holds a step.
+ * rstd, has its own kernel that writes E4M3, and the attention forward writes its output's E4M3
+ * codes itself (lib/attention.cuh). A fused cast needs its scale before the data exists: delayed
+ * scaling once the history holds a step. Every writer of codes goes through lib/fp8_codes.cuh's
+ * conversion and amax, so the fused codes are the very bits a plain cast would make.
  */
 #ifndef FP8_CUH
 #define FP8_CUH
 
-#include <cuda_fp8.h>
 #include "../kernels.cuh"
+#include "fp8_codes.cuh"  // Fp8Scale, fp8_encode2, fp8_publish_amax: what the attention forward shares
 
-#define FP8_HISTORY 16
 #define FP8_E4M3_MAX 448.0f
 #define FP8_E5M2_MAX 57344.0f
 
 typedef enum { FP8_DELAYED, FP8_CURRENT } Fp8Scaling;
 static const char* const FP8_SCALING_NAMES[] = {"delayed", "current"};  // by Fp8Scaling: --fp8-scaling's words
-
-typedef struct __align__(16) {
-    float scale_inv;              // stored -> real: what the matmul multiplies by
-    float scale;                  // real -> stored
-    float amax;                   // delayed: max |x| cast since the last update (as bits: atomicMax)
-    float max;                    // the format's largest finite value (448 or 57344)
-    float history[FP8_HISTORY];   // delayed: the amax of the last steps, newest first
-} Fp8Scale;
 
 // A fresh scale for a tensor of the given format: 1, and an empty history.
 static Fp8Scale fp8_scale_initial(bool e5m2) {
@@ -78,15 +71,10 @@ __device__ static inline void fp8_set_scale(Fp8Scale* s, float amax) {
     s->scale_inv = ldexpf(1.0f, -k);
 }
 
-// max over the block (block_max: every thread calling), then one atomicMax per block, and only
-// when the block's max exceeds what s->amax already holds: thousands of blocks updating one
-// address one warp at a time cost more than the cast itself (measured: 9 ms of a 71 ms step).
-// Non-negative floats order as their bits, and a max does not depend on the order, so the result
-// is deterministic.
+// The max over the block (block_max: every thread calling), published once (fp8_publish_amax).
 __device__ static inline void fp8_record_amax(Fp8Scale* s, float amax) {
     amax = block_max(amax);
-    if (threadIdx.x == 0 && amax > *(volatile float*)&s->amax)
-        atomicMax((unsigned int*)&s->amax, __float_as_uint(amax));
+    if (threadIdx.x == 0) fp8_publish_amax(s, amax);
 }
 
 // s->amax = max |x| over n elements (n a multiple of 8; s->amax zeroed before); 256 threads a block.
@@ -148,11 +136,7 @@ template <__nv_fp8_interpretation_t FORMAT>
 __device__ static inline uint2 fp8_encode8(const bf16x8& v, float scale, float* amax) {
     uint2 packed;
     uint16_t* q = (uint16_t*)&packed;
-    for (int j = 0; j < 4; j++) {
-        float a = __bfloat162float(v.v[2 * j]), b = __bfloat162float(v.v[2 * j + 1]);
-        *amax = fmaxf(*amax, fmaxf(fabsf(a), fabsf(b)));
-        q[j] = __nv_cvt_float2_to_fp8x2(make_float2(a * scale, b * scale), __NV_SATFINITE, FORMAT);
-    }
+    for (int j = 0; j < 4; j++) q[j] = fp8_encode2<FORMAT>(v.v[2 * j], v.v[2 * j + 1], scale, amax);
     return packed;
 }
 

@@ -609,20 +609,26 @@ static int test_fp8_two_gpus_resume_is_bit_exact(void) {
 }
 
 // The whole model, one delayed-scaling step after calibration (two micro-batches), with and without
-// recompute, and with the head in FP8 (--fp8-head): the fused path (fp8_fused) against the unfused one from the same scales, parameters
+// recompute, with the head in FP8 (--fp8-head), and with heads of 128 (the attention forward's other
+// kernel): the fused path (fp8_fused) against the unfused one from the same scales, parameters
 // and batches. The loss, every gradient and every scale (the amaxes the step recorded) must be
-// equal bit for bit. With recompute, the fused path must also leave the shared bf16 buffers of
-// the norms' and SwiGLU's outputs untouched (poisoned before, poisoned after): it never makes them.
+// equal bit for bit: among them the attention output's codes, which the fused path takes from the
+// attention forward and the unfused one casts from its bf16 output. With recompute, the fused path
+// must also leave the shared bf16 buffers of the norms' and SwiGLU's outputs untouched (poisoned
+// before, poisoned after): it never makes them.
 static int test_fp8_gpu_fused_step_is_bit_exact(void) {
     REQUIRE_GPU();
     int failed = 0;
-    const ModelConfig* c = &FP8_TEST_CONFIG;
     int B = 4, accum = 2;
-    for (int variant = 0; variant < 3; variant++) {
-        int recompute = variant > 0;
+    for (int variant = 0; variant < 4; variant++) {
+        int recompute = variant == 1 || variant == 2;
         bool head = variant == 2;  // the head in FP8 too, which is cast as it is on either path
-        char what[48];
-        snprintf(what, sizeof(what), "recompute %d%s", recompute, head ? ", head in FP8" : "");
+        ModelConfig config = FP8_TEST_CONFIG;
+        if (variant == 3) config.head_dim = 128;
+        const ModelConfig* c = &config;
+        char what[64];
+        snprintf(what, sizeof(what), "recompute %d%s, head_dim %d", recompute, head ? ", head in FP8" : "",
+                 c->head_dim);
         GPT m;
         gpt_create(&m, c, B, c->seq_len, recompute ? c->n_layer : 0, 128, &ONE_GPU, OPTIMIZER_ADAMW,
                    (Fp8Mode){true, FP8_DELAYED, head, false});
