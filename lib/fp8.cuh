@@ -156,20 +156,16 @@ __device__ static inline uint2 fp8_encode8(const bf16x8& v, float scale, float* 
     return packed;
 }
 
-// Cast the tensor x yields [rows, cols] to FP8: out [rows, cols] and/or out_t [cols, rows].
-// Tile: 64 x 64 elements per block of 256 threads; thread t takes 8 consecutive columns of rows
-// t/8 and t/8 + 32, writes them to `out` at once and to a shared tile, from which, after a
-// barrier, it writes 8 consecutive rows of one column to `out_t`. rows and cols are multiples of
-// 8. Scale: `current` takes it from the amax in s (measured before, by fp8_amax_kernel) and block
-// (0, 0) publishes it; delayed takes s->scale and records the amax.
+// Cast the 64 x 64 tile at rows r0.., cols c0.. of the tensor x yields [rows, cols] to FP8 at
+// `scale`: out [rows, cols] and/or out_t [cols, rows]. A block of 256 threads: thread t takes 8
+// consecutive columns of rows t/8 and t/8 + 32, writes them to `out` at once and to a shared tile,
+// from which, after a barrier, it writes 8 consecutive rows of one column to `out_t`. rows and cols
+// are multiples of 8; tiles past them are partial. Returns the largest magnitude this thread cast.
 #define FP8_TILE 64
 template <__nv_fp8_interpretation_t FORMAT, typename Producer>
-__global__ static void __launch_bounds__(256) fp8_cast_kernel(uint8_t* out, uint8_t* out_t, Producer x, int rows,
-                                                              int cols, Fp8Scale* s, bool current) {
+__device__ __forceinline__ float fp8_cast_tile(uint8_t* out, uint8_t* out_t, const Producer& x, int rows, int cols,
+                                               int r0, int c0, float scale) {
     __shared__ __align__(16) uint8_t tile[FP8_TILE][FP8_TILE + 8];
-    float scale = current ? ldexpf(1.0f, fp8_scale_exponent(s->amax, s->max)) : s->scale;
-    if (current && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) fp8_set_scale(s, s->amax);
-    int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
     int tc = (threadIdx.x % 8) * 8, tr = threadIdx.x / 8;
     float amax = 0.0f;
     for (int pass = 0; pass < 2; pass++) {
@@ -190,6 +186,18 @@ __global__ static void __launch_bounds__(256) fp8_cast_kernel(uint8_t* out, uint
             *(uint2*)(out_t + (size_t)(c0 + c) * rows + r0 + tc) = packed;
         }
     }
+    return amax;
+}
+
+// Cast the tensor x yields [rows, cols] to FP8, a tile a block (fp8_cast_tile). Scale: `current`
+// takes it from the amax in s (measured before, by fp8_amax_kernel) and block (0, 0) publishes
+// it; delayed takes s->scale and records the amax.
+template <__nv_fp8_interpretation_t FORMAT, typename Producer>
+__global__ static void __launch_bounds__(256) fp8_cast_kernel(uint8_t* out, uint8_t* out_t, Producer x, int rows,
+                                                              int cols, Fp8Scale* s, bool current) {
+    float scale = current ? ldexpf(1.0f, fp8_scale_exponent(s->amax, s->max)) : s->scale;
+    if (current && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) fp8_set_scale(s, s->amax);
+    float amax = fp8_cast_tile<FORMAT>(out, out_t, x, rows, cols, blockIdx.y * FP8_TILE, blockIdx.x * FP8_TILE, scale);
     if (!current) fp8_record_amax(s, amax);
 }
 
