@@ -1579,7 +1579,8 @@ static void backward(GPT* m, const Batch* batch) {
 }
 
 // Micro-batch `micro` of `accum` of a step: forward and backward. Gradients accumulate (the first
-// micro-batch sets them: grads_accumulate), and so does the step's loss sum; dL/dloss_token = 1 / (all the step's tokens, over every rank).
+// micro-batch sets them: grads_accumulate), and so does the step's loss sum; dL/dloss_token =
+// 1 / (all the step's tokens, over every rank).
 static void forward_backward(GPT* m, const Batch* batch, int micro, int accum) {
     m->micro = micro;
     m->accum = accum;
@@ -2849,8 +2850,8 @@ static void resume_from(GPT* m, const char* dir, TrainerState* state) {
 
 #define STEPS_IN_FLIGHT 3  // read-back slots: the step being logged, the one running, the next
 
-// --cuda-graph 1: a step's launches (forward, backward, the optimizer) captured
-// once and replayed, one cudaGraphLaunch in place of ~560 kernel launches (doc/perf.md). A replay
+// --cuda-graph 1: a step's launches (forward, backward, the optimizer) captured once and
+// replayed, one cudaGraphLaunch in place of ~560 kernel launches (doc/perf.md). A replay
 // runs exactly the kernels of the capture with exactly their arguments, so it equals an eager
 // step only where everything the host decides was the same then as now:
 //   - every pointer: the batch lies in the upload slot the capture saw, so there is a graph per
@@ -3111,8 +3112,9 @@ static void fp8_scales_readback(Trainer* t, int slot) {
 }
 
 // Micro-batch `micro` of the step, its batch uploaded (the first sets the gradients:
-// grads_accumulate); the last runs the optimizer once the gradients are complete. `capturing`: inside a graph's capture, where
-// the wait for the checkpoint's snapshot becomes a node that waits at each replay.
+// grads_accumulate); the last runs the optimizer once the gradients are complete. `capturing`:
+// inside a graph's capture, where the wait for the checkpoint's snapshot becomes a node that waits
+// at each replay.
 static void step_compute(Trainer* t, const Batch* batch, int micro, bool capturing) {
     GPT* m = &t->model;
     forward_backward(m, batch, micro, t->accum);
