@@ -788,6 +788,17 @@ __device__ __forceinline__ float adamw_element(float g, float p, float* m, float
     return p - lr * ((*m / bias_corr1) / (sqrtf(*v / bias_corr2) + o.eps) + wd * p);
 }
 
+// adamw_element on four consecutive elements held as float4s (g the clipped gradient), the way
+// both vector paths run it: adamw_kernel below and FP8's fused weights (Fp8FromAdamw, lib/fp8.cuh),
+// which must store the same bits.
+__device__ __forceinline__ void adamw4(float4 g, float4* m, float4* v, float4* p, float wd, const OptimConfig& o,
+                                       float lr, float bias_corr1, float bias_corr2) {
+    float *gk = &g.x, *mk = &m->x, *vk = &v->x, *pk = &p->x;
+    for (int k = 0; k < 4; k++) pk[k] = adamw_element(gk[k], pk[k], &mk[k], &vk[k], wd, o, lr, bias_corr1, bias_corr2);
+}
+
+__device__ __forceinline__ float4 scaled4(float4 x, float a) { return make_float4(x.x * a, x.y * a, x.z * a, x.w * a); }
+
 // Four consecutive elements a thread: 16-byte loads and stores (8 bytes for the bf16 weights), so
 // that more bytes are in flight per thread; the kernel moves 30 bytes a parameter and is bound by
 // memory bandwidth (15% of a 1b FP8 step). The four share one flag (PARAM_ALIGN is a multiple of
@@ -802,10 +813,8 @@ __global__ void adamw_kernel(float* master, bf16* params, const float* grads, fl
         uint8_t flag = flags[q * 4 / PARAM_ALIGN];
         if (flag & PARAM_FLAG_MUON) continue;
         float wd = (flag & PARAM_FLAG_DECAY) ? o.weight_decay : 0.0f;
-        float4 g = ((const float4*)grads)[q], mq = ((float4*)m)[q], vq = ((float4*)v)[q], p = ((float4*)master)[q];
-        float *gk = &g.x, *mk = &mq.x, *vk = &vq.x, *pk = &p.x;
-        for (int k = 0; k < 4; k++)
-            pk[k] = adamw_element(gk[k] * clip_scale, pk[k], &mk[k], &vk[k], wd, o, lr, bias_corr1, bias_corr2);
+        float4 mq = ((float4*)m)[q], vq = ((float4*)v)[q], p = ((float4*)master)[q];
+        adamw4(scaled4(((const float4*)grads)[q], clip_scale), &mq, &vq, &p, wd, o, lr, bias_corr1, bias_corr2);
         ((float4*)m)[q] = mq;
         ((float4*)v)[q] = vq;
         ((float4*)master)[q] = p;
@@ -834,17 +843,21 @@ static void optimizer_schedule(const OptimConfig* o, OptimScalars* s, cudaStream
 }
 
 // The grid is what the GPU holds at once (SMs x resident blocks, asked once): the blocks stride
-// over the range in one wave, with no second, partial wave at the end.
+// over the range in one wave, with no second, partial wave at the end; a small range (FP8's
+// fused path updates each layer's norms on their own) gets no more blocks than it has work for.
 static void adamw_step(float* master, bf16* params, const float* grads, float* m, float* v, const uint8_t* flags,
                        size_t n, const OptimConfig* o, const OptimScalars* s, cudaStream_t stream) {
-    static int grid = 0;
-    if (!grid) {
+    static int wave = 0;
+    if (!wave) {
         int dev, sms, per_sm;
         CUDA_CHECK(cudaGetDevice(&dev));
         CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
         CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, adamw_kernel, 256, 0));
-        grid = sms * per_sm;
+        wave = sms * per_sm;
     }
+    if (n == 0) return;
+    int needed = ceil_div((long)n, 4 * 256);  // a float4 a thread; block 0 also takes the last n % 4
+    int grid = needed < wave ? needed : wave;
     adamw_kernel<<<grid, 256, 0, stream>>>(master, params, grads, m, v, flags, n, *o, s);
     LAUNCH_CHECK();
 }

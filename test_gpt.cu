@@ -190,8 +190,8 @@ static int test_config_rejects_bad_configs(void) {
     return TEST_RESULT;
 }
 
-// The layout: aligned, disjoint tensors; each layer's tensors inside its bucket and the buckets
-// tiling the buffer in order; the flags the optimizer reads (decay; with Muon, Muon's matrices)
+// The layout: aligned, disjoint tensors; each layer's tensors inside its bucket, the buckets
+// tiling the buffer in order, and every layer's bucket the same; the flags the optimizer reads (decay; with Muon, Muon's matrices)
 // matching each tensor's kind; and the parameter count against an independent formula.
 static int test_param_table_layout(void) {
     int failed = 0;
@@ -219,6 +219,9 @@ static int test_param_table_layout(void) {
                     break;
                 }
             EXPECT(param(&pt, t->kind, t->layer) == t, "lookup of %s", t->name);
+            // FP8's AdamW (adamw_making_fp8_weights) finds a kind's matrix in layer l a bucket per layer on
+            EXPECT(t->layer < 0 || t->offset == param(&pt, t->kind, 0)->offset + t->layer * bucket_len(&pt, 0),
+                   "%s is not %d buckets after layer 0's", t->name, t->layer);
             end = t->offset + n;
             count += n;
         }

@@ -397,9 +397,12 @@ typedef struct {
     bool head;              // --fp8-head: the output head's products in FP8 too
     bool fast_accum;        // --fp8-fast-accum: the forward products accumulate without promotion
     bool calibrated;        // delayed: a step has filled the history (before that, casts measure)
-    bool weights_stale;     // the bf16 weights changed since they were last cast
+    bool weights_stale;     // the bf16 weights changed since they were last cast (fp8_cast_weights); not
+                            // after a step whose AdamW made the FP8 weights itself (fp8_weights_by_adamw)
     bool fuse;              // cast where the data is produced when the scales allow it (fp8_fused);
                             // on by default, off in the tests that compare the two paths
+    bool fuse_weights;      // AdamW makes the FP8 weights when it can (fp8_weights_by_adamw); on by
+                            // default, off in the tests that compare with the forward's cast
     Fp8Scale* scales;       // [fp8_n_scales]: the layers' (layer, role, kind), then the head's (role)
     Fp8Scale* scales_saved; // the same, and weights_stale, kept while an evaluation runs (fp8_eval)
     bool stale_saved;
@@ -917,6 +920,7 @@ static void gpt_plan(GPT* m, const ModelConfig* cfg, int B, int T, int recompute
     m->fp8.head = fp8.head;
     m->fp8.fast_accum = fp8.fast_accum;
     m->fp8.fuse = true;
+    m->fp8.fuse_weights = true;
     m->fp8.weights_stale = true;
     param_table_build(&m->table, cfg, dp->world);
     gpt_plan_shards(m);
@@ -1277,8 +1281,9 @@ static void fp8_cast_weight(GPT* m, ParamKind kind, int l) {
              (int)t->cols, false, fp8_scale(m, FP8_ROLE_WEIGHT, kind, l), fp8_how(m), m->stream);
 }
 
-// Layer l's four FP8 weights and their transposes, from the bf16 weights, when those changed; with
-// the last layer's, the head's (with --fp8-head: the embedding's bucket arrived before layer 0).
+// Layer l's four FP8 weights and their transposes, from the bf16 weights, when those changed and
+// the update did not make them (fp8_weights_by_adamw); with the last layer's, the head's (with
+// --fp8-head: the embedding's bucket arrived before layer 0).
 static void fp8_cast_weights(GPT* m, int l) {
     if (!m->fp8.on || !m->fp8.weights_stale) return;
     for (int k = 0; k < FP8_MATRICES; k++) fp8_cast_weight(m, (ParamKind)k, l);
@@ -1415,7 +1420,9 @@ static void mlp_down_backward(GPT* m, int l, bool accumulate) {
         swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], m->N, m->cfg.ffn_dim, m->stream);
 }
 
-// After an optimizer step: the weights changed, and (delayed) the step's amaxes join the history.
+// At an optimizer step, before the update: (delayed) the step's amaxes join the history, which
+// gives the scales the new weights are cast with; the weights are about to change, stale until
+// cast (by the update itself, fp8_weights_by_adamw, or when next used: fp8_cast_weights).
 static void fp8_step_done(GPT* m) {
     GptFp8* f = &m->fp8;
     if (!f->on) return;
@@ -1633,6 +1640,59 @@ static void adamw_range(GPT* m, const OptimConfig* o, const float* grads, size_t
                    (float*)opt_part(m, st, OPT_EXP_AVG_SQ, at), flags, n, o, m->scalars, m->stream);
 }
 
+// Whether the update makes the FP8 weights itself (doc/fp8.md): AdamW's step on an FP8 matrix then
+// yields its new bf16 weights to the cast of W and W^T in the same pass (fp8_adamw_matrices), at
+// the scale the next forward's cast would use, which fp8_step_done has just set; the bf16 weights
+// are not read again, and the forward's cast (fp8_cast_weights) has nothing left to do. It needs
+// delayed scaling, the scale known before the weight exists (current scaling measures the new
+// weight's amax first, a pass over it); ZeRO 0, this rank updating every weight (with ZeRO 1, 2 the
+// other ranks' pieces arrive in bf16 by the all-gather, and the forward casts each matrix after
+// await_params); and AdamW: Muon updates the matrices in its own kernels, and 8-bit AdamW's
+// moments come in blocks of 128 consecutive elements with one scale each, which the 64 x 64
+// tiles of the cast cut across. Elsewhere, and for the weights a run starts from (initialized or
+// loaded: publish_params marks them stale; on the first step the forward's cast calibrates), the
+// forward's cast stays.
+static bool fp8_weights_by_adamw(const GPT* m) {
+    return m->fp8.on && m->fp8.fuse_weights && fp8_how(m) == FP8_CAST_DELAYED && m->dp.zero == 0 &&
+           m->optimizer == OPTIMIZER_ADAMW;
+}
+
+// Whether tensor kind is a matrix with FP8 copies: a layer's four, and with --fp8-head the
+// embedding (the head's matrix).
+static bool fp8_matrix(const GPT* m, ParamKind kind) {
+    return (kind < FP8_MATRICES || kind == P_EMBED) && fp8_product(m, kind);
+}
+
+// AdamW over all the flat buffers (ZeRO 0) with the FP8 weights made by the update: one launch
+// for a kind's matrix in every layer (layer 0's stands for all: each layer's bucket has one
+// length, so they lie a bucket apart), one for the head's; then adamw_range over the runs between
+// the FP8 matrices (each layer's norms and its bucket's padding, the embedding unless the head is
+// in FP8, the final norm).
+static void adamw_making_fp8_weights(GPT* m, const OptimConfig* o) {
+    const ParamTable* pt = &m->table;
+    GptFp8* f = &m->fp8;
+    Fp8FromAdamw update = {m->master, m->params, m->grads, (float*)opt_part(m, m->opt_state, OPT_EXP_AVG, 0),
+                           (float*)opt_part(m, m->opt_state, OPT_EXP_AVG_SQ, 0), m->decay_flags, 0, 0, *o, m->scalars};
+    for (int i = 0; i < pt->n_tensors; i++) {
+        const ParamTensor* t = &pt->tensors[i];
+        if (!fp8_matrix(m, t->kind) || t->layer > 0) continue;
+        int scale_stride = (int)(fp8_scale_index(&m->cfg, FP8_ROLE_WEIGHT, t->kind, 1) -
+                                 fp8_scale_index(&m->cfg, FP8_ROLE_WEIGHT, t->kind, 0));
+        update.first = t->offset;
+        fp8_adamw_matrices(f->weights, f->weights_t, update, (int)t->rows, (int)t->cols, t->layer == 0 ? pt->n_layers : 1,
+                           bucket_len(pt, 0), fp8_scale(m, FP8_ROLE_WEIGHT, t->kind, 0), scale_stride, m->stream);
+    }
+    size_t done = 0;  // the elements before `done` are updated, or are an FP8 matrix's
+    for (int i = 0; i < pt->n_tensors; i++) {
+        const ParamTensor* t = &pt->tensors[i];
+        if (!fp8_matrix(m, t->kind)) continue;
+        if (t->offset > done) adamw_range(m, o, m->grads, done, m->params + done, t->offset - done);
+        done = t->offset + (size_t)(t->rows * t->cols);  // a PARAM_ALIGN boundary: FP8 sides are multiples of 16
+    }
+    adamw_range(m, o, m->grads, done, m->params + done, m->opt_len - done);
+    f->weights_stale = false;
+}
+
 // Muon over every hidden matrix block (ZeRO 0: this rank holds them whole); the momentum lives in
 // exp_avg at the matrix's place.
 static void muon_matrices(GPT* m, const OptimConfig* o) {
@@ -1658,9 +1718,10 @@ static void optimizer_step(GPT* m, const OptimConfig* o) {
     static_assert(offsetof(OptimScalars, grad_norm_sq) == offsetof(OptimScalars, loss_sum) + sizeof(float), "");
     sum_over_ranks(m, &m->scalars->loss_sum, m->dp.zero > 0 ? 2 : 1);
     optimizer_schedule(o, m->scalars, m->stream);
-    fp8_step_done(m);  // the step's amaxes into the history; the new weights are cast when next used
+    fp8_step_done(m);  // the step's amaxes into the history: the scales the new weights are cast with
     if (m->dp.zero == 0) {
-        adamw_range(m, o, grads, 0, m->params, m->opt_len);
+        if (fp8_weights_by_adamw(m)) adamw_making_fp8_weights(m, o);
+        else adamw_range(m, o, grads, 0, m->params, m->opt_len);
         if (m->optimizer == OPTIMIZER_MUON) muon_matrices(m, o);
         return;
     }
@@ -2816,7 +2877,8 @@ static void resume_from(GPT* m, const char* dir, TrainerState* state) {
 //     slot; the pinned buffers, the copy and the read-backs stay outside the graph, eager, as do
 //     the events that time the step;
 //   - the host's FP8 state: the capture is keyed by fp8.calibrated and fp8.weights_stale at the
-//     step's start (the first delayed step measures, later ones use the history and fuse), and a
+//     step's start (the first delayed step measures, later ones use the history and fuse; a step
+//     whose AdamW made the FP8 weights leaves nothing for the next forward to cast), and a
 //     replay leaves them as the captured step left them;
 //   - nothing in the step reads the device on the host, waits for it, or allocates (the learning
 //     rate and bias corrections are computed on the device, cuBLASLt's workspace is allocated once);

@@ -27,7 +27,8 @@
  * take only the TN form, so the backward's products need transposed operands; doc/fp8.md). What
  * it casts comes from a producer: a bf16 tensor in memory, or (fused) the output of RMSNorm,
  * SwiGLU or SwiGLU's backward computed on the spot from that kernel's inputs, so that the bf16
- * tensor is never written nor read again; the forward's RMSNorm, which needs whole rows for its
+ * tensor is never written nor read again, or AdamW's update of a weight matrix (fp8_adamw_kernel:
+ * the new weights cast as they are written); the forward's RMSNorm, which needs whole rows for its
  * rstd, has its own kernel that writes E4M3, and the attention forward writes its output's E4M3
  * codes itself (lib/attention.cuh). A fused cast needs its scale before the data exists: delayed
  * scaling once the history holds a step. Every writer of codes goes through lib/fp8_codes.cuh's
@@ -131,6 +132,45 @@ struct Fp8FromSwigluBackward {  // d_gate_up [rows, 2F] = [d_gate | d_up], from 
     }
 };
 
+// AdamW's step as a producer (the fused path's weights, doc/fp8.md): the values at (row, col ..
+// col + 7) of a matrix [rows, cols] are its new weights. Yielding them, it takes the step on those
+// 8 elements of the flat buffers (element `first` is the matrix's first) as adamw_kernel does
+// (adamw4: the same arithmetic, the same bits) and writes what adamw_kernel writes: the fp32 master
+// weights, both moments and the bf16 weights; the cast then stores the codes of those bf16 values,
+// which are the codes a cast of the bf16 weights would store. The one producer that writes: it may,
+// since a cast yields each 8 values of its tensor exactly once. AdamW's elements only: a flag's
+// PARAM_FLAG_MUON is not looked at (Muon keeps the unfused path).
+struct Fp8FromAdamw {
+    float* master;
+    bf16* params;
+    const float* grads;
+    float* m;
+    float* v;
+    const uint8_t* flags;  // one per PARAM_ALIGN elements, as adamw_kernel reads them
+    size_t first;
+    int cols;
+    OptimConfig o;
+    const OptimScalars* s;
+    __device__ bf16x8 operator()(int row, int col) const {
+        size_t i = first + (size_t)row * cols + col;  // a multiple of 8: its 8 elements share a flag
+        float wd = (flags[i / PARAM_ALIGN] & PARAM_FLAG_DECAY) ? o.weight_decay : 0.0f;
+        float clip_scale = clip_scale_of(o, s), lr = s->lr, bias_corr1 = s->bias_corr1, bias_corr2 = s->bias_corr2;
+        const float4* gi = (const float4*)(grads + i);
+        float4 *mi = (float4*)(m + i), *vi = (float4*)(v + i), *pi = (float4*)(master + i);
+        // every load before the first store (which the compiler must otherwise assume they alias)
+        float4 g[2] = {gi[0], gi[1]}, mq[2] = {mi[0], mi[1]}, vq[2] = {vi[0], vi[1]}, p[2] = {pi[0], pi[1]};
+        bf16x8 w;
+        for (int h = 0; h < 2; h++) {
+            adamw4(scaled4(g[h], clip_scale), &mq[h], &vq[h], &p[h], wd, o, lr, bias_corr1, bias_corr2);
+            mi[h] = mq[h], vi[h] = vq[h], pi[h] = p[h];
+            const float* pk = &p[h].x;
+            for (int k = 0; k < 4; k++) w.v[4 * h + k] = __float2bfloat16(pk[k]);
+        }
+        store8(params + i, w);
+        return w;
+    }
+};
+
 // 8 values to 8 FP8 codes at `scale` (one 8-byte store), raising *amax to their largest magnitude.
 template <__nv_fp8_interpretation_t FORMAT>
 __device__ static inline uint2 fp8_encode8(const bf16x8& v, float scale, float* amax) {
@@ -140,20 +180,16 @@ __device__ static inline uint2 fp8_encode8(const bf16x8& v, float scale, float* 
     return packed;
 }
 
-// Cast the tensor x yields [rows, cols] to FP8: out [rows, cols] and/or out_t [cols, rows].
-// Tile: 64 x 64 elements per block of 256 threads; thread t takes 8 consecutive columns of rows
-// t/8 and t/8 + 32, writes them to `out` at once and to a shared tile, from which, after a
-// barrier, it writes 8 consecutive rows of one column to `out_t`. rows and cols are multiples of
-// 8. Scale: `current` takes it from the amax in s (measured before, by fp8_amax_kernel) and block
-// (0, 0) publishes it; delayed takes s->scale and records the amax.
+// Cast the 64 x 64 tile at rows r0.., cols c0.. of the tensor x yields [rows, cols] to FP8 at
+// `scale`: out [rows, cols] and/or out_t [cols, rows]. A block of 256 threads: thread t takes 8
+// consecutive columns of rows t/8 and t/8 + 32, writes them to `out` at once and to a shared tile,
+// from which, after a barrier, it writes 8 consecutive rows of one column to `out_t`. rows and cols
+// are multiples of 8; tiles past them are partial. Returns the largest magnitude this thread cast.
 #define FP8_TILE 64
 template <__nv_fp8_interpretation_t FORMAT, typename Producer>
-__global__ static void __launch_bounds__(256) fp8_cast_kernel(uint8_t* out, uint8_t* out_t, Producer x, int rows,
-                                                              int cols, Fp8Scale* s, bool current) {
+__device__ __forceinline__ float fp8_cast_tile(uint8_t* out, uint8_t* out_t, const Producer& x, int rows, int cols,
+                                               int r0, int c0, float scale) {
     __shared__ __align__(16) uint8_t tile[FP8_TILE][FP8_TILE + 8];
-    float scale = current ? ldexpf(1.0f, fp8_scale_exponent(s->amax, s->max)) : s->scale;
-    if (current && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) fp8_set_scale(s, s->amax);
-    int r0 = blockIdx.y * FP8_TILE, c0 = blockIdx.x * FP8_TILE;
     int tc = (threadIdx.x % 8) * 8, tr = threadIdx.x / 8;
     float amax = 0.0f;
     for (int pass = 0; pass < 2; pass++) {
@@ -174,7 +210,35 @@ __global__ static void __launch_bounds__(256) fp8_cast_kernel(uint8_t* out, uint
             *(uint2*)(out_t + (size_t)(c0 + c) * rows + r0 + tc) = packed;
         }
     }
+    return amax;
+}
+
+// Cast the tensor x yields [rows, cols] to FP8, a tile a block (fp8_cast_tile). Scale: `current`
+// takes it from the amax in s (measured before, by fp8_amax_kernel) and block (0, 0) publishes
+// it; delayed takes s->scale and records the amax.
+template <__nv_fp8_interpretation_t FORMAT, typename Producer>
+__global__ static void __launch_bounds__(256) fp8_cast_kernel(uint8_t* out, uint8_t* out_t, Producer x, int rows,
+                                                              int cols, Fp8Scale* s, bool current) {
+    float scale = current ? ldexpf(1.0f, fp8_scale_exponent(s->amax, s->max)) : s->scale;
+    if (current && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) fp8_set_scale(s, s->amax);
+    float amax = fp8_cast_tile<FORMAT>(out, out_t, x, rows, cols, blockIdx.y * FP8_TILE, blockIdx.x * FP8_TILE, scale);
     if (!current) fp8_record_amax(s, amax);
+}
+
+// AdamW's step on one tile of a matrix with its E4M3 copies made in the same pass (Fp8FromAdamw,
+// fp8_cast_tile): the codes of the new bf16 weights at the delayed scale s->scale into W
+// (weights) and W^T (weights_t) at the matrix's offsets, and their amax recorded: what a delayed
+// cast of the bf16 weights after AdamW stores and records. One launch serves a kind's matrix in
+// every layer (blockIdx.z: the layer): they have one shape and lie layer_stride elements apart
+// in every flat buffer, and their weight scales scale_stride apart.
+__global__ static void __launch_bounds__(256) fp8_adamw_kernel(uint8_t* weights, uint8_t* weights_t, Fp8FromAdamw w,
+                                                               int rows, int cols, size_t layer_stride, Fp8Scale* s,
+                                                               int scale_stride) {
+    w.first += blockIdx.z * layer_stride;
+    s += blockIdx.z * scale_stride;
+    float amax = fp8_cast_tile<__NV_E4M3>(weights + w.first, weights_t + w.first, w, rows, cols,
+                                          blockIdx.y * FP8_TILE, blockIdx.x * FP8_TILE, s->scale);
+    fp8_record_amax(s, amax);
 }
 
 // RMSNorm straight to E4M3 at the delayed scale s->scale (the fused forward's QKV and GATE_UP
@@ -261,6 +325,18 @@ static void fp8_rmsnorm_forward(uint8_t* out, float* rstd, const bf16* in, const
                                 Fp8Scale* s, cudaStream_t stream) {
     fp8_check_shape(N, C);
     fp8_rmsnorm_kernel<<<ceil_div(N, 8), 256, 0, stream>>>(out, rstd, in, weight, N, C, eps, s);
+    LAUNCH_CHECK();
+}
+
+// AdamW's step (ZeRO 0's whole flat buffers, from w.first) on n_layers matrices [rows, cols] of one
+// kind, layer_stride elements apart, each made into E4M3 W and W^T at its delayed weight scale
+// (the first at s, the next scale_stride on) as it is updated: fp8_adamw_kernel.
+static void fp8_adamw_matrices(uint8_t* weights, uint8_t* weights_t, Fp8FromAdamw w, int rows, int cols, int n_layers,
+                               size_t layer_stride, Fp8Scale* s, int scale_stride, cudaStream_t stream) {
+    fp8_check_shape(rows, cols);
+    w.cols = cols;  // the producer's row length is the matrix's
+    dim3 grid(ceil_div(cols, FP8_TILE), ceil_div(rows, FP8_TILE), n_layers);
+    fp8_adamw_kernel<<<grid, 256, 0, stream>>>(weights, weights_t, w, rows, cols, layer_stride, s, scale_stride);
     LAUNCH_CHECK();
 }
 

@@ -3,7 +3,8 @@
  * kernels and the scales against the CPU reference (test/reference.h), the FP8 products of one
  * layer, the fused casts against the unfused path and the reference, the whole model's FP8
  * gradients (the head's in FP8 too, fast accumulation) against its BF16 ones, a fused step against
- * an unfused one, the scales' log (--fp8-log-scales) against a checkpoint's scales, and on two GPUs
+ * an unfused one, AdamW making the FP8 weights against AdamW then the forward's cast (one step, and
+ * training), the scales' log (--fp8-log-scales) against a checkpoint's scales, and on two GPUs
  * the ranks' agreement on their scales and a bit-exact resume.
  *
  * test_gpt.cu includes it after its whole-model helpers (gpu_forward_backward, random_params) and
@@ -737,6 +738,190 @@ static int test_fp8_gpu_recompute_changes_nothing(void) {
     return TEST_RESULT;
 }
 
+// A model whose matrices end in partial 64 x 64 tiles, along both sides: d_model 80; qkv [256, 80],
+// attn_out [80, 128], gate_up [288, 80], down [80, 144], the embedding [528, 80].
+static const ModelConfig FP8_PARTIAL_TILES_CONFIG = {528, 80, 2, 2, 1, 64, 144, 64, 10000.0f, 1e-6f};
+
+// What an optimizer step writes, read back from the device: the master and bf16 weights, the
+// optimizer's state (both moments), the FP8 weights and their transposes, the scales.
+typedef struct {
+    float* master;
+    bf16* params;
+    uint8_t* opt_state;
+    uint8_t* weights;
+    uint8_t* weights_t;
+    Fp8Scale* scales;
+} Fp8StepState;
+
+static Fp8StepState fp8_step_state_download(GPT* m) {
+    size_t n = m->table.n_elements, n_scales = fp8_n_scales(&m->cfg);
+    Fp8StepState s = {(float*)malloc(n * 4), (bf16*)malloc(n * 2), (uint8_t*)malloc(m->opt_state_bytes),
+                      (uint8_t*)malloc(n), (uint8_t*)malloc(n), (Fp8Scale*)malloc(n_scales * sizeof(Fp8Scale))};
+    CUDA_CHECK(cudaStreamSynchronize(m->stream));
+    CUDA_CHECK(cudaMemcpy(s.master, m->master, n * 4, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(s.params, m->params, n * 2, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(s.opt_state, m->opt_state, m->opt_state_bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(s.weights, m->fp8.weights, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(s.weights_t, m->fp8.weights_t, n, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(s.scales, m->fp8.scales, n_scales * sizeof(Fp8Scale), cudaMemcpyDeviceToHost));
+    return s;
+}
+
+static void fp8_step_state_free(Fp8StepState* s) {
+    free(s->master), free(s->params), free(s->opt_state), free(s->weights), free(s->weights_t), free(s->scales);
+}
+
+// Whether the update making the FP8 weights (a) and AdamW with the forward's cast (b) left every
+// byte alike (the FP8 buffers whole: both paths leave the BF16 tensors' part as it was); and
+// whether a wrote every code of every FP8 matrix (the buffers start as 0xFF: E4M3's NaN, which no
+// finite weight rounds to). Says what differs; returns 1 if anything does.
+static int fp8_step_states_agree(const GPT* m, const Fp8StepState* a, const Fp8StepState* b, const char* what) {
+    int failed = 0;
+    size_t n = m->table.n_elements, n_scales = fp8_n_scales(&m->cfg);
+    EXPECT(!memcmp(a->master, b->master, n * 4), "%s: the master weights differ", what);
+    EXPECT(!memcmp(a->params, b->params, n * 2), "%s: the bf16 weights differ", what);
+    EXPECT(!memcmp(a->opt_state, b->opt_state, m->opt_state_bytes), "%s: the moments differ", what);
+    EXPECT(!memcmp(a->weights, b->weights, n), "%s: the FP8 weights W differ", what);
+    EXPECT(!memcmp(a->weights_t, b->weights_t, n), "%s: the FP8 weights W^T differ", what);
+    EXPECT(!memcmp(a->scales, b->scales, n_scales * sizeof(Fp8Scale)), "%s: the scales differ", what);
+    for (int i = 0; i < m->table.n_tensors; i++) {
+        const ParamTensor* t = &m->table.tensors[i];
+        if (!fp8_matrix(m, t->kind)) continue;
+        size_t unwritten = 0;
+        for (size_t j = t->offset; j < t->offset + (size_t)(t->rows * t->cols); j++)
+            unwritten += (a->weights[j] == 0xFF) + (a->weights_t[j] == 0xFF);
+        EXPECT(unwritten == 0, "%s: %zu codes of %s's W and W^T were not written", what, unwritten, t->name);
+    }
+    return failed;
+}
+
+// One AdamW step of an FP8 model (delayed scaling), from one state two ways: the update making the
+// FP8 weights itself (fp8_weights_by_adamw) against AdamW alone followed by the forward's cast of
+// every layer (fp8_cast_weights, as the next forward runs it), on matrices with partial tiles, the
+// head in BF16 and in FP8. The master and bf16 weights, both moments, W and W^T and the scales
+// (with each weight's amax recorded) must be equal byte for byte. The state: random weights,
+// moments and gradients, whose norm (about 20) the clip at 1 scales down; weight decay on the
+// matrices and the embedding, not on the norms (their flags); amaxes in the history that saturate
+// some weights and not others. After the fused step nothing is left for the forward to cast.
+static int test_fp8_gpu_adamw_makes_the_weights(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    const ModelConfig* c = &FP8_PARTIAL_TILES_CONFIG;
+    OptimConfig o = {1e-2f, 0.1f, 0.1f, 0.9f, 0.95f, 1e-8f, 1.0f, 2, 20, 0, 0.2f};
+    for (int head = 0; head < 2; head++) {
+        GPT m;
+        gpt_create(&m, c, 2, c->seq_len, 0, 64, &ONE_GPU, OPTIMIZER_ADAMW, (Fp8Mode){true, FP8_DELAYED, head == 1, false});
+        size_t n = m.table.n_elements, n_scales = fp8_n_scales(c);
+        float *master = (float*)calloc(n, 4), *grads = (float*)calloc(n, 4);
+        uint8_t* opt = (uint8_t*)calloc(m.opt_state_bytes, 1);
+        float *exp_avg = (float*)opt_part(&m, opt, OPT_EXP_AVG, 0), *exp_avg_sq = (float*)opt_part(&m, opt, OPT_EXP_AVG_SQ, 0);
+        for (int i = 0; i < m.table.n_tensors; i++) {
+            const ParamTensor* t = &m.table.tensors[i];
+            for (size_t j = t->offset; j < t->offset + (size_t)(t->rows * t->cols); j++) {
+                master[j] = (float)(0.08 * rand_normal());
+                grads[j] = (float)(0.05 * rand_normal());
+                exp_avg[j] = (float)(0.01 * rand_normal());
+                exp_avg_sq[j] = (float)(1e-4 * fabs(rand_normal()));
+            }
+        }
+        Fp8Scale* scales = (Fp8Scale*)malloc(n_scales * sizeof(Fp8Scale));
+        CUDA_CHECK(cudaMemcpy(scales, m.fp8.scales, n_scales * sizeof(Fp8Scale), cudaMemcpyDeviceToHost));
+        for (size_t i = 0; i < n_scales; i++) {  // the weights' largest magnitudes are about 0.35
+            scales[i].history[0] = (float)(0.1 + 0.4 * rand_uniform());
+            scales[i].amax = (float)(0.1 + 0.4 * rand_uniform());
+        }
+        Fp8StepState got[2];
+        for (int fused = 0; fused < 2; fused++) {
+            CUDA_CHECK(cudaMemcpy(m.master, master, n * 4, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(m.grads, grads, n * 4, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(m.opt_state, opt, m.opt_state_bytes, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(m.fp8.scales, scales, n_scales * sizeof(Fp8Scale), cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemset(m.fp8.weights, 0xFF, n));
+            CUDA_CHECK(cudaMemset(m.fp8.weights_t, 0xFF, n));
+            cast_to_bf16(m.params, m.master, n, m.stream);
+            set_step(&m, 5);
+            m.fp8.calibrated = true;
+            m.fp8.fuse_weights = fused == 1;
+            optimizer_step(&m, &o);
+            EXPECT(m.fp8.weights_stale == (fused == 0), "head %d: after the %s step the FP8 weights are %s", head,
+                   fused ? "fused" : "unfused", m.fp8.weights_stale ? "stale" : "fresh");
+            for (int l = 0; l < c->n_layer; l++) fp8_cast_weights(&m, l);
+            got[fused] = fp8_step_state_download(&m);
+        }
+        char what[32];
+        snprintf(what, sizeof(what), "head %s", head ? "in FP8" : "in BF16");
+        failed |= fp8_step_states_agree(&m, &got[1], &got[0], what);
+        size_t moved = 0;
+        for (size_t j = 0; j < n; j++) moved += got[1].master[j] != master[j];
+        EXPECT(moved > n / 2, "%s: the step moved %zu of %zu weights", what, moved, n);
+        for (int fused = 0; fused < 2; fused++) fp8_step_state_free(&got[fused]);
+        free(master), free(grads), free(opt), free(scales);
+        gpt_free(&m);
+    }
+    return TEST_RESULT;
+}
+
+// Training with the update making the FP8 weights against training with it off (fuse_weights), from
+// one initialization and the same batches: 4 steps of 2 micro-batches on the partial-tiles model,
+// the head in BF16 and in FP8, with an evaluation after step 2 (a forward between fp8_eval's
+// bracket, as validation runs it). The first step starts from initialized weights, which the
+// forward casts (calibrating) on both; the later ones differ in where the weights are cast. Every
+// step's loss, the evaluation's, and at the end the weights, moments, FP8 weights (the unfused
+// run's cast as its next forward would cast them) and scales must be equal bit for bit.
+static int test_fp8_gpu_adamw_weights_train_alike(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    const ModelConfig* c = &FP8_PARTIAL_TILES_CONFIG;
+    const int B = 2, accum = 2, steps = 4;
+    OptimConfig o = {3e-3f, 0.1f, 0.1f, 0.9f, 0.95f, 1e-8f, 1.0f, 1, steps, 0, 0.0f};
+    uint16_t* windows = random_window(B * (accum * steps + 1), c->seq_len, c->vocab_size);
+    for (int head = 0; head < 2; head++) {
+        float losses[2][steps + 1];
+        Fp8StepState got[2];
+        for (int fused = 0; fused < 2; fused++) {
+            GPT m;
+            gpt_create(&m, c, B, c->seq_len, 0, 64, &ONE_GPU, OPTIMIZER_ADAMW, (Fp8Mode){true, FP8_DELAYED, head == 1, false});
+            m.fp8.fuse_weights = fused == 1;
+            gpt_init(&m, 7);
+            Uploader up;
+            uploader_create(&up, m.N, c->vocab_size);
+            for (int step = 0; step < steps; step++) {
+                for (int micro = 0; micro < accum; micro++) {
+                    Batch b = upload_batch(&up, &m, windows + (size_t)(step * accum + micro) * B * (c->seq_len + 1));
+                    forward_backward(&m, &b, micro, accum);
+                }
+                optimizer_step(&m, &o);
+                EXPECT(m.fp8.weights_stale == (fused == 0), "head %d, step %d: the FP8 weights are %s after the %s step",
+                       head, step + 1, m.fp8.weights_stale ? "stale" : "fresh", fused ? "fused" : "unfused");
+                CUDA_CHECK(cudaMemcpy(&losses[fused][step], &m.scalars->loss_sum, 4, cudaMemcpyDeviceToHost));
+                if (step != 1) continue;
+                fp8_eval(&m, true);
+                Batch b = upload_batch(&up, &m, windows + (size_t)accum * steps * B * (c->seq_len + 1));
+                forward_layers(&m, &b);
+                head_and_loss(&m, &b, 0.0f, false, &m.scalars->val_loss_sum, false);
+                fp8_eval(&m, false);
+                CUDA_CHECK(cudaMemcpy(&losses[fused][steps], &m.scalars->val_loss_sum, 4, cudaMemcpyDeviceToHost));
+            }
+            for (int l = 0; l < c->n_layer; l++) fp8_cast_weights(&m, l);
+            got[fused] = fp8_step_state_download(&m);
+            uploader_free(&up);
+            if (fused) {
+                char what[32];
+                snprintf(what, sizeof(what), "head %s", head ? "in FP8" : "in BF16");
+                EXPECT(!memcmp(losses[0], losses[1], sizeof(losses[0])), "%s: the losses differ, the last %.9g fused, "
+                       "%.9g unfused", what, losses[1][steps - 1], losses[0][steps - 1]);
+                failed |= fp8_step_states_agree(&m, &got[1], &got[0], what);
+                printf("    %s: losses %.6f .. %.6f, evaluation %.6f, both ways\n", what, losses[1][0] / m.N / accum,
+                       losses[1][steps - 1] / m.N / accum, losses[1][steps] / m.N);
+            }
+            gpt_free(&m);
+        }
+        for (int fused = 0; fused < 2; fused++) fp8_step_state_free(&got[fused]);
+    }
+    free(windows);
+    return TEST_RESULT;
+}
+
 static const TestCase fp8_tests[] = {
     {"fp8_rounding_every_code", test_fp8_rounding_every_code},
     {"fp8_scale_exponent", test_fp8_scale_exponent},
@@ -751,6 +936,8 @@ static const TestCase fp8_tests[] = {
     {"gpu_fp8_fused_casts", test_fp8_gpu_fused_casts},
     {"gpu_fp8_fused_step_is_bit_exact", test_fp8_gpu_fused_step_is_bit_exact},
     {"gpu_fp8_recompute_changes_nothing", test_fp8_gpu_recompute_changes_nothing},
+    {"gpu_fp8_adamw_makes_the_weights", test_fp8_gpu_adamw_makes_the_weights},
+    {"gpu_fp8_adamw_weights_train_alike", test_fp8_gpu_adamw_weights_train_alike},
 };
 static const int n_fp8_tests = sizeof(fp8_tests) / sizeof(fp8_tests[0]);
 
