@@ -789,8 +789,8 @@ __device__ __forceinline__ float adamw_element(float g, float p, float* m, float
 }
 
 // adamw_element on four consecutive elements held as float4s (g the clipped gradient), the way
-// both vector paths run it: adamw_kernel below and FP8's fused weights (Fp8FromAdamw, lib/fp8.cuh),
-// which must store the same bits.
+// both vector paths run it: adamw_kernel below and FP8's update that makes the weights
+// (fp8_adamw_kernel, lib/fp8.cuh), which must store the same bits.
 __device__ __forceinline__ void adamw4(float4 g, float4* m, float4* v, float4* p, float wd, const OptimConfig& o,
                                        float lr, float bias_corr1, float bias_corr2) {
     float *gk = &g.x, *mk = &m->x, *vk = &v->x, *pk = &p->x;
@@ -798,6 +798,15 @@ __device__ __forceinline__ void adamw4(float4 g, float4* m, float4* v, float4* p
 }
 
 __device__ __forceinline__ float4 scaled4(float4 x, float a) { return make_float4(x.x * a, x.y * a, x.z * a, x.w * a); }
+
+// Four new fp32 weights rounded to bf16, as pairs and as the one 8-byte word both paths store.
+typedef union {
+    __nv_bfloat162 pair[2];
+    uint2 bytes;
+} Bf16x4;
+__device__ __forceinline__ Bf16x4 bf16x4_of(float4 p) {
+    return {{{__float2bfloat16(p.x), __float2bfloat16(p.y)}, {__float2bfloat16(p.z), __float2bfloat16(p.w)}}};
+}
 
 // Four consecutive elements a thread: 16-byte loads and stores (8 bytes for the bf16 weights), so
 // that more bytes are in flight per thread; the kernel moves 30 bytes a parameter and is bound by
@@ -818,9 +827,7 @@ __global__ void adamw_kernel(float* master, bf16* params, const float* grads, fl
         ((float4*)m)[q] = mq;
         ((float4*)v)[q] = vq;
         ((float4*)master)[q] = p;
-        union { __nv_bfloat162 pair[2]; uint2 bytes; } w = {{{__float2bfloat16(p.x), __float2bfloat16(p.y)},
-                                                             {__float2bfloat16(p.z), __float2bfloat16(p.w)}}};
-        ((uint2*)params)[q] = w.bytes;  // one 8-byte store
+        ((uint2*)params)[q] = bf16x4_of(p).bytes;  // one 8-byte store
     }
     size_t i = 4 * n4 + blockIdx.x * (size_t)blockDim.x + threadIdx.x;  // the tail: fewer than 4
     if (i < n && !(flags[i / PARAM_ALIGN] & PARAM_FLAG_MUON)) {

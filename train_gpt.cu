@@ -1641,15 +1641,15 @@ static void adamw_range(GPT* m, const OptimConfig* o, const float* grads, size_t
 }
 
 // Whether the update makes the FP8 weights itself (doc/fp8.md): AdamW's step on an FP8 matrix then
-// yields its new bf16 weights to the cast of W and W^T in the same pass (fp8_adamw_matrices), at
-// the scale the next forward's cast would use, which fp8_step_done has just set; the bf16 weights
+// writes W and W^T from its new bf16 weights in the same pass (fp8_adamw_matrices), at the scale
+// the next forward's cast would use, which fp8_step_done has just set; the bf16 weights
 // are not read again, and the forward's cast (fp8_cast_weights) has nothing left to do. It needs
 // delayed scaling, the scale known before the weight exists (current scaling measures the new
 // weight's amax first, a pass over it); ZeRO 0, this rank updating every weight (with ZeRO 1, 2 the
 // other ranks' pieces arrive in bf16 by the all-gather, and the forward casts each matrix after
 // await_params); and AdamW: Muon updates the matrices in its own kernels, and 8-bit AdamW's
-// moments come in blocks of 128 consecutive elements with one scale each, which the 64 x 64
-// tiles of the cast cut across. Elsewhere, and for the weights a run starts from (initialized or
+// moments come in blocks of 128 consecutive elements with one scale each, which the update's
+// 32 x 128 tiles cut across. Elsewhere, and for the weights a run starts from (initialized or
 // loaded: publish_params marks them stale; on the first step the forward's cast calibrates), the
 // forward's cast stays.
 static bool fp8_weights_by_adamw(const GPT* m) {
@@ -1671,16 +1671,16 @@ static bool fp8_matrix(const GPT* m, ParamKind kind) {
 static void adamw_making_fp8_weights(GPT* m, const OptimConfig* o) {
     const ParamTable* pt = &m->table;
     GptFp8* f = &m->fp8;
-    Fp8FromAdamw update = {m->master, m->params, m->grads, (float*)opt_part(m, m->opt_state, OPT_EXP_AVG, 0),
-                           (float*)opt_part(m, m->opt_state, OPT_EXP_AVG_SQ, 0), m->decay_flags, 0, 0, *o, m->scalars};
+    AdamwBuffers adamw = {m->master, m->params, m->grads, (float*)opt_part(m, m->opt_state, OPT_EXP_AVG, 0),
+                          (float*)opt_part(m, m->opt_state, OPT_EXP_AVG_SQ, 0), m->decay_flags, *o, m->scalars};
     for (int i = 0; i < pt->n_tensors; i++) {
         const ParamTensor* t = &pt->tensors[i];
         if (!fp8_matrix(m, t->kind) || t->layer > 0) continue;
         int scale_stride = (int)(fp8_scale_index(&m->cfg, FP8_ROLE_WEIGHT, t->kind, 1) -
                                  fp8_scale_index(&m->cfg, FP8_ROLE_WEIGHT, t->kind, 0));
-        update.first = t->offset;
-        fp8_adamw_matrices(f->weights, f->weights_t, update, (int)t->rows, (int)t->cols, t->layer == 0 ? pt->n_layers : 1,
-                           bucket_len(pt, 0), fp8_scale(m, FP8_ROLE_WEIGHT, t->kind, 0), scale_stride, m->stream);
+        fp8_adamw_matrices(f->weights, f->weights_t, &adamw, t->offset, (int)t->rows, (int)t->cols,
+                           t->layer == 0 ? pt->n_layers : 1, bucket_len(pt, 0), fp8_scale(m, FP8_ROLE_WEIGHT, t->kind, 0),
+                           scale_stride, m->stream);
     }
     size_t done = 0;  // the elements before `done` are updated, or are an FP8 matrix's
     for (int i = 0; i < pt->n_tensors; i++) {
