@@ -1,7 +1,7 @@
 /*
  * kernels.cuh - every CUDA kernel train_gpt runs, the optimizer's kernels, and the one matmul
- * wrapper all matmuls use but one (the BF16 gate/up forward, which runs lib/matmul_hopper.cuh's
- * GEMM with SwiGLU in its epilogue).
+ * wrapper all matmuls use but two (the BF16 gate/up forward and down input gradient, which run
+ * lib/matmul_hopper.cuh's GEMM with SwiGLU, or its backward, in the epilogue).
  *
  * Read it top to bottom: small helpers, the deterministic reductions (global gradient norm, loss
  * sum) and initialization; then the kernels in the order of a training step: embedding, RMSNorm,

@@ -13,7 +13,7 @@
  *
  * What lives where: kernels.cuh holds the CUDA kernels, the optimizers' kernels and the one matmul
  * wrapper; lib/matmul_hopper.cuh our own Hopper GEMM, which runs the BF16 gate/up forward with SwiGLU
- * in its epilogue; lib/fp8.cuh FP8's casts and scales; lib/config.h the ModelConfig and its reading from
+ * in its epilogue and the down input gradient with SwiGLU's backward in its; lib/fp8.cuh FP8's casts and scales; lib/config.h the ModelConfig and its reading from
  * JSON; data.h the token shards and loader; comm.h data parallelism over NCCL (ranks, collectives,
  * ZeRO's shard arithmetic); ckpt.h the safetensors and checkpoint files; doc/map.md is the map of
  * the whole repository. This file, in reading order: the config; the parameter table, which lays

@@ -27,12 +27,13 @@
  * take only the TN form, so the backward's products need transposed operands; doc/fp8.md). What
  * it casts comes from a producer: a bf16 tensor in memory, or (fused) the output of RMSNorm,
  * SwiGLU or SwiGLU's backward computed on the spot from that kernel's inputs, so that the bf16
- * tensor is never written nor read again, or AdamW's update of a weight matrix (fp8_adamw_kernel:
- * the new weights cast as they are written); the forward's RMSNorm, which needs whole rows for its
- * rstd, has its own kernel that writes E4M3, and the attention forward writes its output's E4M3
- * codes itself (lib/attention.cuh). A fused cast needs its scale before the data exists: delayed
- * scaling once the history holds a step. Every writer of codes goes through lib/fp8_codes.cuh's
- * conversion and amax, so the fused codes are the very bits a plain cast would make.
+ * tensor is never written nor read again. Three kernels write codes of their own instead: the
+ * forward's RMSNorm, which needs whole rows for its rstd (fp8_rmsnorm_kernel); AdamW's update of
+ * the weight matrices, which writes W and W^T as it writes the new weights (fp8_adamw_kernel); and
+ * the attention forward, beside its bf16 output (lib/attention.cuh). A fused cast needs its scale
+ * before the data exists: delayed scaling once the history holds a step. Every writer of codes goes
+ * through lib/fp8_codes.cuh's conversion and amax, so the fused codes are the very bits a plain
+ * cast would make.
  */
 #ifndef FP8_CUH
 #define FP8_CUH
