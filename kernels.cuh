@@ -294,7 +294,10 @@ static void rmsnorm_forward(bf16* out, float* rstd, const bf16* in, const bf16* 
 //   dL/dx = rstd * (g - x_hat * mean(g * x_hat))      (the mean over the row's C channels)
 //   dL/dw = sum over rows of dy * x_hat
 // dL/dx is added into d_residual (the norm reads the residual stream, whose gradient already holds
-// the contribution of the skip connection). Each block takes `rows` consecutive rows (from
+// the contribution of the skip connection). With y not NULL the kernel also writes the forward's
+// output y = x_hat * w again, for a layer that recomputes it (--recompute): it reads x and w
+// anyway, and rmsnorm_apply8 on the saved rstd gives the very bits rmsnorm_forward stored, so the
+// weight gradient that needs y runs after this kernel and no forward kernel reads x a second time. Each block takes `rows` consecutive rows (from
 // rmsnorm_bwd_rows); each of its 4 warps keeps its own fp32 dw row in shared memory, and the block
 // writes their sum as its partial (sum_partials adds the blocks' partials in order).
 // The kernel is bound by memory latency, so it needs many warps in flight: 64 rows a block when
@@ -307,8 +310,9 @@ static int rmsnorm_bwd_rows(int N) {
 }
 #define RMSNORM_MAX_C 8192  // the widest row: 4 warps keep one fp32 row each in shared memory (128 KiB)
 #define RMSNORM_BWD_WARPS 4
-__global__ void rmsnorm_backward_kernel(bf16* d_residual, float* dw_partials, const bf16* dy, const bf16* in,
-                                        const bf16* weight, const float* rstd, int N, int C, int rows) {
+__global__ void rmsnorm_backward_kernel(bf16* d_residual, float* dw_partials, bf16* y, const bf16* dy,
+                                        const bf16* in, const bf16* weight, const float* rstd, int N, int C,
+                                        int rows) {
     extern __shared__ float dw_warp[];  // [RMSNORM_BWD_WARPS][C]
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     float* my_dw = dw_warp + warp * C;
@@ -337,6 +341,7 @@ __global__ void rmsnorm_backward_kernel(bf16* d_residual, float* dw_partials, co
                 my_dw[c + k] += dyk * x_hat;
             }
             store8(d_res + c, rv);
+            if (y) store8(y + (size_t)row * C + c, rmsnorm_apply8(xv, r, wv));
         }
     }
     __syncthreads();
@@ -347,9 +352,10 @@ __global__ void rmsnorm_backward_kernel(bf16* d_residual, float* dw_partials, co
     }
 }
 
-// dw_partials must hold ceil(N / rmsnorm_bwd_rows(N)) * C floats.
-static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partials, const bf16* dy, const bf16* in,
-                             const bf16* weight, const float* rstd, int N, int C, bool accumulate, cudaStream_t s) {
+// dw_partials must hold ceil(N / rmsnorm_bwd_rows(N)) * C floats; y is [N, C] or NULL.
+static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partials, bf16* y, const bf16* dy,
+                             const bf16* in, const bf16* weight, const float* rstd, int N, int C, bool accumulate,
+                             cudaStream_t s) {
     int rows = rmsnorm_bwd_rows(N), blocks = ceil_div(N, rows);
     size_t smem = RMSNORM_BWD_WARPS * C * sizeof(float);
     static bool configured = false;  // once, for the widest row allowed, so no launch sets it again
@@ -358,8 +364,8 @@ static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partia
         CUDA_CHECK(cudaFuncSetAttribute(rmsnorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
         configured = true;
     }
-    rmsnorm_backward_kernel<<<blocks, 32 * RMSNORM_BWD_WARPS, smem, s>>>(d_residual, dw_partials, dy, in, weight,
-                                                                         rstd, N, C, rows);
+    rmsnorm_backward_kernel<<<blocks, 32 * RMSNORM_BWD_WARPS, smem, s>>>(d_residual, dw_partials, y, dy, in,
+                                                                         weight, rstd, N, C, rows);
     LAUNCH_CHECK();
     sum_partials(d_weight, dw_partials, blocks, C, C, accumulate, s);
 }
@@ -542,13 +548,13 @@ static void qk_norm_rope_backward(bf16* d_qkv, float* dq_weight, float* dk_weigh
 // Backward: d_gate = d_out * up * sigmoid(g) * (1 + g (1 - sigmoid(g))),  d_up = d_out * silu(g).
 
 // Both directions for 8 channels, rounded to bf16 as the kernels store them. FP8's fused casts
-// (lib/fp8.cuh) run the same functions and must store the very same values.
+// (lib/fp8.cuh) run the same functions and must store the very same values; our GEMM's epilogues
+// (lib/matmul_hopper.cuh) too, one channel at a time where they hold two (swiglu1, then rounded).
+__device__ __forceinline__ float swiglu1(float g, float u) { return g / (1.0f + __expf(-g)) * u; }
+
 __device__ __forceinline__ bf16x8 swiglu8(const bf16x8& g, const bf16x8& u) {
     bf16x8 y;
-    for (int k = 0; k < 8; k++) {
-        float gk = __bfloat162float(g.v[k]);
-        y.v[k] = __float2bfloat16(gk / (1.0f + __expf(-gk)) * __bfloat162float(u.v[k]));
-    }
+    for (int k = 0; k < 8; k++) y.v[k] = __float2bfloat16(swiglu1(__bfloat162float(g.v[k]), __bfloat162float(u.v[k])));
     return y;
 }
 

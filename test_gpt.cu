@@ -356,10 +356,13 @@ static int test_hopper_swiglu_requirements(void) {
         {true, odd, 16, 8, 8, false, "backward, gate_up not 16-byte aligned"},
     };
     for (auto& tc : cases) {
-        const char* problem = tc.backward ? hopper_swiglu_backward_problem(p, p, p, tc.tested, tc.N, tc.I, tc.O)
+        const char* problem = tc.backward ? hopper_swiglu_backward_problem(p, NULL, p, p, tc.tested, tc.N, tc.I, tc.O)
                                           : hopper_swiglu_problem(p, p, tc.tested, p, tc.N, tc.I, tc.O);
         EXPECT((problem == NULL) == tc.ok, "%s: %s", tc.what, problem ? problem : "accepted");
     }
+    EXPECT(hopper_swiglu_backward_problem(p, p, p, p, p, 16, 8, 8) == NULL &&
+               hopper_swiglu_backward_problem(p, odd, p, p, p, 16, 8, 8) != NULL,
+           "backward with act to remake: refused when 16-byte aligned, or accepted when act is not");
     return TEST_RESULT;
 }
 
@@ -666,12 +669,13 @@ static int test_kernel_rmsnorm(void) {
         bf16 *d_x = to_device_bf16(x, (size_t)N * C), *d_w = to_device_bf16(w, C);
         bf16 *d_dy = to_device_bf16(dy, (size_t)N * C), *d_dres = to_device_bf16(dres0, (size_t)N * C);
         bf16* d_y = (bf16*)device_alloc_poisoned((size_t)N * C * 2);
+        bf16* d_y_remade = (bf16*)device_alloc_poisoned((size_t)N * C * 2);  // the backward's copy of y
         float* d_rstd = (float*)device_alloc_poisoned(N * 4);
         double* dw0 = random_array(C, 1.0);
         float* d_dw = accumulate ? to_device_f32(dw0, C) : (float*)device_alloc_poisoned(C * 4);
         float* partials = (float*)device_alloc_poisoned((size_t)ceil_div(N, rmsnorm_bwd_rows(N)) * C * 4);
         rmsnorm_forward(d_y, d_rstd, d_x, d_w, N, C, 1e-6f, 0);
-        rmsnorm_backward(d_dres, d_dw, partials, d_dy, d_x, d_w, d_rstd, N, C, accumulate, 0);
+        rmsnorm_backward(d_dres, d_dw, partials, d_y_remade, d_dy, d_x, d_w, d_rstd, N, C, accumulate, 0);
         double *y = (double*)malloc((size_t)N * C * 8), *rstd = (double*)malloc(N * 8);
         ref_rmsnorm_forward(y, rstd, x, w, N, C, 1e-6);
         double* dres = (double*)malloc((size_t)N * C * 8);
@@ -687,9 +691,17 @@ static int test_kernel_rmsnorm(void) {
         CHECK_CLOSE("rstd", gr, rstd, N, 1e-5);
         CHECK_CLOSE("d_residual", gres, dres, (size_t)N * C, 4e-3);
         CHECK_CLOSE("dw", gdw, dw, C, 1e-4);
+        // the output the backward remakes for a recomputing layer: the forward's bits
+        uint16_t *y_bits = (uint16_t*)malloc((size_t)N * C * 2), *remade_bits = (uint16_t*)malloc((size_t)N * C * 2);
+        CUDA_CHECK(cudaMemcpy(y_bits, d_y, (size_t)N * C * 2, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(remade_bits, d_y_remade, (size_t)N * C * 2, cudaMemcpyDeviceToHost));
+        EXPECT(!memcmp(y_bits, remade_bits, (size_t)N * C * 2), "rmsnorm %dx%d: the backward's y differs from the "
+               "forward's", N, C);
+        free(y_bits);
+        free(remade_bits);
         double* all[] = {x, w, dy, dres0, dw0, y, rstd, dres, dw, gy, gr, gres, gdw};
         for (double* a : all) free(a);
-        void* dev[] = {d_x, d_w, d_dy, d_dres, d_y, d_rstd, d_dw, partials};
+        void* dev[] = {d_x, d_w, d_dy, d_dres, d_y, d_y_remade, d_rstd, d_dw, partials};
         for (void* d : dev) CUDA_CHECK(cudaFree(d));
     }
     return TEST_RESULT;
@@ -1184,55 +1196,89 @@ static int test_kernel_gate_up_swiglu(void) {
     return TEST_RESULT;
 }
 
-// The trainer's down backward in BF16 (mlp_down_backward: dW_down by cuBLASLt, then our Hopper GEMM
-// for d_mlp_act = dy W_down with SwiGLU's backward in its epilogue) on FUSED_MLP_SHAPES, against the
+// The trainer's down backward in BF16 (mlp_down_backward: our Hopper GEMM for d_mlp_act = dy W_down
+// with SwiGLU's backward in its epilogue, then dW_down by cuBLASLt) on FUSED_MLP_SHAPES, against the
 // fp64 reference: d_gate_up = swiglu_backward(dy W_down, gate_up) and dW_down += dy^T mlp_act.
 // d_gate_up is poisoned with NaN first, and a second run must repeat its bits. Tolerance: d_gate_up
 // carries two bf16 roundings, d_mlp_act's (in the epilogue) and its own, each of relative RMS about
 // 2^-8 / sqrt(3) = 2.3e-3 (bf16 keeps 8 significant bits), so about 3.2e-3 together: we allow
 // 6e-3; a wrong row, feature or half gives errors of order 1. (The bits against swiglu_backward
-// on the kernel's own plain product: the ladder's check, dev/matmul.cu.)
+// on the kernel's own plain product: the ladder's check, dev/matmul.cu.) Then the same in a layer
+// that recomputes (remakes_norms), whose mlp_act, poisoned, the epilogue remakes: d_gate_up must
+// have the first model's bits, act swiglu_forward's on gate_up (and the fp64 SwiGLU's values), and
+// dW_down must be the product with that act, so it ran after the act was stored.
 static int test_kernel_down_swiglu_backward(void) {
     REQUIRE_GPU();
     int failed = 0;
     for (auto& tc : FUSED_MLP_SHAPES) {
         const ModelConfig* c = &tc.c;
-        GPT m;
-        gpt_create(&m, c, tc.B, c->seq_len, 0, 4096, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
-        const int N = m.N, C = c->d_model, F = c->ffn_dim, l = c->n_layer - 1;
+        const int C = c->d_model, F = c->ffn_dim, l = c->n_layer - 1, N = tc.B * c->seq_len;
         const size_t n_gu = (size_t)N * 2 * F, n_dy = (size_t)N * C, n_act = (size_t)N * F, n_w = (size_t)C * F;
-        Activations* a = &m.act;
-        EXPECT(down_swiglu_fused(&m, l), "N %d, C %d, F %d: the fused path refused", N, C, F);
         double *dy = random_array(n_dy, 1.0), *W = random_array(n_w, 1.0);
         double *gu = random_array(n_gu, 1.0), *act = random_array(n_act, 1.0);
-        upload_bf16(a->d_residual, dy, n_dy);
-        upload_bf16(P(&m, P_DOWN, l), W, n_w);
-        upload_bf16(a->gate_up[l], gu, n_gu);
-        upload_bf16(a->mlp_act[l], act, n_act);
-        uint16_t* bits[2];  // each run's d_gate_up, as stored
-        for (int run = 0; run < 2; run++) {
-            CUDA_CHECK(cudaMemset(a->d_gate_up, 0xFF, n_gu * 2));  // NaN
-            CUDA_CHECK(cudaMemset(G(&m, P_DOWN, l), 0xFF, n_w * 4));  // NaN: the first write sets dW
-            mlp_down_backward(&m, l, false);
-            CUDA_CHECK(cudaStreamSynchronize(m.stream));
-            const int error = mm_error_take();
-            EXPECT(error == MM_OK, "N %d, C %d, F %d: %s", N, C, F, mm_error_text(error));
-            bits[run] = (uint16_t*)malloc(n_gu * 2);
-            CUDA_CHECK(cudaMemcpy(bits[run], a->d_gate_up, n_gu * 2, cudaMemcpyDeviceToHost));
+        uint16_t* kept_bits = NULL;  // d_gate_up of the layer that keeps its act
+        for (int remake = 0; remake < 2; remake++) {
+            GPT m;
+            gpt_create(&m, c, tc.B, c->seq_len, remake ? c->n_layer : 0, 4096, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
+            Activations* a = &m.act;
+            EXPECT(down_swiglu_fused(&m, l), "N %d, C %d, F %d: the fused path refused", N, C, F);
+            EXPECT(remakes_norms(&m, l) == (remake == 1), "N %d, C %d, F %d: remakes_norms is not %d", N, C, F,
+                   remake);
+            upload_bf16(a->d_residual, dy, n_dy);
+            upload_bf16(P(&m, P_DOWN, l), W, n_w);
+            upload_bf16(a->gate_up[l], gu, n_gu);
+            if (remake) CUDA_CHECK(cudaMemset(a->mlp_act[l], 0xFF, n_act * 2));  // NaN: the epilogue must write it
+            else upload_bf16(a->mlp_act[l], act, n_act);
+            uint16_t* bits[2];  // each run's d_gate_up, as stored
+            for (int run = 0; run < 2; run++) {
+                CUDA_CHECK(cudaMemset(a->d_gate_up, 0xFF, n_gu * 2));  // NaN
+                CUDA_CHECK(cudaMemset(G(&m, P_DOWN, l), 0xFF, n_w * 4));  // NaN: the first write sets dW
+                mlp_down_backward(&m, l, false);
+                CUDA_CHECK(cudaStreamSynchronize(m.stream));
+                const int error = mm_error_take();
+                EXPECT(error == MM_OK, "N %d, C %d, F %d: %s", N, C, F, mm_error_text(error));
+                bits[run] = (uint16_t*)malloc(n_gu * 2);
+                CUDA_CHECK(cudaMemcpy(bits[run], a->d_gate_up, n_gu * 2, cudaMemcpyDeviceToHost));
+            }
+            EXPECT(!memcmp(bits[0], bits[1], n_gu * 2), "N %d, C %d, F %d, remake %d: a second run differs", N, C, F,
+                   remake);
+            double* used_act = remake ? from_device_bf16(a->mlp_act[l], n_act) : act;  // what dW_down read
+            double *d_mlp_act = (double*)malloc(n_act * 8), *dW = (double*)calloc(n_w, 8);
+            ref_linear_backward(d_mlp_act, dW, dy, used_act, W, N, F, C);
+            double* g_dW = from_device_f32(G(&m, P_DOWN, l), n_w);
+            char name[96];
+            snprintf(name, sizeof(name), "dW_down N %d, C %d, F %d, remake %d", N, C, F, remake);
+            CHECK_CLOSE(name, g_dW, dW, n_w, 1e-4);  // fp32 sums of exact bf16 products
+            if (!remake) {
+                double* dgu = (double*)malloc(n_gu * 8);
+                ref_swiglu_backward(dgu, d_mlp_act, gu, N, F);
+                double* g_dgu = from_device_bf16(a->d_gate_up, n_gu);
+                snprintf(name, sizeof(name), "d_gate_up N %d, C %d, F %d", N, C, F);
+                CHECK_CLOSE(name, g_dgu, dgu, n_gu, 6e-3);
+                free(dgu); free(g_dgu);
+                kept_bits = bits[0];
+            } else {
+                EXPECT(!memcmp(kept_bits, bits[0], n_gu * 2), "N %d, C %d, F %d: remaking act changed d_gate_up", N,
+                       C, F);
+                double* want = (double*)malloc(n_act * 8);
+                ref_swiglu_forward(want, gu, N, F);
+                snprintf(name, sizeof(name), "remade act N %d, C %d, F %d", N, C, F);
+                CHECK_CLOSE(name, used_act, want, n_act, 4e-3);
+                bf16* d_act = (bf16*)device_alloc_poisoned(n_act * 2);
+                swiglu_forward(d_act, a->gate_up[l], N, F, m.stream);
+                uint16_t *want_bits = (uint16_t*)malloc(n_act * 2), *got_bits = (uint16_t*)malloc(n_act * 2);
+                CUDA_CHECK(cudaMemcpy(want_bits, d_act, n_act * 2, cudaMemcpyDeviceToHost));
+                CUDA_CHECK(cudaMemcpy(got_bits, a->mlp_act[l], n_act * 2, cudaMemcpyDeviceToHost));
+                EXPECT(!memcmp(want_bits, got_bits, n_act * 2), "N %d, C %d, F %d: the remade act differs from "
+                       "swiglu_forward's", N, C, F);
+                free(want); free(want_bits); free(got_bits); free(used_act); free(kept_bits);
+                CUDA_CHECK(cudaFree(d_act));
+                free(bits[0]);
+            }
+            free(d_mlp_act); free(dW); free(g_dW); free(bits[1]);
+            gpt_free(&m);
         }
-        EXPECT(!memcmp(bits[0], bits[1], n_gu * 2), "N %d, C %d, F %d: a second run differs", N, C, F);
-        double *d_mlp_act = (double*)malloc(n_act * 8), *dW = (double*)calloc(n_w, 8), *dgu = (double*)malloc(n_gu * 8);
-        ref_linear_backward(d_mlp_act, dW, dy, act, W, N, F, C);
-        ref_swiglu_backward(dgu, d_mlp_act, gu, N, F);
-        double *g_dgu = from_device_bf16(a->d_gate_up, n_gu), *g_dW = from_device_f32(G(&m, P_DOWN, l), n_w);
-        char name[96];
-        snprintf(name, sizeof(name), "d_gate_up N %d, C %d, F %d", N, C, F);
-        CHECK_CLOSE(name, g_dgu, dgu, n_gu, 6e-3);
-        snprintf(name, sizeof(name), "dW_down N %d, C %d, F %d", N, C, F);
-        CHECK_CLOSE(name, g_dW, dW, n_w, 1e-4);  // fp32 sums of exact bf16 products
-        free(dy); free(W); free(gu); free(act); free(d_mlp_act); free(dW); free(dgu); free(g_dgu); free(g_dW);
-        free(bits[0]); free(bits[1]);
-        gpt_free(&m);
+        free(dy); free(W); free(gu); free(act);
     }
     return TEST_RESULT;
 }

@@ -310,7 +310,8 @@ static double flops_per_token(const ModelConfig* c) {
 // Recomputation is per layer: in the first k layers (--recompute: k = 0, k = L, or with `auto` the
 // fewest that fit) the cheap elementwise outputs (both RMSNorm outputs, the normed and rotated
 // q/k/v, the SwiGLU output) are not kept: those k layers write one shared set of buffers, and the
-// backward runs those kernels again before it needs them. The other L - k layers keep their own.
+// backward makes them again before it needs them: the QK norm by running again, in BF16 the rest
+// inside kernels the backward runs anyway (remakes_norms). The other L - k layers keep their own.
 // The shared set is one layer's worth, so k = 1 saves nothing and each layer recomputed beyond the
 // first saves one layer's set: 2 (2 N C + N (Hq+2Hkv) D + N F) bytes. With FP8's delayed scaling
 // every layer shares the norms' and SwiGLU's outputs, whatever k (layers_sharing_norms), and a
@@ -1386,38 +1387,77 @@ static void layer_backward(GPT* m, ParamKind kind, int l, int N, bf16* dx, const
            I, N, O, true, false, m->stream);
 }
 
+// Whether layer l remakes the norms' and SwiGLU's outputs in the backward (it shares them, and FP8's
+// fused casts do not make them). In BF16 the backward's own kernels remake them where they already
+// read the inputs, and no forward kernel runs again: SwiGLU's act comes out of the down input
+// gradient's epilogue (mlp_down_backward), each norm's output out of the norm's backward
+// (norm_matrix_backward), each with the very bits the forward's kernel stored, and the weight
+// gradient that reads it runs after. FP8's casts (first step of delayed scaling, or current
+// scaling) read them before the products, so there the forward's kernels run again first.
+static bool remakes_norms(const GPT* m, int l) { return shares_norms(m, l) && !fp8_fused(m); }
+
 // The down matrix's backward and SwiGLU's in layer l, from dy = d_residual [N, C]: dW_down += dy^T
 // mlp_act, d_mlp_act = dy W_down [N, F], and d_gate_up = [d_gate | d_up] [N, 2F] from d_mlp_act and
 // gate_up (kernels.cuh's swiglu_backward). In BF16 the input gradient is one kernel of our own
 // (lib/matmul_hopper.cuh), the mirror of the forward's mlp_gate_up: SwiGLU's backward runs in its
 // epilogue on d_mlp_act rounded to bf16 as a stored one would be, so d_mlp_act is neither written
 // nor read, and d_gate_up has the very bits swiglu_backward makes from the kernel's plain product.
-// It reads gate_up, which every layer keeps whatever --recompute says (activations_layout), so
-// recompute changes nothing here. It never splits K, so it repeats bit for bit. Where
-// hopper_swiglu_backward_problem refuses the operands, and in FP8, the product goes through
-// layer_backward into d_mlp_act; FP8's fused casts then run SwiGLU's backward themselves
-// (fp8_grad), else swiglu_backward does.
+// It reads gate_up, which every layer keeps whatever --recompute says (activations_layout); in a
+// layer that remakes mlp_act (remakes_norms) the epilogue stores act from it too, before dW_down
+// reads it. It never splits K, so it repeats bit for bit. Where hopper_swiglu_backward_problem
+// refuses the operands, and in FP8, the product goes through layer_backward into d_mlp_act; FP8's
+// fused casts then run SwiGLU's backward themselves (fp8_grad), else swiglu_backward does.
 static bool down_swiglu_fused(const GPT* m, int l) {
     const ParamTensor* t = param(&m->table, P_DOWN, l);
     const Activations* a = &m->act;
-    return !fp8_product(m, P_DOWN) && !hopper_swiglu_backward_problem(a->d_gate_up, a->d_residual,
+    return !fp8_product(m, P_DOWN) && !hopper_swiglu_backward_problem(a->d_gate_up, a->mlp_act[l], a->d_residual,
                                                                       m->params + t->offset, a->gate_up[l], m->N,
                                                                       (int)t->cols, (int)t->rows);
 }
 
 static void mlp_down_backward(GPT* m, int l, bool accumulate) {
     Activations* a = &m->act;
+    bool remake = remakes_norms(m, l);
     if (down_swiglu_fused(m, l)) {
         const ParamTensor* t = param(&m->table, P_DOWN, l);
         int O = (int)t->rows, I = (int)t->cols;
+        hopper_backward_swiglu(a->d_gate_up, remake ? a->mlp_act[l] : NULL, a->d_residual, m->params + t->offset,
+                               a->gate_up[l], m->N, I, O, m->stream);
         linear_backward_weight(G(m, P_DOWN, l), a->d_residual, a->mlp_act[l], m->N, I, O, accumulate, m->stream);
-        hopper_backward_swiglu(a->d_gate_up, a->d_residual, m->params + t->offset, a->gate_up[l], m->N, I, O,
-                               m->stream);
         return;
     }
+    if (remake) mlp_swiglu(m, l);
     layer_backward(m, P_DOWN, l, m->N, a->d_mlp_act, a->d_residual, a->mlp_act[l], accumulate);
     if (!fp8_fused(m))  // fused: SwiGLU's backward runs inside GATE_UP's cast of its output gradient
         swiglu_backward(a->d_gate_up, a->d_mlp_act, a->gate_up[l], m->N, m->cfg.ffn_dim, m->stream);
+}
+
+// The backward of a matrix that reads a norm's output xnorm (QKV the attention norm's, GATE_UP the
+// MLP norm's) in layer l, from its output gradient dy, then the norm's: d_xnorm = dy W, dW (+)=
+// dy^T xnorm, and rmsnorm_backward adds dL/d(norm's input) into d_residual. A layer that remakes
+// xnorm (remakes_norms) gets it in BF16 from the norm's backward, which reads x and w anyway, so dW
+// runs last; with FP8 products the norm's forward runs again first.
+static void norm_matrix_backward(GPT* m, ParamKind kind, int l, const bf16* dy, bool accumulate) {
+    const ModelConfig* c = &m->cfg;
+    Activations* a = &m->act;
+    const ParamTensor* t = param(&m->table, kind, l);
+    bool attn = kind == P_QKV;
+    ParamKind norm = attn ? P_ATTN_NORM : P_MLP_NORM;
+    bf16* xnorm = attn ? a->xnorm_attn[l] : a->xnorm_mlp[l];
+    const bf16* x = attn ? a->residual[l] : a->residual_mid[l];
+    const float* rstd = attn ? a->rstd_attn[l] : a->rstd_mlp[l];
+    bool remake = remakes_norms(m, l), remade_by_norm = remake && !fp8_product(m, kind);
+    if (remade_by_norm) {
+        linear_backward_input(a->d_xnorm, dy, m->params + t->offset, m->N, (int)t->cols, (int)t->rows, m->stream);
+    } else {
+        if (remake && attn) attention_norm(m, l);
+        if (remake && !attn) mlp_norm(m, l);
+        layer_backward(m, kind, l, m->N, a->d_xnorm, dy, xnorm, accumulate);
+    }
+    rmsnorm_backward(a->d_residual, G(m, norm, l), a->partials, remade_by_norm ? xnorm : NULL, a->d_xnorm, x,
+                     P(m, norm, l), rstd, m->N, c->d_model, accumulate, m->stream);
+    if (remade_by_norm)
+        linear_backward_weight(G(m, kind, l), dy, xnorm, m->N, (int)t->cols, (int)t->rows, accumulate, m->stream);
 }
 
 // At an optimizer step, before the update: (delayed) the step's amaxes join the history, which
@@ -1559,25 +1599,17 @@ static void backward(GPT* m, const Batch* batch) {
     Activations* a = &m->act;
     int N = m->N, C = c->d_model, Q = qkv_dim(c);
     int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim, L = c->n_layer;
-    bool fused = fp8_fused(m);  // the FP8 casts make the norms' and SwiGLU's outputs: nothing to recompute
     bool acc = grads_accumulate(m);
     CUDA_CHECK(cudaMemsetAsync(a->d_residual, 0, (size_t)N * C * sizeof(bf16), m->stream));
-    rmsnorm_backward(a->d_residual, G(m, P_FINAL_NORM, 0), a->partials, a->d_xnorm, a->residual[L],
+    rmsnorm_backward(a->d_residual, G(m, P_FINAL_NORM, 0), a->partials, NULL, a->d_xnorm, a->residual[L],
                      P(m, P_FINAL_NORM, 0), a->rstd_final, N, C, acc, m->stream);
     for (int l = L - 1; l >= 0; l--) {
         grads_open(m, l);
         // MLP block. d_residual = dL/d(residual[l+1]) flows both through the skip connection
         // (unchanged) and through the block, whose contribution rmsnorm_backward adds to it.
-        if (shares_norms(m, l) && !fused) {
-            mlp_norm(m, l);
-            mlp_swiglu(m, l);
-        }
         mlp_down_backward(m, l, acc);
-        layer_backward(m, P_GATE_UP, l, N, a->d_xnorm, a->d_gate_up, a->xnorm_mlp[l], acc);
-        rmsnorm_backward(a->d_residual, G(m, P_MLP_NORM, l), a->partials, a->d_xnorm, a->residual_mid[l],
-                         P(m, P_MLP_NORM, l), a->rstd_mlp[l], N, C, acc, m->stream);
+        norm_matrix_backward(m, P_GATE_UP, l, a->d_gate_up, acc);
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
-        if (shares_norms(m, l) && !fused) attention_norm(m, l);
         if (recomputed(m, l)) qk_norm_rope(m, l);
         layer_backward(m, P_ATTN_OUT, l, N, a->d_attn_out, a->d_residual, a->attn_out[l], acc);
         const bf16* q = a->qkv_rot[l];
@@ -1587,9 +1619,7 @@ static void backward(GPT* m, const Batch* batch) {
         qk_norm_rope_backward(a->d_qkv, G(m, P_Q_NORM, l), G(m, P_K_NORM, l), a->partials, a->qkv[l], a->rstd_qk[l],
                               P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos, m->rope_sin, N, m->T, Hq, Hkv, D,
                               acc, m->stream);
-        layer_backward(m, P_QKV, l, N, a->d_xnorm, a->d_qkv, a->xnorm_attn[l], acc);
-        rmsnorm_backward(a->d_residual, G(m, P_ATTN_NORM, l), a->partials, a->d_xnorm, a->residual[l],
-                         P(m, P_ATTN_NORM, l), a->rstd_attn[l], N, C, acc, m->stream);
+        norm_matrix_backward(m, P_QKV, l, a->d_qkv, acc);
         grads_ready(m, l);  // layer l's gradients are complete
     }
     embedding_backward(G(m, P_EMBED, 0), a->d_residual, batch->bucket_start, batch->bucket_pos, batch->bucket_token,

@@ -202,7 +202,7 @@ static void hopper_fp8(Form form, void* c, const uint8_t* a, const uint8_t* b, c
 // Version 6's: one launch, d_mlp_act never stored (d_act unused).
 static void hopper_backward_swiglu_form(bf16* d_gate_up, bf16*, const bf16* dy, const bf16* W, const bf16* gate_up,
                                         int N, int I, int O, cudaStream_t s) {
-    hopper_backward_swiglu(d_gate_up, dy, W, gate_up, N, I, O, s);
+    hopper_backward_swiglu(d_gate_up, NULL, dy, W, gate_up, N, I, O, s);
 }
 
 static const Impl IMPLS[] = {
@@ -640,7 +640,7 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     if (!problem && c.form == FORWARD_SWIGLU)  // its operands are allocated below, 256-byte aligned
         problem = hopper_swiglu_problem(NULL, NULL, NULL, NULL, c.tok, c.I, c.O);
     if (!problem && c.form == BACKWARD_INPUT_SWIGLU)
-        problem = hopper_swiglu_backward_problem(NULL, NULL, NULL, NULL, c.tok, c.I, c.O);
+        problem = hopper_swiglu_backward_problem(NULL, NULL, NULL, NULL, NULL, c.tok, c.I, c.O);
     if (problem) {
         printf("skip v%d %s, %s: %s\n", im.version, im.name, case_label(c, label, sizeof label), problem);
         r.status = SKIPPED;

@@ -5,11 +5,12 @@
  * grid; its epilogue, a template parameter, stores through shared memory and TMA, with the next
  * kernel's work fused in where that pays.
  *
- * How it fits: the trainer runs two instantiations of it, both at the bottom: the gate/up forward
+ * How it fits: the trainer runs three instantiations of it, all at the bottom: the gate/up forward
  * with SwiGLU in its epilogue (hopper_forward_swiglu: gate_up and act = silu(gate) * up in one
  * launch, 1.27x cuBLASLt plus swiglu_forward at the default config, 1.14x at 1b; doc/matmul.md), and
  * its mirror in the backward, the down matrix's input gradient with SwiGLU's backward in its
- * epilogue (hopper_backward_swiglu: d_gate_up from d_mlp_act = dy W_down, which is never stored);
+ * epilogue (hopper_backward_swiglu: d_gate_up from d_mlp_act = dy W_down, which is never stored),
+ * in a layer that recomputes also remaking the forward's act from the gate and up it reads anyway;
  * every other matmul of the trainer stays with cuBLASLt through kernels.cuh's matmul(). The kernel
  * is the matmul ladder's (dev/matmul.cu): its versions 3 to 7 are this kernel's launch
  * configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and
@@ -62,7 +63,11 @@
  *     the accumulator to bf16 (d_mlp_act as it would be stored), takes gate and up of the same
  *     entries from gate_up [M][2F], and stores d_gate and d_up = swiglu_backward8(gate, up, d_mlp_act)
  *     into d_gate_up's two halves (two maps of row stride 2F): the very function and inputs of
- *     swiglu_backward on the stored d_mlp_act, so the bits are the trainer's.
+ *     swiglu_backward on the stored d_mlp_act, so the bits are the trainer's. Its second form
+ *     (EPI_SWIGLU_BWD_ACT, a layer that recomputes) stores first act = silu(gate) * up of the same
+ *     entries, rounded as swiglu_forward rounds it: the forward's act remade for dW_down at the
+ *     cost of one store, where a recompute would read all of gate_up again. A form of its own, not
+ *     a flag: the flag's registers made the consumers spill.
  *   residual (the ladder's only: it ties cuBLASLt's beta = 1, doc/matmul.md): y = acc + residual,
  *     rounded once to bf16.
  *   Both reads from global memory (the residual; gate and up) go straight into the registers of the
@@ -97,6 +102,7 @@
 
 #include <stdint.h>
 #include <algorithm>
+#include <initializer_list>
 #include <type_traits>
 #include <cuda_fp8.h>  // __nv_fp8_e4m3, __nv_fp8_e5m2: the FP8 operands' element types
 #include "../kernels.cuh"  // swiglu8, swiglu_backward8, bf16x8; through it lib/attention.cuh: tma_tensor_map (the
@@ -198,7 +204,8 @@ static __device__ __forceinline__ bool hopper_wait(uint32_t bar, uint32_t parity
 // The epilogues (the kernel's EPI): versions 3 and 4 store from registers; version 5 stages C in
 // shared memory and stores it by TMA; version 6 does the same with the next kernel's work fused in:
 // the residual added (y = x W^T + residual), or SwiGLU (gate_up and act = silu(gate) * up), or, in
-// the down matrix's input gradient, SwiGLU's backward (d_gate_up from d_mlp_act = dy W and gate_up);
+// the down matrix's input gradient, SwiGLU's backward (d_gate_up from d_mlp_act = dy W and gate_up),
+// with or without the forward's act remade from the same gate and up (a recomputing layer's);
 // version 7 is version 5's on a stream-K walk, where a piece of a tile hands its partial to the
 // tile's owner.
 enum HopperEpilogue {
@@ -207,6 +214,7 @@ enum HopperEpilogue {
     HOP_EPI_RESIDUAL,
     HOP_EPI_SWIGLU,
     HOP_EPI_SWIGLU_BWD,
+    HOP_EPI_SWIGLU_BWD_ACT,
     HOP_EPI_STREAM_K
 };
 
@@ -289,7 +297,8 @@ static __device__ __forceinline__ bool hopper_sk_fixup(float (&acc)[HOP_BN / 8][
 // map (tm_b) is W's gate half [F][K] and b_up its up half, C's map (tm_c) gate_up's gate half [M][F]
 // (row stride 2F) and c_up its up half, act the map of act [M][F]. Residual: [M][N], C's shape.
 // SwiGLU's backward (N = F): C's map is d_gate_up's gate half [M][F] (row stride 2F) and c_up its up
-// half; gate_up [M][2F], the forward's, is read.
+// half; gate_up [M][2F], the forward's, is read; with act remade (EPI_SWIGLU_BWD_ACT), act is its
+// map, as in the forward.
 struct HopperFusion {
     CUtensorMap b_up, c_up, act;
     const bf16* residual;
@@ -360,7 +369,7 @@ template <int EPI>
 static __device__ __forceinline__ void hopper_prefetch(uint32_t (&pre)[2][8][2], const HopperFusion& fuse, int row0,
                                                        int col0, int M, int N) {
     if constexpr (EPI == HOP_EPI_RESIDUAL) hopper_load_pairs(pre[0], fuse.residual, N, row0, col0, M, N);
-    if constexpr (EPI == HOP_EPI_SWIGLU_BWD) {
+    if constexpr (EPI == HOP_EPI_SWIGLU_BWD || EPI == HOP_EPI_SWIGLU_BWD_ACT) {
         hopper_load_pairs(pre[0], fuse.gate_up, 2L * N, row0, col0, M, N);
         hopper_load_pairs(pre[1], fuse.gate_up + N, 2L * N, row0, col0, M, N);
     }
@@ -379,8 +388,10 @@ static __device__ __forceinline__ float hopper_bf16_hi(uint32_t w) { return __ui
 // the stored gate_up. EPI_SWIGLU_BWD: the 256 columns are d_mlp_act's features n0 .., rounded to
 // bf16 as a stored d_mlp_act would be; with gate and up of the same entries (read a chunk ahead
 // into pre, chunk 0 by the caller) swiglu_backward8 makes d_gate and d_up, stored per 64 features
-// into d_gate_up's two halves: swiglu_backward's bits on that d_mlp_act. Chunks wholly past M or N
-// (SwiGLU: F) are skipped, the same for the whole warpgroup; TMA clips the others.
+// into d_gate_up's two halves: swiglu_backward's bits on that d_mlp_act. EPI_SWIGLU_BWD_ACT stores
+// act = silu(gate) * up of the same entries first (swiglu1 two features a word, rounded as swiglu8
+// rounds them: swiglu_forward's bits on the stored gate_up). Chunks wholly past M or N (SwiGLU: F) are skipped, the same for the whole warpgroup; TMA
+// clips the others.
 template <int EPI, typename T>
 static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_BN / 8][4], uint32_t (&pre)[2][2][8][2],
                                                         const CUtensorMap* tm_c, const HopperFusion& fuse,
@@ -423,11 +434,17 @@ static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_B
                 hopper_stage_store<T>(bufs, cw, chunks, maps[o], f0, row0, 0, false,
                                       [&](int jj, int h) { return words[o][jj][h]; });
         }
-    } else if constexpr (EPI == HOP_EPI_SWIGLU_BWD) {
+    } else if constexpr (EPI == HOP_EPI_SWIGLU_BWD || EPI == HOP_EPI_SWIGLU_BWD_ACT) {
 #pragma unroll
         for (int q = 0; q < HOP_BN / COLS; ++q) {
             const int f0 = n0 + q * COLS;
             if (f0 >= N) break;
+            if constexpr (EPI == HOP_EPI_SWIGLU_BWD_ACT)  // first: only gate and up are held beside acc
+                hopper_stage_store<T>(bufs, cw, chunks, &fuse.act, f0, row0, 0, false, [&](int jj, int h) {
+                    const uint32_t g = pre[q % 2][0][jj][h], u = pre[q % 2][1][jj][h];
+                    return attn_pack_bf16(swiglu1(hopper_bf16_lo(g), hopper_bf16_lo(u)),
+                                          swiglu1(hopper_bf16_hi(g), hopper_bf16_hi(u)));
+                });
             uint32_t d_gate[J_PER_CHUNK][2], d_up[J_PER_CHUNK][2];
 #pragma unroll
             for (int h = 0; h < 2; ++h)
@@ -489,7 +506,7 @@ static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_B
 // to (splits 1), or the fp32 partials of `splits` > 1 (batch = split); version 6's fused epilogues
 // (splits 1) with the operands of `fuse`. HOP_EPI_SWIGLU walks tiles of 128 features (N = F): its
 // B tile is W's 128 gate rows of them and the 128 up rows (tm_b and fuse.b_up), two boxes a stage.
-// HOP_EPI_SWIGLU_BWD is the plain input gradient's product (N = F), tile for tile.
+// HOP_EPI_SWIGLU_BWD (and _ACT) is the plain input gradient's product (N = F), tile for tile.
 // HOP_EPI_STREAM_K (version 7, splits 1): version 5's epilogue on the stream-K walk of `sk`.
 template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16>
 __global__ void __launch_bounds__(HOP_THREADS, 1)
@@ -507,7 +524,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     static_assert(!FP8 || (A_K && B_K && (EPI == HOP_EPI_TMA)),
                   "FP8 wgmma takes K-major operands only (the TN form), stored by version 5's epilogue");
     static_assert(!SWIGLU || (A_K && B_K), "SwiGLU fuses into the forward, whose operands are K-major");
-    static_assert(EPI != HOP_EPI_SWIGLU_BWD || (A_K && !B_K && sizeof(OutT) == 2),
+    static_assert((EPI != HOP_EPI_SWIGLU_BWD && EPI != HOP_EPI_SWIGLU_BWD_ACT) || (A_K && !B_K && sizeof(OutT) == 2),
                   "SwiGLU's backward fuses into an input gradient: dy K-major, W N-major, bf16 out");
     extern __shared__ __align__(1024) unsigned char hopper_smem[];
     const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * HOP_A_BYTES;
@@ -713,11 +730,11 @@ static int hopper_sms(void) {
 // (the up halves start F elements in), and every operand is 16-byte aligned. The rows N may be any
 // number: TMA zero-fills and clips the edge tiles. The one place these are checked, through the two
 // below: the trainer takes a fused path only where they say NULL, and the ladder skips what they refuse.
-static const char* hopper_swiglu_operands_problem(int N, int K, int F, const bf16* const (&operands)[4]) {
+static const char* hopper_swiglu_operands_problem(int N, int K, int F, std::initializer_list<const bf16*> operands) {
     if (N < 1 || K < 1 || F < 1) return "empty matrices";
     if (K % 8) return "the product's inner width (d_model) must be a multiple of 8";
     if (F % 8) return "the features F must be a multiple of 8";
-    for (const bf16* p : operands)
+    for (const bf16* p : operands)  // (NULL: an output not asked for)
         if ((uintptr_t)p % 16) return "every operand must be 16-byte aligned";
     return NULL;
 }
@@ -730,10 +747,10 @@ static const char* hopper_swiglu_problem(const bf16* gate_up, const bf16* act, c
 }
 
 // The down input gradient's (hopper_backward_swiglu): dy [N, O], W [O, I] with I = F, gate_up and
-// d_gate_up [N, 2F].
-static const char* hopper_swiglu_backward_problem(const bf16* d_gate_up, const bf16* dy, const bf16* W,
-                                                  const bf16* gate_up, int N, int I, int O) {
-    return hopper_swiglu_operands_problem(N, O, I, {d_gate_up, dy, W, gate_up});
+// d_gate_up [N, 2F], act [N, F] or NULL (nothing remade).
+static const char* hopper_swiglu_backward_problem(const bf16* d_gate_up, const bf16* act, const bf16* dy,
+                                                  const bf16* W, const bf16* gate_up, int N, int I, int O) {
+    return hopper_swiglu_operands_problem(N, O, I, {d_gate_up, act, dy, W, gate_up});
 }
 
 // The gate/up forward with SwiGLU fused (the ladder's version 6, the trainer's BF16 gate/up
@@ -768,10 +785,13 @@ static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const
 // plain product, in one launch; for operands that hopper_swiglu_backward_problem accepts (else it
 // exits with that line). A tile is 128 rows x 256 features of d_mlp_act, as in the plain dx; its
 // epilogue reads their gate and up entries from gate_up and stores d_gate and d_up through a map of
-// each half of d_gate_up. One split of K, so the result repeats bit for bit.
-static void hopper_backward_swiglu(bf16* d_gate_up, const bf16* dy, const bf16* W, const bf16* gate_up, int N, int I,
-                                   int O, cudaStream_t s) {
-    if (const char* problem = hopper_swiglu_backward_problem(d_gate_up, dy, W, gate_up, N, I, O)) {
+// each half of d_gate_up. With act not NULL it also stores act[N, F] = silu(gate) * up, the bits
+// swiglu_forward makes from gate_up: the forward's SwiGLU output remade for a layer that
+// recomputes it, at the cost of its store alone, since gate and up are read here anyway. One split
+// of K, so the result repeats bit for bit.
+static void hopper_backward_swiglu(bf16* d_gate_up, bf16* act, const bf16* dy, const bf16* W, const bf16* gate_up,
+                                   int N, int I, int O, cudaStream_t s) {
+    if (const char* problem = hopper_swiglu_backward_problem(d_gate_up, act, dy, W, gate_up, N, I, O)) {
         fprintf(stderr, "hopper_backward_swiglu: %s (N %d, I %d, O %d)\n", problem, N, I, O);
         exit(1);
     }
@@ -779,11 +799,19 @@ static void hopper_backward_swiglu(bf16* d_gate_up, const bf16* dy, const bf16* 
     HopperFusion fuse = {};
     fuse.c_up = tma_tensor_map(d_gate_up + F, F, 2 * F, M, 1, 64);
     fuse.gate_up = gate_up;
+    if (act) fuse.act = tma_tensor_map(act, F, F, M, 1, 64);
     const int tiles = ceil_div(M, HOP_BM) * ceil_div(F, HOP_BN);
-    hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD>(
-        tma_tensor_map(dy, K, K, M, 1, HOP_BM), tma_tensor_map(W, F, F, K, 1, 64),
-        tma_tensor_map(d_gate_up, F, 2 * F, M, 1, 64), fuse, d_gate_up, M, F, K, std::min(tiles, hopper_sms()),
-        HOP_GROUP_M, 1, s);
+    const CUtensorMap tm_dy = tma_tensor_map(dy, K, K, M, 1, HOP_BM), tm_w = tma_tensor_map(W, F, F, K, 1, 64);
+    const CUtensorMap tm_d_gate = tma_tensor_map(d_gate_up, F, 2 * F, M, 1, 64);
+    const int grid = std::min(tiles, hopper_sms());
+    // two instances of the kernel: act's stores are compiled out of the other (a runtime choice
+    // in one would hold registers that the consumers, at 232, do not have to spare)
+    if (act)
+        hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD_ACT>(tm_dy, tm_w, tm_d_gate, fuse, d_gate_up, M, F, K, grid,
+                                                                 HOP_GROUP_M, 1, s);
+    else
+        hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD>(tm_dy, tm_w, tm_d_gate, fuse, d_gate_up, M, F, K, grid,
+                                                             HOP_GROUP_M, 1, s);
 }
 
 #endif
