@@ -297,9 +297,10 @@ static void rmsnorm_forward(bf16* out, float* rstd, const bf16* in, const bf16* 
 // the contribution of the skip connection). With y not NULL the kernel also writes the forward's
 // output y = x_hat * w again, for a layer that recomputes it (--recompute): it reads x and w
 // anyway, and rmsnorm_apply8 on the saved rstd gives the very bits rmsnorm_forward stored, so the
-// weight gradient that needs y runs after this kernel and no forward kernel reads x a second time. Each block takes `rows` consecutive rows (from
-// rmsnorm_bwd_rows); each of its 4 warps keeps its own fp32 dw row in shared memory, and the block
-// writes their sum as its partial (sum_partials adds the blocks' partials in order).
+// weight gradient that needs y runs after this kernel and no forward kernel reads x a second time.
+// Each block takes `rows` consecutive rows (from rmsnorm_bwd_rows); each of its 4 warps keeps its
+// own fp32 dw row in shared memory, and the block writes their sum as its partial (sum_partials
+// adds the blocks' partials in order).
 // The kernel is bound by memory latency, so it needs many warps in flight: 64 rows a block when
 // that makes 512 blocks or more (the default config's 32768 rows), fewer down to 16 otherwise (at
 // 1b's 8192 rows, 64 left 128 blocks of 4 warps for 132 SMs, at 0.9 TB/s: 5% of an FP8 step).
