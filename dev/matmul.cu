@@ -24,7 +24,8 @@
  *      cuBLASLt's beta = 1), SwiGLU (gate_up: a tile takes 128 gate and the same 128 up features,
  *      and stores gate_up and act = silu(gate) * up) and SwiGLU's backward (down's input gradient
  *      d_mlp_act = dy W, from which the epilogue makes d_gate_up with gate_up, never storing
- *      d_mlp_act). It has only these fused forms (its plain ones would be version 5's), timed
+ *      d_mlp_act), with or without act remade from the same gate_up (a recomputing layer's: the
+ *      trainer's third instance, "dx+swiglu_bwd+act"). It has only these fused forms (its plain ones would be version 5's), timed
  *      against cuBLASLt plus the trainer's separate step, in a table of their own.
  *   7  version 5 with stream-K where its units would leave more than a tenth of the last wave's SMs
  *      idle (96 tiles on 132 SMs): every block an equal share of all the tiles' k-blocks, a range
@@ -47,7 +48,8 @@
  * the default config (batch 32 x 1024 tokens) and for 1b (the scripts' --d-model 2048 --heads 32
  * --kv-heads 8 --head-dim 64 --ffn 8192 --batch 8): the layers' qkv, attn_out, gate_up and down
  * matrices and the output head, whose rows go LOSS_CHUNK at a time; each in its three forms, and
- * the fused forms of attn_out, down (fwd+res), gate_up (fwd+swiglu) and down (dx+swiglu_bwd). The
+ * the fused forms of attn_out, down (fwd+res), gate_up (fwd+swiglu) and down (dx+swiglu_bwd, and
+ * dx+swiglu_bwd+act against cuBLASLt's dx, swiglu_backward and swiglu_forward). The
  * plain forward is timed without the residual that the trainer adds in attn_out's and down's.
  *
  * Checks: first small awkward shapes (sides that are not multiples of the tiles, K not a multiple
@@ -113,17 +115,19 @@ static const int MAX_CHILD_DEATHS = 3;       // crashed or killed children befor
 // applied (gate_up's: gate_up = x W^T and act = silu(gate) * up), timed against cuBLASLt with that
 // work done as the trainer does it (beta = 1; swiglu_forward after the product).
 // One fused form is a backward: down's input gradient with SwiGLU's backward after it (d_gate_up
-// from d_mlp_act = dy W and gate_up), against cuBLASLt's dx and then swiglu_backward.
+// from d_mlp_act = dy W and gate_up), against cuBLASLt's dx and then swiglu_backward; and the same
+// remaking the forward's act from gate_up (a recomputing layer), against those and swiglu_forward.
 // Last, the three products in FP8 as the trainer's --fp8 1 runs them (doc/fp8.md, "Layouts"): every
 // operand K-major (the TN form), C[M][N] = A[M][K] B[N][K]^T, A and B the codes of real values
 // stored times a power-of-two scale: the forward x (E4M3) W^T (E4M3); the input gradient dy (E5M2)
 // by B = W^T [I][O] (E4M3); the weight gradient dy^T [O][N] (E5M2) by x^T [I][N] (E4M3), fp32 +=.
 typedef enum { FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD_RESIDUAL, FORWARD_SWIGLU, BACKWARD_INPUT_SWIGLU,
-               FP8_FORWARD, FP8_BACKWARD_INPUT, FP8_BACKWARD_WEIGHT, N_FORMS } Form;
+               BACKWARD_INPUT_SWIGLU_ACT, FP8_FORWARD, FP8_BACKWARD_INPUT, FP8_BACKWARD_WEIGHT, N_FORMS } Form;
 static const char* FORM_NAMES[N_FORMS] = {"fwd", "dx", "dW", "fwd+res", "fwd+swiglu", "dx+swiglu_bwd",
-                                          "fwd fp8", "dx fp8", "dW fp8"};
-static const bool A_KMAJOR[N_FORMS] = {true, true, false, true, true, true, true, true, true};
-static const bool B_KMAJOR[N_FORMS] = {true, false, false, true, true, false, true, true, true};
+                                          "dx+swiglu_bwd+act", "fwd fp8", "dx fp8", "dW fp8"};
+static const bool A_KMAJOR[N_FORMS] = {true, true, false, true, true, true, true, true, true, true};
+static const bool B_KMAJOR[N_FORMS] = {true, false, false, true, true, false, false, true, true, true};
+static bool swiglu_backward_form(Form f) { return f == BACKWARD_INPUT_SWIGLU || f == BACKWARD_INPUT_SWIGLU_ACT; }
 static bool fused_form(Form f) { return f >= FORWARD_RESIDUAL && f < FP8_FORWARD; }
 static bool fp8_form(Form f) { return f >= FP8_FORWARD; }
 static bool weight_form(Form f) { return f == BACKWARD_WEIGHT || f == FP8_BACKWARD_WEIGHT; }  // fp32 C, +=
@@ -138,8 +142,9 @@ typedef void (*WeightFn)(float* dW, const bf16* dy, const bf16* x, int N, int I,
 typedef void (*ResidualFn)(bf16* y, const bf16* x, const bf16* W, const bf16* residual, int N, int I, int O,
                            cudaStream_t s);
 typedef void (*SwigluFn)(bf16* gate_up, bf16* act, const bf16* x, const bf16* W, int N, int I, int O, cudaStream_t s);
-typedef void (*SwigluBackwardFn)(bf16* d_gate_up, bf16* d_act, const bf16* dy, const bf16* W, const bf16* gate_up, int N,
-                                 int I, int O, cudaStream_t s);
+// act: NULL, or where the forward's act [N, F] is remade from gate_up
+typedef void (*SwigluBackwardFn)(bf16* d_gate_up, bf16* d_act, bf16* act, const bf16* dy, const bf16* W,
+                                 const bf16* gate_up, int N, int I, int O, cudaStream_t s);
 // An FP8 form: c (bf16, or fp32 +=) [M][N] = a_scale_inv b_scale_inv a [M][K] b [N][K]^T, the scales device floats.
 typedef void (*Fp8Fn)(Form form, void* c, const uint8_t* a, const uint8_t* b, const float* a_scale_inv,
                       const float* b_scale_inv, int M, int N, int K, cudaStream_t s);
@@ -171,11 +176,13 @@ static void cublaslt_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, con
     linear_forward(gate_up, x, W, NULL, N, I, O, s);
     swiglu_forward(act, gate_up, N, O / 2, s);
 }
-// And the backward's: dx = d_mlp_act [N, I = F] into d_act, then swiglu_backward reads it back.
-static void cublaslt_backward_swiglu(bf16* d_gate_up, bf16* d_act, const bf16* dy, const bf16* W, const bf16* gate_up,
-                                     int N, int I, int O, cudaStream_t s) {
+// And the backward's: dx = d_mlp_act [N, I = F] into d_act, then swiglu_backward reads it back (and
+// a recomputing layer's swiglu_forward makes act again from gate_up).
+static void cublaslt_backward_swiglu(bf16* d_gate_up, bf16* d_act, bf16* act, const bf16* dy, const bf16* W,
+                                     const bf16* gate_up, int N, int I, int O, cudaStream_t s) {
     linear_backward_input(d_act, dy, W, N, I, O, s);
     swiglu_backward(d_gate_up, d_act, gate_up, N, I, s);
+    if (act) swiglu_forward(act, gate_up, N, I, s);
 }
 // The trainer's FP8 products: kernels.cuh's matmul() in the TN form with the operands' scale_inv
 // pointers, as layer_forward and layer_backward call it. Row-major C[M][N] = A B^T is column-major
@@ -200,9 +207,9 @@ static void hopper_fp8(Form form, void* c, const uint8_t* a, const uint8_t* b, c
 }
 
 // Version 6's: one launch, d_mlp_act never stored (d_act unused).
-static void hopper_backward_swiglu_form(bf16* d_gate_up, bf16*, const bf16* dy, const bf16* W, const bf16* gate_up,
-                                        int N, int I, int O, cudaStream_t s) {
-    hopper_backward_swiglu(d_gate_up, NULL, dy, W, gate_up, N, I, O, s);
+static void hopper_backward_swiglu_form(bf16* d_gate_up, bf16*, bf16* act, const bf16* dy, const bf16* W,
+                                        const bf16* gate_up, int N, int I, int O, cudaStream_t s) {
+    hopper_backward_swiglu(d_gate_up, act, dy, W, gate_up, N, I, O, s);
 }
 
 static const Impl IMPLS[] = {
@@ -233,7 +240,8 @@ static bool has_form(const Impl& im, Form f) {
     case BACKWARD_WEIGHT: return im.backward_weight;
     case FORWARD_RESIDUAL: return im.forward_residual;
     case FORWARD_SWIGLU: return im.forward_swiglu;
-    case BACKWARD_INPUT_SWIGLU: return im.backward_swiglu;
+    case BACKWARD_INPUT_SWIGLU:
+    case BACKWARD_INPUT_SWIGLU_ACT: return im.backward_swiglu;
     default: return im.fp8;
     }
 }
@@ -263,7 +271,7 @@ static Case make_case(const std::string& name, Form form, int tok, int I, int O,
     c.name = name;
     c.form = form;
     c.tok = tok, c.I = I, c.O = O;
-    if (form == BACKWARD_INPUT || form == BACKWARD_INPUT_SWIGLU || form == FP8_BACKWARD_INPUT)
+    if (form == BACKWARD_INPUT || swiglu_backward_form(form) || form == FP8_BACKWARD_INPUT)
         c.M = tok, c.N = I, c.K = O;
     else if (form == FORWARD || fused_form(form) || form == FP8_FORWARD) c.M = tok, c.N = O, c.K = I;
     else c.M = O, c.N = I, c.K = tok;
@@ -309,9 +317,9 @@ static void add_trainer_cases(std::vector<Case>& cases) {
             if (residual || kind == P_GATE_UP)
                 cases.push_back(make_case(name, residual ? FORWARD_RESIDUAL : FORWARD_SWIGLU, tok, (int)cols,
                                           (int)rows, true, 1000 + 10 * cases.size()));
-            if (kind == P_DOWN)  // its input gradient feeds SwiGLU's backward
-                cases.push_back(make_case(name, BACKWARD_INPUT_SWIGLU, tok, (int)cols, (int)rows, true,
-                                          1000 + 10 * cases.size()));
+            if (kind == P_DOWN)  // its input gradient feeds SwiGLU's backward (and remakes act)
+                for (Form f : {BACKWARD_INPUT_SWIGLU, BACKWARD_INPUT_SWIGLU_ACT})
+                    cases.push_back(make_case(name, f, tok, (int)cols, (int)rows, true, 1000 + 10 * cases.size()));
         }
 }
 
@@ -486,19 +494,20 @@ static Status check_output(const Impl& im, const Case& c, const void* out, float
 
 // A case's buffers on the device: the operands, the output (dx+swiglu_bwd: d_gate_up [M][2N]), and
 // the fused forms' second operand: the residual [M][N] (read), act [M][N/2] (written) or gate_up
-// [M][2N] (read); dx+swiglu_bwd's d_act [M][N] holds cuBLASLt's d_mlp_act and the check's plain product.
+// [M][2N] (read); dx+swiglu_bwd's d_act [M][N] holds cuBLASLt's d_mlp_act and the check's plain product,
+// and with +act, act [M][N] the remade SwiGLU output.
 // FP8 forms: a and b hold codes, and scale_inv the two operands' factors (a's at [0], b's at [4]:
 // cuBLASLt's scale pointers are 16-byte aligned).
 typedef struct {
     bf16 *a, *b;
     void* out;
-    bf16 *extra, *d_act;
+    bf16 *extra, *d_act, *act;
     float* scale_inv;
 } Buffers;
 
 // The entries of a case's output: d_gate_up is two of d_mlp_act's [M][N].
 static size_t output_entries(const Case& c) {
-    return (size_t)c.M * c.N * (c.form == BACKWARD_INPUT_SWIGLU ? 2 : 1);
+    return (size_t)c.M * c.N * (swiglu_backward_form(c.form) ? 2 : 1);
 }
 
 static void run_form(const Impl& im, const Case& c, const Buffers& d) {
@@ -508,8 +517,11 @@ static void run_form(const Impl& im, const Case& c, const Buffers& d) {
     case BACKWARD_WEIGHT: im.backward_weight((float*)d.out, d.a, d.b, c.tok, c.I, c.O, 0); break;  // dW += dy^T x
     case FORWARD_RESIDUAL: im.forward_residual((bf16*)d.out, d.a, d.b, d.extra, c.tok, c.I, c.O, 0); break;
     case FORWARD_SWIGLU: im.forward_swiglu((bf16*)d.out, d.extra, d.a, d.b, c.tok, c.I, c.O, 0); break;  // gate_up, act
-    case BACKWARD_INPUT_SWIGLU:
-        im.backward_swiglu((bf16*)d.out, d.d_act, d.a, d.b, d.extra, c.tok, c.I, c.O, 0);  // d_gate_up
+    case BACKWARD_INPUT_SWIGLU:  // d_gate_up
+        im.backward_swiglu((bf16*)d.out, d.d_act, NULL, d.a, d.b, d.extra, c.tok, c.I, c.O, 0);
+        break;
+    case BACKWARD_INPUT_SWIGLU_ACT:  // d_gate_up and act
+        im.backward_swiglu((bf16*)d.out, d.d_act, d.act, d.a, d.b, d.extra, c.tok, c.I, c.O, 0);
         break;
     default:
         im.fp8(c.form, d.out, (const uint8_t*)d.a, (const uint8_t*)d.b, d.scale_inv, d.scale_inv + 4, c.M, c.N, c.K, 0);
@@ -523,7 +535,8 @@ static void reset_output(const Case& c, const Buffers& d) {
     if (weight_form(c.form)) fill_uniform_device((float*)d.out, n, c.seed + 2, 1.0f);
     else poison(d.out, output_entries(c) * sizeof(bf16));
     if (c.form == FORWARD_SWIGLU) poison(d.extra, n / 2 * sizeof(bf16));
-    if (c.form == BACKWARD_INPUT_SWIGLU) poison(d.d_act, n * sizeof(bf16));
+    if (swiglu_backward_form(c.form)) poison(d.d_act, n * sizeof(bf16));
+    if (c.form == BACKWARD_INPUT_SWIGLU_ACT) poison(d.act, n * sizeof(bf16));
 }
 
 // Counts the 16-bit words in which x and y differ and, where they are bf16 values, those of x that
@@ -548,15 +561,17 @@ static unsigned long long count_differences(const void* x, const void* y, size_t
 }
 
 // SwiGLU's act, checked whole against a second, independent path: the trainer's swiglu_forward run
-// on the version's own gate_up (itself checked against the reference), which must give the very
-// same bits (both round through swiglu8). OK, or WRONG with a line saying how many entries differ.
+// on the gate_up it came from (the forward's: the version's own, itself checked against the
+// reference; the backward's +act: its input), which must give the very same bits (both round as
+// swiglu8 does). OK, or WRONG with a line saying how many entries differ.
 static Status check_swiglu_act(const Impl& im, const Case& c, const Buffers& d) {
-    const int F = c.N / 2;
+    const bool backward = c.form == BACKWARD_INPUT_SWIGLU_ACT;
+    const int F = backward ? c.N : c.N / 2;
     const size_t n = (size_t)c.M * F;
     bf16* act;
     CUDA_CHECK(cudaMalloc(&act, n * sizeof(bf16)));
-    swiglu_forward(act, (const bf16*)d.out, c.M, F, 0);
-    const unsigned long long differ = count_differences(d.extra, act, n, true);
+    swiglu_forward(act, backward ? d.extra : (const bf16*)d.out, c.M, F, 0);
+    const unsigned long long differ = count_differences(backward ? d.act : d.extra, act, n, true);
     CUDA_CHECK(cudaFree(act));
     if (differ == 0) return OK;
     char label[96];
@@ -601,17 +616,18 @@ static Status check_swiglu_backward(const Impl& im, const Case& c, const Buffers
 // timing would not), and no bf16 entry may be left NaN. OK, or WRONG with a line saying how many
 // 16-bit words differ.
 static Status check_repeatable(const Impl& im, const Case& c, const Buffers& d) {
-    const bool weight = weight_form(c.form), swiglu = c.form == FORWARD_SWIGLU;
+    const bool weight = weight_form(c.form);
+    const bf16* act = c.form == FORWARD_SWIGLU ? d.extra : c.form == BACKWARD_INPUT_SWIGLU_ACT ? d.act : NULL;
     const size_t bytes = output_entries(c) * (weight ? sizeof(float) : sizeof(bf16));
-    const size_t act_bytes = swiglu ? bytes / 2 : 0;
+    const size_t act_bytes = act ? bytes / 2 : 0;  // (the forward's act is half its gate_up, the backward's half d_gate_up)
     unsigned char* first;  // the first run's output, then its act
     CUDA_CHECK(cudaMalloc(&first, bytes + act_bytes));
     CUDA_CHECK(cudaMemcpy(first, d.out, bytes, cudaMemcpyDeviceToDevice));
-    if (swiglu) CUDA_CHECK(cudaMemcpy(first + bytes, d.extra, act_bytes, cudaMemcpyDeviceToDevice));
+    if (act) CUDA_CHECK(cudaMemcpy(first + bytes, act, act_bytes, cudaMemcpyDeviceToDevice));
     reset_output(c, d);
     run_form(im, c, d);
     unsigned long long differ = count_differences(first, d.out, bytes / 2, !weight);
-    if (swiglu) differ += count_differences(first + bytes, d.extra, act_bytes / 2, true);
+    if (act) differ += count_differences(first + bytes, act, act_bytes / 2, true);
     CUDA_CHECK(cudaFree(first));
     const int error = mm_error_take();
     if (differ == 0 && error == MM_OK) return OK;
@@ -639,7 +655,7 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
                         : im.sides_of_8 ? mm_tiled_shape_problem(c.M, c.N, c.K) : NULL;
     if (!problem && c.form == FORWARD_SWIGLU)  // its operands are allocated below, 256-byte aligned
         problem = hopper_swiglu_problem(NULL, NULL, NULL, NULL, c.tok, c.I, c.O);
-    if (!problem && c.form == BACKWARD_INPUT_SWIGLU)
+    if (!problem && swiglu_backward_form(c.form))
         problem = hopper_swiglu_backward_problem(NULL, NULL, NULL, NULL, NULL, c.tok, c.I, c.O);
     if (problem) {
         printf("skip v%d %s, %s: %s\n", im.version, im.name, case_label(c, label, sizeof label), problem);
@@ -648,15 +664,16 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     }
     const bool weight = weight_form(c.form);
     const size_t a_n = (size_t)c.M * c.K, b_n = (size_t)c.K * c.N, c_n = (size_t)c.M * c.N;
-    const bool swiglu_bwd = c.form == BACKWARD_INPUT_SWIGLU;
+    const bool swiglu_bwd = swiglu_backward_form(c.form);
     const size_t operand_bytes = fp8 ? 1 : sizeof(bf16);
-    Buffers d = {NULL, NULL, NULL, NULL, NULL, NULL};
+    Buffers d = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     CUDA_CHECK(cudaMalloc(&d.a, a_n * operand_bytes));
     CUDA_CHECK(cudaMalloc(&d.b, b_n * operand_bytes));
     CUDA_CHECK(cudaMalloc(&d.out, output_entries(c) * (weight ? sizeof(float) : sizeof(bf16))));
     if (fused_form(c.form))  // residual [M][N], act [M][N/2], gate_up [M][2N]
         CUDA_CHECK(cudaMalloc(&d.extra, (swiglu_bwd ? 2 : 1) * c_n * sizeof(bf16)));
     if (swiglu_bwd) CUDA_CHECK(cudaMalloc(&d.d_act, c_n * sizeof(bf16)));
+    if (c.form == BACKWARD_INPUT_SWIGLU_ACT) CUDA_CHECK(cudaMalloc(&d.act, c_n * sizeof(bf16)));
     if (fp8) {
         const bool a_e5m2 = fp8_a_e5m2(c.form);
         fill_fp8_device((uint8_t*)d.a, a_n, c.seed, a_e5m2);
@@ -691,7 +708,8 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
         r.status = TIMEOUT;
     } else {
         r.status = swiglu_bwd ? check_swiglu_backward(im, c, d, &r.err) : check_output(im, c, d.out, &r.err);
-        if (r.status == OK && c.form == FORWARD_SWIGLU) r.status = check_swiglu_act(im, c, d);
+        if (r.status == OK && (c.form == FORWARD_SWIGLU || c.form == BACKWARD_INPUT_SWIGLU_ACT))
+            r.status = check_swiglu_act(im, c, d);
         if (r.status == OK) r.status = check_repeatable(im, c, d);
     }
     if (r.status == OK && c.timed && timing)
@@ -701,6 +719,7 @@ static Record run_case(const Impl& im, const Case& c, int index, bool timing) {
     CUDA_CHECK(cudaFree(d.out));
     CUDA_CHECK(cudaFree(d.extra));
     CUDA_CHECK(cudaFree(d.d_act));
+    CUDA_CHECK(cudaFree(d.act));
     CUDA_CHECK(cudaFree(d.scale_inv));
     return r;
 }
