@@ -398,7 +398,9 @@ static size_t fp8_bytes_expected(const ModelConfig* c, size_t N, size_t P, size_
 // beyond the first saves its recomputable tensors (each carve rounded up to 256 bytes): all four
 // in bf16 and with FP8's current scaling; with delayed scaling only q/k/v, since every layer
 // shares the norms' and SwiGLU's outputs anyway, so that its plan at k = 0 is the bf16 plan's
-// less L - 1 layers' norm and SwiGLU outputs, plus FP8's own memory. So the plan at k is
+// less L - 1 layers' norm and SwiGLU outputs, plus FP8's own memory. An FP8 plan also holds
+// d_mlp_act [N, F], the down input gradient, which BF16's fused SwiGLU backward never stores (all
+// these shapes are ones our GEMM takes). So the plan at k is
 // expected(k) = plan(0) - max(k - 1, 0) x per_layer: checked against the plan at every k. The
 // fewest k that fit F free bytes with headroom H then has a closed form: 0 if plan(0) + H <= F,
 // else 1 + ceil((plan(0) + H - F) / per_layer) if that is at most L, else none. Swept over F at
@@ -437,7 +439,8 @@ static int test_recompute_auto_choice(void) {
         size_t expected[MAX_LAYERS + 1];
         expected[0] = gpt_bytes_total(&bf16_plan);
         if (tc.fp8.on)
-            expected[0] += fp8_bytes_expected(c, N, bf16_plan.table.n_elements, bf16_plan.loss_chunk, tc.fp8.head);
+            expected[0] += fp8_bytes_expected(c, N, bf16_plan.table.n_elements, bf16_plan.loss_chunk, tc.fp8.head) +
+                           round_up_256(N * c->ffn_dim * 2);
         if (norms_shared) expected[0] -= (size_t)(L - 1) * norms;
         gpt_plan_free(&bf16_plan);
         for (int k = 0; k <= L; k++) {

@@ -340,7 +340,7 @@ typedef struct {
     // the backward's scratch, reused by every layer
     bf16* d_residual;                 // [N, C]  dL/d(residual stream), updated in place layer by layer
     bf16* d_xnorm;                    // [N, C]  dL/d(a norm's output)
-    bf16* d_mlp_act;                  // [N, F]
+    bf16* d_mlp_act;                  // [N, F]  (NULL where never stored: stores_d_mlp_act)
     bf16* d_gate_up;                  // [N, 2F]          } one region: the MLP's backward is done
     bf16* d_attn_out;                 // [N, Hq D]        } before the attention's begins
     bf16* d_qkv;                      // [N, (Hq+2Hkv) D] }
@@ -548,11 +548,18 @@ static void* arena_take(Arena* a, size_t bytes) {
     return a->base ? (void*)(a->base + start) : NULL;  // base == NULL: only measuring
 }
 
+// Whether the MLP's backward stores d_mlp_act [N, F]: in BF16 our GEMM runs SwiGLU's backward in the
+// down input gradient's epilogue (down_swiglu_fused) and never stores it, wherever the shapes allow
+// (the arenas align every operand to 256 bytes); FP8's products, and shapes it refuses, store it.
+static bool stores_d_mlp_act(const ModelConfig* c, int N, bool fp8) {
+    return fp8 || hopper_swiglu_operands_problem(N, c->d_model, c->ffn_dim, {}) != NULL;
+}
+
 // Lays out (or, with a->base == NULL, just measures) the activations and scratch; layers
 // 0 .. recompute_layers-1 share one qkv_rot, layers 0 .. norm_layers-1 (norm_layers >=
-// recompute_layers) one set of the norms' and SwiGLU's outputs.
+// recompute_layers) one set of the norms' and SwiGLU's outputs; d_mlp_act only where it is stored.
 static void activations_layout(Activations* a, Arena* kept, Arena* scratch, const ModelConfig* c, int B, int T,
-                               int loss_chunk, int recompute_layers, int norm_layers) {
+                               int loss_chunk, int recompute_layers, int norm_layers, bool d_mlp_act) {
     size_t N = (size_t)B * T, C = c->d_model, F = c->ffn_dim, Q = qkv_dim(c), A = (size_t)c->n_head * c->head_dim;
     size_t heads = (size_t)B * c->n_head * T;
     int L = c->n_layer;
@@ -590,7 +597,7 @@ static void activations_layout(Activations* a, Arena* kept, Arena* scratch, cons
     a->attn_scratch = (float*)head_or_attn;
     a->d_residual = (bf16*)arena_take(scratch, N * C * 2);
     a->d_xnorm = (bf16*)arena_take(scratch, N * C * 2);
-    a->d_mlp_act = (bf16*)arena_take(scratch, N * F * 2);
+    a->d_mlp_act = d_mlp_act ? (bf16*)arena_take(scratch, N * F * 2) : NULL;
     size_t attn_region = (N * A * 2 + 255) / 256 * 256 + N * Q * 2;
     char* shared = (char*)arena_take(scratch, attn_region > N * 2 * F * 2 ? attn_region : N * 2 * F * 2);
     a->d_gate_up = (bf16*)shared;
@@ -760,7 +767,7 @@ static void gpt_plan_memory(GPT* m) {
     m->bytes_optimizer = m->opt_state_bytes + S / PARAM_ALIGN + muon.used;
     Arena kept = {NULL, 0, 0}, scratch = {NULL, 0, 0};
     activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute_layers,
-                       layers_sharing_norms(m));
+                       layers_sharing_norms(m), stores_d_mlp_act(&m->cfg, m->N, m->fp8.on));
     m->bytes_activations = kept.used;
     m->bytes_scratch = scratch.used;
     m->fp8.bytes = m->fp8.on ? fp8_bytes(m) : 0;
@@ -885,7 +892,7 @@ static void gpt_allocate(GPT* m) {
     m->activation_memory = kept.base;
     m->scratch_memory = scratch.base;
     activations_layout(&m->act, &kept, &scratch, &m->cfg, m->B, m->T, m->loss_chunk, m->recompute_layers,
-                       layers_sharing_norms(m));
+                       layers_sharing_norms(m), stores_d_mlp_act(&m->cfg, m->N, m->fp8.on));
     if (m->fp8.on) fp8_allocate(m);
 
     int T = m->T, D = m->cfg.head_dim;

@@ -847,14 +847,15 @@ static void print_table(Table table, const std::vector<int>& chosen, const std::
                "FP8 time through matmul() / the version's)\n");
     else if (fused)
         printf("\nFused forms: the product and the next kernel's work; cuBLASLt's column is the trainer's way (the "
-               "residual with beta = 1; swiglu_forward after the product, swiglu_backward after dx), TFLOP/s count "
+               "residual with beta = 1; swiglu_forward after the product, swiglu_backward after dx, and with +act "
+               "swiglu_forward after that), TFLOP/s count "
                "the product's 2 M N K\n");
     else
         printf("\nTFLOP/s (x: cuBLASLt's time / the version's) at the trainer's shapes; "
                "C[M][N] (+)= A[M][K] B[K][N]\n");
-    printf("%-16s %-13s %6s %6s %6s | %-16s", "shape", "form", "M", "N", "K", "v0 cuBLASLt");
+    printf("%-16s %-17s %6s %6s %6s | %-16s", "shape", "form", "M", "N", "K", "v0 cuBLASLt");
     for (size_t v : cols) printf(" | v%d %-13.13s", IMPLS[chosen[v]].version, IMPLS[chosen[v]].name);
-    printf("\n%-16s %-13s %6s %6s %6s | %7s %8s", "", "", "", "", "", "ms", "TFLOP/s");
+    printf("\n%-16s %-17s %6s %6s %6s | %7s %8s", "", "", "", "", "", "ms", "TFLOP/s");
     for (size_t v = 0; v < cols.size(); ++v) printf(" | %8s %7s", fused ? "ms" : "TFLOP/s", "x");
     printf("\n");
     for (size_t i = 0; i < cases.size(); ++i) {
@@ -862,7 +863,7 @@ static void print_table(Table table, const std::vector<int>& chosen, const std::
         if (!c.timed || table_of(c.form) != table) continue;
         const double flop = 2.0 * c.M * c.N * c.K;
         const Record& ref = res[0][i];
-        printf("%-16s %-13s %6d %6d %6d | ", c.name.c_str(), FORM_NAMES[c.form], c.M, c.N, c.K);
+        printf("%-16s %-17s %6d %6d %6d | ", c.name.c_str(), FORM_NAMES[c.form], c.M, c.N, c.K);
         if (ref.status == OK && ref.ms > 0) printf("%7.3f %8.1f", ref.ms, flop / ref.ms / 1e9);
         else printf("%16s", STATUS_NAMES[ref.status]);
         for (size_t v : cols) {
