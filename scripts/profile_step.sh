@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # profile_step.sh - where one training step's GPU time goes: builds train_gpt, runs a window of
 # `./train_gpt --bench` launches under Nsight Compute (kernel durations only, clocks not locked),
-# and prints the time per kernel over one step (from one AdamW launch to the next), largest first.
+# and prints the time per kernel over one step (from an embedding forward to the next), largest first.
 # On the GPU machine, from the repository root, with $OUT set: writes $OUT/ncu.csv and $OUT/ncu.err.
-# ARGS: more flags for train_gpt (e.g. ARGS="--fp8 1"); COUNT: launches profiled (a step and more).
+# ARGS: more flags for train_gpt (e.g. ARGS="--fp8 1"); COUNT: launches profiled (two steps and more:
+# the window starts anywhere in a step; a default-config step is about 400 launches, an FP8 one 560).
 set -uo pipefail
 make -j16 train_gpt > /dev/null 2>&1 || { echo build failed; exit 1; }
-# one step's kernels: skip the first steps' launches, then take a little more than one step
+# skip the first steps' launches, then take two steps' worth and more
 ncu --clock-control none --metrics gpu__time_duration.sum --csv --print-units base \
-    --launch-skip 1800 --launch-count ${COUNT:-700} ./train_gpt --bench --bench-steps 2 ${ARGS:-} > $OUT/ncu.csv 2> $OUT/ncu.err
+    --launch-skip 1800 --launch-count ${COUNT:-1200} ./train_gpt --bench --bench-steps 2 ${ARGS:-} > $OUT/ncu.csv 2> $OUT/ncu.err
 python3 - <<'PY'
 import csv, collections, os, re
 rows = list(csv.DictReader(l for l in open(os.environ['OUT'] + '/ncu.csv') if l.startswith('"')))
@@ -16,14 +17,12 @@ by_id = collections.OrderedDict()
 for r in rows:
     if r['Metric Name'] == 'gpu__time_duration.sum':
         by_id[int(r['ID'])] = (r['Kernel Name'], float(r['Metric Value'].replace(',', '')))
-# find one full step: from an adamw kernel to the next adamw kernel
+# one whole step: from an embedding forward (a step's first kernel) up to the next one
 ids = sorted(by_id)
-ad = [i for i in ids if by_id[i][0].startswith('adamw')]
-print('launches profiled', len(ids), 'adamw at', ad)
-if len(ad) >= 2:
-    step = [i for i in ids if ad[0] < i <= ad[1]]
-else:
-    step = ids
+starts = [i for i in ids if by_id[i][0].startswith('embedding_forward')]
+if len(starts) < 2:
+    raise SystemExit('no whole step among the %d launches profiled: raise COUNT' % len(ids))
+step = [i for i in ids if starts[0] <= i < starts[1]]
 tot = collections.Counter(); cnt = collections.Counter()
 for i in step:
     name = by_id[i][0]
