@@ -379,8 +379,9 @@ static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partia
 // rotate-half RoPE at the row's position t pairs channel i with i + D/2 (i < D/2):
 //   y[i]       = a[i] cos(t f_i) - a[i + D/2] sin(t f_i)
 //   y[i + D/2] = a[i + D/2] cos(t f_i) + a[i] sin(t f_i),    f_i = theta^(-2i/D).
-// Value heads are copied unchanged, so that qkv_rot has the same layout as qkv and attention reads
-// q, k and v from one buffer. A (row, head) task is D/16 lanes (8 at D = 128, 4 at D = 64), lane
+// qkv_rot has qkv's layout, but only its query and key heads are written: the value heads would be
+// copies, so attention reads v from qkv itself (the same row stride), and their slots in qkv_rot
+// stay unwritten (a fifth of the bytes at the default config, head for head). A (row, head) task is D/16 lanes (8 at D = 128, 4 at D = 64), lane
 // k of it owning the pairs i = 8k .. 8k+7: it reads and writes them 16 bytes at a time (x, w,
 // and the fp32 tables rope_cos and rope_sin, [T, D/2]), and the task's lanes add up sum(x^2) by
 // shuffles. (One warp per task, 2-byte accesses, ran at 2 TB/s.)
@@ -390,10 +391,10 @@ __global__ void qk_norm_rope_forward_kernel(bf16* qkv_rot, float* rstd, const bf
                                             const bf16* k_weight, const float* rope_cos, const float* rope_sin,
                                             int N, int T, int Hq, int Hkv, float eps) {
     constexpr int LANES = D / 16;
-    const int H = Hq + 2 * Hkv, k = threadIdx.x % LANES, i0 = 8 * k;
-    const size_t task = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / LANES;
-    const bool live = task < (size_t)N * H;  // every lane stays to the shuffles, past the last task too
-    const int n = live ? (int)(task / H) : 0, h = (int)(task % H), t = n % T;
+    const int H = Hq + 2 * Hkv, normed = Hq + Hkv, k = threadIdx.x % LANES, i0 = 8 * k;  // a row: H heads
+    const size_t task = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / LANES;  // (row, q or k head)
+    const bool live = task < (size_t)N * normed;  // every lane stays to the shuffles, past the last task too
+    const int n = live ? (int)(task / normed) : 0, h = (int)(task % normed), t = n % T;
     const bf16* x = qkv + (size_t)n * H * D + h * D;
     bf16* y = qkv_rot + (size_t)n * H * D + h * D;
     bf16x8 lo = live ? load8(x + i0) : bf16x8{}, hi = live ? load8(x + i0 + D / 2) : bf16x8{};
@@ -404,11 +405,6 @@ __global__ void qk_norm_rope_forward_kernel(bf16* qkv_rot, float* rstd, const bf
     }
     for (int offset = LANES / 2; offset > 0; offset >>= 1) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
     if (!live) return;
-    if (h >= Hq + Hkv) {  // a value head: copied
-        store8(y + i0, lo);
-        store8(y + i0 + D / 2, hi);
-        return;
-    }
     float r = rsqrtf(sum_sq / D + eps);
     const bf16* w = h < Hq ? q_weight : k_weight;
     bf16x8 w_lo = load8(w + i0), w_hi = load8(w + i0 + D / 2), y_lo, y_hi;
@@ -512,7 +508,7 @@ __global__ void qk_norm_rope_backward_kernel(bf16* d_qkv, float* dw_partials, co
 static void qk_norm_rope_forward(bf16* qkv_rot, float* rstd, const bf16* qkv, const bf16* q_weight,
                                  const bf16* k_weight, const float* rope_cos, const float* rope_sin, int N, int T,
                                  int Hq, int Hkv, int D, float eps, cudaStream_t s) {
-    size_t tasks = (size_t)N * (Hq + 2 * Hkv);
+    size_t tasks = (size_t)N * (Hq + Hkv);
     int blocks = ceil_div(tasks * (D / 16), 256);
     if (D == 64)
         qk_norm_rope_forward_kernel<64><<<blocks, 256, 0, s>>>(qkv_rot, rstd, qkv, q_weight, k_weight, rope_cos,

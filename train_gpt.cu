@@ -326,7 +326,7 @@ typedef struct {
     float* rstd_qk[MAX_LAYERS];       // [N, Hq + Hkv]
     bf16* xnorm_attn[MAX_LAYERS];     // [N, C]            (shared by the recomputed layers)
     bf16* qkv[MAX_LAYERS];            // [N, (Hq+2Hkv) D]  the projection's output, before the norms
-    bf16* qkv_rot[MAX_LAYERS];        // [N, (Hq+2Hkv) D]  normed and rotated q, k; v (shared, as above)
+    bf16* qkv_rot[MAX_LAYERS];        // [N, (Hq+2Hkv) D]  normed and rotated q, k (shared, as above; v: qkv's)
     bf16* attn_out[MAX_LAYERS];       // [N, Hq D]
     float* lse[MAX_LAYERS];           // [B, Hq, T]        attention's logsumexp per query row
     bf16* xnorm_mlp[MAX_LAYERS];      // [N, C]            (shared, as above)
@@ -1528,11 +1528,11 @@ static void forward_layers(GPT* m, const Batch* batch) {
         if (!fused) attention_norm(m, l);
         layer_forward(m, P_QKV, l, N, a->qkv[l], a->xnorm_attn[l], NULL);
         qk_norm_rope(m, l);
-        const bf16* q = a->qkv_rot[l];
+        const bf16 *q = a->qkv_rot[l], *v = a->qkv[l] + (Hq + Hkv) * D;  // v is neither normed nor rotated
         Fp8Scale* codes_scale;
         uint8_t* codes = fp8_attention_codes(m, &codes_scale, l);
-        attention_forward(a->attn_out[l], a->lse[l], q, q + Hq * D, q + (Hq + Hkv) * D, Q, m->B, m->T, Hq, Hkv, D,
-                          m->stream, codes, codes_scale);
+        attention_forward(a->attn_out[l], a->lse[l], q, q + Hq * D, v, Q, m->B, m->T, Hq, Hkv, D, m->stream, codes,
+                          codes_scale);
         layer_forward(m, P_ATTN_OUT, l, N, a->residual_mid[l], a->attn_out[l], a->residual[l]);
         // MLP block: residual' = residual_mid + swiglu(rmsnorm(residual_mid) W_gate_up^T) W_down^T
         if (!fused) mlp_norm(m, l);
@@ -1619,10 +1619,10 @@ static void backward(GPT* m, const Batch* batch) {
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
         if (recomputed(m, l)) qk_norm_rope(m, l);
         layer_backward(m, P_ATTN_OUT, l, N, a->d_attn_out, a->d_residual, a->attn_out[l], acc);
-        const bf16* q = a->qkv_rot[l];
+        const bf16 *q = a->qkv_rot[l], *v = a->qkv[l] + (Hq + Hkv) * D;
         attention_backward(a->d_qkv, a->d_qkv + Hq * D, a->d_qkv + (Hq + Hkv) * D, a->attn_scratch, a->d_attn_out,
-                           a->attn_out[l], a->lse[l], q, q + Hq * D, q + (Hq + Hkv) * D, Q, Q, m->B, m->T, Hq, Hkv, D,
-                           m->stream, m->deterministic);
+                           a->attn_out[l], a->lse[l], q, q + Hq * D, v, Q, Q, m->B, m->T, Hq, Hkv, D, m->stream,
+                           m->deterministic);
         qk_norm_rope_backward(a->d_qkv, G(m, P_Q_NORM, l), G(m, P_K_NORM, l), a->partials, a->qkv[l], a->rstd_qk[l],
                               P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos, m->rope_sin, N, m->T, Hq, Hkv, D,
                               acc, m->stream);
