@@ -304,6 +304,8 @@ static void rmsnorm_forward(bf16* out, float* rstd, const bf16* in, const bf16* 
 // The kernel is bound by memory latency, so it needs many warps in flight: 64 rows a block when
 // that makes 512 blocks or more (the default config's 32768 rows), fewer down to 16 otherwise (at
 // 1b's 8192 rows, 64 left 128 blocks of 4 warps for 132 SMs, at 0.9 TB/s: 5% of an FP8 step).
+// Past 512 blocks more gain nothing: 16 rows a block at the default config (2048 blocks) ran as
+// fast as 64 (doc/perf.md); there the kernel is bound by bandwidth.
 static int rmsnorm_bwd_rows(int N) {
     int rows = 64;
     while (rows > 16 && ceil_div(N, rows) < 512) rows /= 2;
@@ -380,11 +382,12 @@ static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partia
 //   y[i]       = a[i] cos(t f_i) - a[i + D/2] sin(t f_i)
 //   y[i + D/2] = a[i + D/2] cos(t f_i) + a[i] sin(t f_i),    f_i = theta^(-2i/D).
 // qkv_rot has qkv's layout, but only its query and key heads are written: the value heads would be
-// copies, so attention reads v from qkv itself (the same row stride), and their slots in qkv_rot
-// stay unwritten (a fifth of the bytes at the default config, head for head). A (row, head) task is D/16 lanes (8 at D = 128, 4 at D = 64), lane
-// k of it owning the pairs i = 8k .. 8k+7: it reads and writes them 16 bytes at a time (x, w,
-// and the fp32 tables rope_cos and rope_sin, [T, D/2]), and the task's lanes add up sum(x^2) by
-// shuffles. (One warp per task, 2-byte accesses, ran at 2 TB/s.)
+// plain copies, so attention reads v from qkv itself (the same row stride) and their slots in
+// qkv_rot stay unwritten (2 of the 10 heads a row at the default config: a fifth of the bytes). A
+// (row, q or k head) task is D/16 lanes (8 at D = 128, 4 at D = 64), lane k of it owning the pairs
+// i = 8k .. 8k+7: it reads and writes them 16 bytes at a time (x, w, and the fp32 tables rope_cos
+// and rope_sin, [T, D/2]), and the task's lanes add up sum(x^2) by shuffles. (One warp per task,
+// 2-byte accesses, ran at 2 TB/s.)
 
 template <int D>
 __global__ void qk_norm_rope_forward_kernel(bf16* qkv_rot, float* rstd, const bf16* qkv, const bf16* q_weight,

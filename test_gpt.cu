@@ -362,7 +362,7 @@ static int test_hopper_swiglu_requirements(void) {
     }
     EXPECT(hopper_swiglu_backward_problem(p, p, p, p, p, 16, 8, 8) == NULL &&
                hopper_swiglu_backward_problem(p, odd, p, p, p, 16, 8, 8) != NULL,
-           "backward with act to remake: refused when 16-byte aligned, or accepted when act is not");
+           "the backward with an act to remake: a 16-byte aligned act must be accepted, a misaligned one refused");
     return TEST_RESULT;
 }
 

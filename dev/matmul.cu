@@ -25,8 +25,9 @@
  *      and stores gate_up and act = silu(gate) * up) and SwiGLU's backward (down's input gradient
  *      d_mlp_act = dy W, from which the epilogue makes d_gate_up with gate_up, never storing
  *      d_mlp_act), with or without act remade from the same gate_up (a recomputing layer's: the
- *      trainer's third instance, "dx+swiglu_bwd+act"). It has only these fused forms (its plain ones would be version 5's), timed
- *      against cuBLASLt plus the trainer's separate step, in a table of their own.
+ *      trainer's third instance, "dx+swiglu_bwd+act"). It has only these fused forms (its plain
+ *      ones would be version 5's), timed against cuBLASLt plus the trainer's separate steps, in a
+ *      table of their own.
  *   7  version 5 with stream-K where its units would leave more than a tenth of the last wave's SMs
  *      idle (96 tiles on 132 SMs): every block an equal share of all the tiles' k-blocks, a range
  *      that may start and end inside a tile; a tile's pieces are summed by the block that owns its
@@ -619,7 +620,7 @@ static Status check_repeatable(const Impl& im, const Case& c, const Buffers& d) 
     const bool weight = weight_form(c.form);
     const bf16* act = c.form == FORWARD_SWIGLU ? d.extra : c.form == BACKWARD_INPUT_SWIGLU_ACT ? d.act : NULL;
     const size_t bytes = output_entries(c) * (weight ? sizeof(float) : sizeof(bf16));
-    const size_t act_bytes = act ? bytes / 2 : 0;  // (the forward's act is half its gate_up, the backward's half d_gate_up)
+    const size_t act_bytes = act ? bytes / 2 : 0;  // half the forward's gate_up, half the backward's d_gate_up
     unsigned char* first;  // the first run's output, then its act
     CUDA_CHECK(cudaMalloc(&first, bytes + act_bytes));
     CUDA_CHECK(cudaMemcpy(first, d.out, bytes, cudaMemcpyDeviceToDevice));

@@ -390,8 +390,8 @@ static __device__ __forceinline__ float hopper_bf16_hi(uint32_t w) { return __ui
 // into pre, chunk 0 by the caller) swiglu_backward8 makes d_gate and d_up, stored per 64 features
 // into d_gate_up's two halves: swiglu_backward's bits on that d_mlp_act. EPI_SWIGLU_BWD_ACT stores
 // act = silu(gate) * up of the same entries first (swiglu1 two features a word, rounded as swiglu8
-// rounds them: swiglu_forward's bits on the stored gate_up). Chunks wholly past M or N (SwiGLU: F) are skipped, the same for the whole warpgroup; TMA
-// clips the others.
+// rounds them: swiglu_forward's bits on the stored gate_up). Chunks wholly past M or N (SwiGLU: F)
+// are skipped, the same for the whole warpgroup; TMA clips the others.
 template <int EPI, typename T>
 static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_BN / 8][4], uint32_t (&pre)[2][2][8][2],
                                                         const CUtensorMap* tm_c, const HopperFusion& fuse,
