@@ -12,16 +12,17 @@
  *   loss   = mean cross-entropy of the next token
  *
  * What lives where: kernels.cuh holds the CUDA kernels, the optimizers' kernels and the one matmul
- * wrapper; lib/matmul_hopper.cuh our own Hopper GEMM, which runs the BF16 gate/up forward with SwiGLU
- * in its epilogue and the down input gradient with SwiGLU's backward in its; lib/fp8.cuh FP8's casts and scales; lib/config.h the ModelConfig and its reading from
- * JSON; data.h the token shards and loader; comm.h data parallelism over NCCL (ranks, collectives,
- * ZeRO's shard arithmetic); ckpt.h the safetensors and checkpoint files; doc/map.md is the map of
- * the whole repository. This file, in reading order: the config; the parameter table, which lays
- * out every tensor in one flat buffer; the activations; the model on the GPU (with FP8 mode);
- * uploading batches; forward; backward (with the hook where a bucket's gradients leave for the
- * other ranks); the optimizer step (AdamW, 8-bit AdamW or Muon, on this rank's pieces); HF export
- * and checkpoints (with ZeRO 1 and 2 every rank writes its optimizer shard); the command line; and
- * the Trainer, whose train_step() is one optimizer step and whose loop main() runs.
+ * wrapper; lib/matmul_hopper.cuh our own Hopper GEMM, which runs the BF16 gate/up forward with
+ * SwiGLU in its epilogue and the down input gradient with SwiGLU's backward in its; lib/fp8.cuh
+ * FP8's casts and scales; lib/config.h the ModelConfig and its reading from JSON; data.h the token
+ * shards and loader; comm.h data parallelism over NCCL (ranks, collectives, ZeRO's shard
+ * arithmetic); ckpt.h the safetensors and checkpoint files; doc/map.md is the map of the whole
+ * repository. This file, in reading order: the config; the parameter table, which lays out every
+ * tensor in one flat buffer; the activations; the model on the GPU (with FP8 mode); uploading
+ * batches; forward; backward (with the hook where a bucket's gradients leave for the other ranks);
+ * the optimizer step (AdamW, 8-bit AdamW or Muon, on this rank's pieces); HF export and checkpoints
+ * (with ZeRO 1 and 2 every rank writes its optimizer shard); the command line; and the Trainer,
+ * whose train_step() is one optimizer step and whose loop main() runs.
  *
  * Precision: bf16 weights and activations for compute (or FP8 for the layers' matmuls with --fp8 1,
  * and the head's with --fp8-head 1), fp32 accumulation everywhere, fp32 master weights and
@@ -1679,8 +1680,8 @@ static void adamw_range(GPT* m, const OptimConfig* o, const float* grads, size_t
 
 // Whether the update makes the FP8 weights itself (doc/fp8.md): AdamW's step on an FP8 matrix then
 // writes W and W^T from its new bf16 weights in the same pass (fp8_adamw_matrices), at the scale
-// the next forward's cast would use, which fp8_step_done has just set; the bf16 weights
-// are not read again, and the forward's cast (fp8_cast_weights) has nothing left to do. It needs
+// the next forward's cast would use, which fp8_step_done has just set; the bf16 weights are not
+// read again, and the forward's cast (fp8_cast_weights) has nothing left to do. It needs
 // delayed scaling, the scale known before the weight exists (current scaling measures the new
 // weight's amax first, a pass over it); ZeRO 0, this rank updating every weight (with ZeRO 1, 2 the
 // other ranks' pieces arrive in bf16 by the all-gather, and the forward casts each matrix after
