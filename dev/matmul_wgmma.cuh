@@ -209,7 +209,7 @@ static void hopper_forward_residual(bf16* y, const bf16* x, const bf16* W, const
                                     cudaStream_t s) {
     const int M = N, NC = O, K = I;  // the GEMM: C[M][NC] = A[M][K] B[K][NC] + residual
     HopperFusion fuse = {};
-    fuse.residual = residual;
+    fuse.in[0] = tma_tensor_map(residual, NC, NC, M, 1, HOP_BM);  // read through the ring, a chunk a stage
     const int tiles = ceil_div(M, HOP_BM) * ceil_div(NC, HOP_BN);
     hopper_launch<true, true, bf16, HOP_EPI_RESIDUAL>(
         tma_tensor_map(x, K, K, M, 1, HOP_BM), tma_tensor_map(W, K, K, NC, 1, HOP_BN),

@@ -341,11 +341,12 @@ static CUtensorMap tma_tensor_map_encode(const bf16* base, int cols, int stride,
 // the same buffers every step. Attention: with recompute on (the default), at most 5 maps in all
 // (q of the forward and of the backward, k, v, dO); without it, at most 4 per layer and dO's. The
 // gate/up forward: 4 per layer (W's halves, gate_up's halves) and x and act, which without
-// recompute are per layer too; the down backward: W_down per layer, dy and d_gate_up's halves: at
-// 256 layers at most 1290 maps with recompute, 2820 without. The table (open
-// addressing, linear probing) holds those under its 3/4 fill limit; a miss past the limit empties
-// it first. Like the launchers' static state, it assumes one host thread launches the kernels.
-#define TMA_MAP_SLOTS 4096  // a power of two
+// recompute are per layer too; the down backward: W_down and gate_up's halves (read, 128-row boxes)
+// per layer, dy and d_gate_up's halves: at 256 layers at most 1802 maps with recompute, 3332
+// without. The table (open addressing, linear probing) holds those under its 3/4 fill limit; a
+// miss past the limit empties it first. Like the launchers' static state, it assumes one host
+// thread launches the kernels.
+#define TMA_MAP_SLOTS 8192  // a power of two
 struct TmaMapKey {
     const bf16* base;
     int cols, stride, T, B, rows;

@@ -70,9 +70,15 @@
  *     a flag: the flag's registers made the consumers spill.
  *   residual (the ladder's only: it ties cuBLASLt's beta = 1, doc/matmul.md): y = acc + residual,
  *     rounded once to bf16.
- *   Both reads from global memory (the residual; gate and up) go straight into the registers of the
- *   thread that holds the matching accumulator entries, a chunk ahead: the first chunk's before the
- *   tile's products, chunk q+1's before chunk q is staged, so the loads fly under other work.
+ *   What these epilogues read (the residual; gate and up) comes through the ring, not from the
+ *   consumers' own loads: after a tile's k-blocks the producer loads the tile's chunks of it, one
+ *   stage a chunk of 64 columns ([128 rows][64] boxes: the residual's, or gate's into the stage's A
+ *   tile and up's into its B tile), so the first ones land while the tile's last k-blocks are
+ *   multiplied; each consumer waits for a chunk's stage, reads the entries of its own accumulator
+ *   from shared memory (the swizzle of its stores), hands the stage back and goes on, and the next
+ *   tile's k-blocks fill the freed stages while the epilogue stores. (Read by the consumers straight
+ *   into registers, a chunk ahead, the loads left the backward's product neither bound by the SMs
+ *   nor by memory: 30% and 52% of their peaks in Nsight Compute.)
  *
  * FP8 operands (version 8; AT, BT: __nv_fp8_e4m3 or __nv_fp8_e5m2, the trainer's TN products of
  * doc/fp8.md): a k-block is 128 deep, so the tiles are the same 128-byte rows and the same bytes;
@@ -295,15 +301,27 @@ static __device__ __forceinline__ bool hopper_sk_fixup(float (&acc)[HOP_BN / 8][
 
 // Version 6's operands beyond A, B and C (unused by the other epilogues), and version 8's scales. SwiGLU: the kernel's B
 // map (tm_b) is W's gate half [F][K] and b_up its up half, C's map (tm_c) gate_up's gate half [M][F]
-// (row stride 2F) and c_up its up half, act the map of act [M][F]. Residual: [M][N], C's shape.
-// SwiGLU's backward (N = F): C's map is d_gate_up's gate half [M][F] (row stride 2F) and c_up its up
-// half; gate_up [M][2F], the forward's, is read; with act remade (EPI_SWIGLU_BWD_ACT), act is its
-// map, as in the forward.
+// (row stride 2F) and c_up its up half, act the map of act [M][F]. What an epilogue reads, through
+// the ring, are the maps in[] (boxes {64 columns, 128 rows}): the residual's [M][N], C's shape; or,
+// in SwiGLU's backward (N = F), the forward's gate_up [M][2F], its gate half in[0] and up half in[1]
+// (row stride 2F), whose entries match d_mlp_act's. There C's map is d_gate_up's gate half [M][F]
+// and c_up its up half; with act remade (EPI_SWIGLU_BWD_ACT), act is its map, as in the forward.
 struct HopperFusion {
-    CUtensorMap b_up, c_up, act;
-    const bf16* residual;
-    const bf16* gate_up;
+    CUtensorMap b_up, c_up, act, in[2];
     const float *a_scale_inv, *b_scale_inv;  // version 8 (FP8 operands): stored -> real, each a device float
+};
+
+// How many [128 rows][64 columns] boxes an epilogue reads per chunk of 64 columns (each chunk one
+// stage of the ring): the residual, or gate and up; the other epilogues read nothing.
+static __host__ __device__ constexpr int hopper_epi_inputs(int epi) {
+    return epi == HOP_EPI_RESIDUAL ? 1 : epi == HOP_EPI_SWIGLU_BWD || epi == HOP_EPI_SWIGLU_BWD_ACT ? 2 : 0;
+}
+
+// A consumer's view of the ring: the shared memory (stage s's A tile at a + s * HOP_A_BYTES, its B
+// tile at b + s * HOP_B_BYTES) and the barriers (full + 8s, empty + 8s).
+struct HopperRing {
+    const unsigned char *a, *b;
+    uint32_t full, empty;
 };
 
 // Where thread tid (0..127) of a consumer holds its accumulator (lib/ptx.cuh): rows r and r + 8 of
@@ -311,6 +329,13 @@ struct HopperFusion {
 // fall in the same swizzle phase.
 static __device__ __forceinline__ int hopper_row_of(int tid) { return (tid >> 5) * 16 + ((tid & 31) >> 2); }
 static __device__ __forceinline__ int hopper_pair_of(int tid) { return tid & 3; }
+
+// Where byte b (0..127) of row `row` lies in a [rows][128 bytes] box in the 128-byte swizzle, as
+// TMA lays it out: its 16-byte slot b / 16 moves to slot (b / 16) ^ (row % 8), so the 8 rows that a
+// warp's accumulator entries span fall in 8 different bank groups.
+static __device__ __forceinline__ int hopper_swizzled(int row, int b) {
+    return row * 128 + ((((b >> 4) ^ (row & 7)) << 4) | (b & 15));
+}
 
 // One chunk of a consumer's epilogue, run by all 128 threads of consumer cw: 64 rows x 128 bytes of
 // T (64 bf16 or 32 fp32 columns), whose word for row r + 8h and columns 8jj + 2i, +1 is word(jj, h)
@@ -329,12 +354,9 @@ static __device__ __forceinline__ void hopper_stage_store(unsigned char* bufs, i
     named_barrier(1 + cw, 128);
 #pragma unroll
     for (int jj = 0; jj < J_PER_CHUNK; ++jj) {
-        // columns 8jj + 2i, +1: byte b of a 128-byte row, stored (128-byte swizzle) in 16-byte slot
-        // (b / 16) ^ (row % 8); the 8 rows of one warp's store fall in 8 different bank groups
-        const int b = (8 * jj + 2 * i) * (int)sizeof(T);
-        const int at = ((((b >> 4) ^ (r & 7)) << 4) | (b & 15)) + r * 128;
-        *reinterpret_cast<decltype(word(0, 0))*>(buf + at) = word(jj, 0);
-        *reinterpret_cast<decltype(word(0, 0))*>(buf + at + 8 * 128) = word(jj, 1);
+        const int b = (8 * jj + 2 * i) * (int)sizeof(T);  // columns 8jj + 2i, +1: byte b of the row
+        *reinterpret_cast<decltype(word(0, 0))*>(buf + hopper_swizzled(r, b)) = word(jj, 0);
+        *reinterpret_cast<decltype(word(0, 0))*>(buf + hopper_swizzled(r + 8, b)) = word(jj, 1);
     }
     wg_fence_proxy_async();  // the writes above, before the copy engine reads them
     named_barrier(1 + cw, 128);
@@ -345,34 +367,31 @@ static __device__ __forceinline__ void hopper_stage_store(unsigned char* bufs, i
     ++*chunks;
 }
 
-// The entries of a bf16 matrix [M][N] (row stride ld) that match this thread's accumulator in one
-// chunk of 64 columns from col0: rows row0 + r (h = 0) and row0 + r + 8 (h = 1), columns col0 + 8jj
-// + 2i, +1, a pair a word; zero outside [M][N].
-static __device__ __forceinline__ void hopper_load_pairs(uint32_t (&pairs)[8][2], const bf16* base, long ld, int row0,
-                                                         int col0, int M, int N) {
-    const int tid = threadIdx.x & 127, r = hopper_row_of(tid), i = hopper_pair_of(tid);
+// What version 6's epilogue reads for one chunk of 64 columns, by all 128 threads of consumer cw:
+// waits for the chunk's stage (ring use *t), reads the entries that match this thread's
+// accumulator (rows 64cw + r and + 8, columns 8jj + 2i, +1 of the chunk, a pair a word) of each of
+// the N_IN boxes (the stage's A tile, then its B tile) into in[], and hands the stage back. A
+// consumer whose rows lie past M (read = false) takes and hands back the stages all the same, so
+// that both count the ring alike. False when the wait timed out.
+template <int N_IN>
+static __device__ __forceinline__ bool hopper_take_inputs(uint32_t (&in)[N_IN][8][2], const HopperRing& ring, int* t,
+                                                          int cw, bool read) {
+    const int st = *t % HOP_STAGES, tid = threadIdx.x & 127, r = 64 * cw + hopper_row_of(tid);
+    if (!hopper_wait(ring.full + 8 * st, (*t / HOP_STAGES) & 1)) return false;
+    const unsigned char* box[2] = {ring.a + st * HOP_A_BYTES, ring.b + st * HOP_B_BYTES};
+    if (read)
 #pragma unroll
-    for (int jj = 0; jj < 8; ++jj)
+        for (int k = 0; k < N_IN; ++k)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row0 + r + 8 * h, col = col0 + 8 * jj + 2 * i;  // N even: the pair is in the row
-            const unsigned* at = reinterpret_cast<const unsigned*>(base + row * ld + col);
-            pairs[jj][h] = row < M && col < N ? __ldg(at) : 0u;
-        }
-}
-
-// What version 6's epilogue reads for the chunk of 64 columns from col0, one chunk ahead of its use
-// (the tile's first chunk before its products), so that the loads fly under other work: the
-// residual's entries into pre[0]; SwiGLU's backward, gate's and up's of the same features into pre[0]
-// and pre[1] (gate_up [M][2N], N = F). The other epilogues read nothing.
-template <int EPI>
-static __device__ __forceinline__ void hopper_prefetch(uint32_t (&pre)[2][8][2], const HopperFusion& fuse, int row0,
-                                                       int col0, int M, int N) {
-    if constexpr (EPI == HOP_EPI_RESIDUAL) hopper_load_pairs(pre[0], fuse.residual, N, row0, col0, M, N);
-    if constexpr (EPI == HOP_EPI_SWIGLU_BWD || EPI == HOP_EPI_SWIGLU_BWD_ACT) {
-        hopper_load_pairs(pre[0], fuse.gate_up, 2L * N, row0, col0, M, N);
-        hopper_load_pairs(pre[1], fuse.gate_up + N, 2L * N, row0, col0, M, N);
-    }
+            for (int jj = 0; jj < 8; ++jj) {
+                const int b = (8 * jj + 2 * hopper_pair_of(tid)) * 2;
+                in[k][jj][0] = *reinterpret_cast<const uint32_t*>(box[k] + hopper_swizzled(r, b));
+                in[k][jj][1] = *reinterpret_cast<const uint32_t*>(box[k] + hopper_swizzled(r + 8, b));
+            }
+    __syncwarp();  // the warp's reads, before its arrive frees the stage
+    if ((threadIdx.x & 31) == 0) mbar_arrive(ring.empty + 8 * st);
+    ++*t;
+    return true;
 }
 
 static __device__ __forceinline__ float hopper_bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
@@ -381,24 +400,26 @@ static __device__ __forceinline__ float hopper_bf16_hi(uint32_t w) { return __ui
 // Versions 5 and 6's epilogue, run by all 128 threads of consumer cw: its 64 x 256 accumulator
 // (rows row0 .. row0+63, columns from n0; splits > 1: split `batch`'s partial) in chunks of 128
 // bytes a row. EPI_TMA: C itself, bf16 or fp32 (added to C when add). EPI_RESIDUAL: bf16 acc +
-// residual, whose chunk 0 the caller read into pre[0] before the tile's products. EPI_SWIGLU: the
-// 256 columns are gate columns n0 .. n0+127 (d[0..15]) and the up columns of the same features
-// (d[16..31]), so this thread holds gate and up of each feature it holds; per 64 features it stores
-// gate, up and act = swiglu8(gate, up) of the bf16-rounded values, as swiglu_forward computes from
-// the stored gate_up. EPI_SWIGLU_BWD: the 256 columns are d_mlp_act's features n0 .., rounded to
-// bf16 as a stored d_mlp_act would be; with gate and up of the same entries (read a chunk ahead
-// into pre, chunk 0 by the caller) swiglu_backward8 makes d_gate and d_up, stored per 64 features
-// into d_gate_up's two halves: swiglu_backward's bits on that d_mlp_act. EPI_SWIGLU_BWD_ACT stores
-// act = silu(gate) * up of the same entries first (swiglu1 two features a word, rounded as swiglu8
-// rounds them: swiglu_forward's bits on the stored gate_up). Chunks wholly past M or N (SwiGLU: F)
-// are skipped, the same for the whole warpgroup; TMA clips the others.
+// residual. EPI_SWIGLU: the 256 columns are gate columns n0 .. n0+127 (d[0..15]) and the up columns
+// of the same features (d[16..31]), so this thread holds gate and up of each feature it holds; per
+// 64 features it stores gate, up and act = swiglu8(gate, up) of the bf16-rounded values, as
+// swiglu_forward computes from the stored gate_up. EPI_SWIGLU_BWD: the 256 columns are d_mlp_act's
+// features n0 .., rounded to bf16 as a stored d_mlp_act would be; with gate and up of the same
+// entries swiglu_backward8 makes d_gate and d_up, stored per 64 features into d_gate_up's two
+// halves: swiglu_backward's bits on that d_mlp_act. EPI_SWIGLU_BWD_ACT stores act = silu(gate) * up
+// of the same entries first (swiglu1 two features a word, rounded as swiglu8 rounds them:
+// swiglu_forward's bits on the stored gate_up). The residual, gate and up come a chunk at a time
+// through the ring (hopper_take_inputs; ring use *t). Chunks wholly past M or N (SwiGLU: F) are
+// skipped, the same for the whole warpgroup (a chunk past M still takes its stage); TMA clips the
+// others. False when a wait for the ring timed out.
 template <int EPI, typename T>
-static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_BN / 8][4], uint32_t (&pre)[2][2][8][2],
-                                                        const CUtensorMap* tm_c, const HopperFusion& fuse,
+static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[HOP_BN / 8][4], const HopperRing& ring,
+                                                        int* t, const CUtensorMap* tm_c, const HopperFusion& fuse,
                                                         unsigned char* bufs, int cw, int row0, int n0, int batch,
                                                         bool add, int M, int N, int* chunks) {
     constexpr int COLS = 128 / sizeof(T), J_PER_CHUNK = COLS / 8;  // a chunk's columns, and its d[j]
-    if (row0 >= M) return;
+    static_assert(hopper_epi_inputs(EPI) == 0 || sizeof(T) == 2, "the ring's input chunks are 64 bf16 columns");
+    if (hopper_epi_inputs(EPI) == 0 && row0 >= M) return true;
     if constexpr (EPI == HOP_EPI_SWIGLU) {
 #pragma unroll
         for (int q = 0; q < HOP_BN / 2 / COLS; ++q) {
@@ -439,9 +460,12 @@ static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_B
         for (int q = 0; q < HOP_BN / COLS; ++q) {
             const int f0 = n0 + q * COLS;
             if (f0 >= N) break;
+            uint32_t gate_up[2][8][2];  // gate's entries, then up's
+            if (!hopper_take_inputs<2>(gate_up, ring, t, cw, row0 < M)) return false;
+            if (row0 >= M) continue;
             if constexpr (EPI == HOP_EPI_SWIGLU_BWD_ACT)  // first: only gate and up are held beside acc
                 hopper_stage_store<T>(bufs, cw, chunks, &fuse.act, f0, row0, 0, false, [&](int jj, int h) {
-                    const uint32_t g = pre[q % 2][0][jj][h], u = pre[q % 2][1][jj][h];
+                    const uint32_t g = gate_up[0][jj][h], u = gate_up[1][jj][h];
                     return attn_pack_bf16(swiglu1(hopper_bf16_lo(g), hopper_bf16_lo(u)),
                                           swiglu1(hopper_bf16_hi(g), hopper_bf16_hi(u)));
                 });
@@ -456,8 +480,8 @@ static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_B
                         const int jj = 4 * p + w;
                         const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
                         reinterpret_cast<uint32_t*>(dy.v)[w] = attn_pack_bf16(d[2 * h], d[2 * h + 1]);
-                        reinterpret_cast<uint32_t*>(g.v)[w] = pre[q % 2][0][jj][h];
-                        reinterpret_cast<uint32_t*>(u.v)[w] = pre[q % 2][1][jj][h];
+                        reinterpret_cast<uint32_t*>(g.v)[w] = gate_up[0][jj][h];
+                        reinterpret_cast<uint32_t*>(u.v)[w] = gate_up[1][jj][h];
                     }
                     swiglu_backward8(&dg, &du, g, u, dy);
 #pragma unroll
@@ -466,8 +490,6 @@ static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_B
                         d_up[4 * p + w][h] = reinterpret_cast<const uint32_t*>(du.v)[w];
                     }
                 }
-            if (q + 1 < HOP_BN / COLS)  // the next chunk's gate and up, in flight while this one is staged
-                hopper_prefetch<EPI>(pre[(q + 1) % 2], fuse, row0, f0 + COLS, M, N);
             hopper_stage_store<T>(bufs, cw, chunks, tm_c, f0, row0, 0, false,
                                   [&](int jj, int h) { return d_gate[jj][h]; });
             hopper_stage_store<T>(bufs, cw, chunks, &fuse.c_up, f0, row0, 0, false,
@@ -479,11 +501,12 @@ static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_B
             const int col0 = n0 + q * COLS;
             if (col0 >= N) break;
             if constexpr (EPI == HOP_EPI_RESIDUAL) {
-                if (q + 1 < HOP_BN / COLS)  // the next chunk's, in flight while this one is staged
-                    hopper_prefetch<EPI>(pre[(q + 1) % 2], fuse, row0, col0 + COLS, M, N);
+                uint32_t residual[1][8][2];
+                if (!hopper_take_inputs<1>(residual, ring, t, cw, row0 < M)) return false;
+                if (row0 >= M) continue;
                 hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, false, [&](int jj, int h) {
                     const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
-                    const uint32_t rw = pre[q % 2][0][jj][h];
+                    const uint32_t rw = residual[0][jj][h];
                     return attn_pack_bf16(d[2 * h] + hopper_bf16_lo(rw), d[2 * h + 1] + hopper_bf16_hi(rw));
                 });
             } else if constexpr (sizeof(T) == 2) {
@@ -499,6 +522,7 @@ static __device__ __forceinline__ void hopper_store_tma(const float (&acc)[HOP_B
             }
         }
     }
+    return true;
 }
 
 // EPI (HopperEpilogue): HOP_EPI_REGISTERS, versions 3 and 4, stores to c from registers (tm_c
@@ -526,6 +550,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     static_assert(!SWIGLU || (A_K && B_K), "SwiGLU fuses into the forward, whose operands are K-major");
     static_assert((EPI != HOP_EPI_SWIGLU_BWD && EPI != HOP_EPI_SWIGLU_BWD_ACT) || (A_K && !B_K && sizeof(OutT) == 2),
                   "SwiGLU's backward fuses into an input gradient: dy K-major, W N-major, bf16 out");
+    constexpr int EPI_INPUTS = hopper_epi_inputs(EPI);  // boxes an epilogue chunk reads through the ring
     extern __shared__ __align__(1024) unsigned char hopper_smem[];
     const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * HOP_A_BYTES;
     unsigned char* out_bufs = hopper_smem + HOP_RING_BYTES;  // version 5: consumer c's are the c-th pair
@@ -566,19 +591,25 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
 
     if (wg == 0) {  // producer
         setmaxnreg_dec<HOP_PROD_REGS>();
+        // Ring use t (a k-block, or an epilogue's chunk): once the stage's previous use (t - STAGES)
+        // is done (its empty phase use-1 completed), announce the bytes to come on its full barrier.
+        auto claim = [&](int t, uint32_t bytes) {
+            const int st = t % HOP_STAGES, use = t / HOP_STAGES;
+            if (use > 0 && !hopper_wait(empty + 8 * st, (use - 1) & 1)) return false;
+            mbar_expect_tx(full + 8 * st, bytes);
+            return true;
+        };
         if (threadIdx.x == 0) {
-            int t = 0;  // k-blocks loaded so far
+            int t = 0;  // stages loaded so far
             for (int unit = first; unit < last; unit += step) {
                 const HopperUnit u = block_unit(unit);
                 const int a_panels = min(2, (M - u.m0 + 63) / 64), b_panels = min(4, (N - u.n0 + 63) / 64);
                 const uint32_t bytes = (A_K ? HOP_A_BYTES : a_panels * HOP_PANEL_BYTES) +
                                        (B_K ? HOP_B_BYTES : b_panels * HOP_PANEL_BYTES);
                 for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
-                    const int st = t % HOP_STAGES, use = t / HOP_STAGES;
+                    const int st = t % HOP_STAGES;
                     const uint32_t bar = full + 8 * st;
-                    // the stage's previous use (k-block t - STAGES) is done once its phase use-1 completed
-                    if (use > 0 && !hopper_wait(empty + 8 * st, (use - 1) & 1)) return;
-                    mbar_expect_tx(bar, bytes);
+                    if (!claim(t, bytes)) return;
                     const uint32_t as = a_tiles + st * HOP_A_BYTES, bs = b_tiles + st * HOP_B_BYTES;
                     const int k0 = kb * BK;
                     if constexpr (A_K) {
@@ -597,6 +628,13 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                             tma_load_3d(bs + p * HOP_PANEL_BYTES, &tm_b, u.n0 + 64 * p, k0, 0, bar);
                     }
                 }
+                // then what the tile's epilogue reads, a stage a chunk of 64 columns (hopper_take_inputs)
+                for (int col0 = u.n0; EPI_INPUTS > 0 && col0 < min(u.n0 + HOP_BN, N); col0 += 64, ++t) {
+                    const int st = t % HOP_STAGES;
+                    if (!claim(t, EPI_INPUTS * HOP_BM * 128)) return;
+                    tma_load_3d(a_tiles + st * HOP_A_BYTES, &fuse.in[0], col0, u.m0, 0, full + 8 * st);
+                    if (EPI_INPUTS > 1) tma_load_3d(b_tiles + st * HOP_B_BYTES, &fuse.in[1], col0, u.m0, 0, full + 8 * st);
+                }
             }
         }
         return;
@@ -609,16 +647,15 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     float acc[HOP_BN / 8][4];  // wgmma's accumulator layout (lib/ptx.cuh): d[j] holds columns 8j .. 8j+7
     // version 8: real = alpha x the product of the stored FP8 values, read once a launch (the scales are the device's)
     const float alpha = FP8 ? *fuse.a_scale_inv * *fuse.b_scale_inv : 1.0f;
-    int t = 0;                // k-blocks consumed so far
+    int t = 0;                // stages consumed so far (k-blocks, and version 6's input chunks)
     int chunks = 0;           // versions 5, 6: chunks this consumer has staged
-    uint32_t pre[2][2][8][2];  // version 6: what a chunk's epilogue reads, one chunk ahead (hopper_prefetch)
+    const HopperRing ring = {hopper_smem, hopper_smem + HOP_STAGES * HOP_A_BYTES, full, empty};
     for (int unit = first; unit < last; unit += step) {
         const HopperUnit u = block_unit(unit);
 #pragma unroll
         for (int j = 0; j < HOP_BN / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-        hopper_prefetch<EPI>(pre[0], fuse, u.m0 + 64 * cw, u.n0, M, N);  // the first chunk's, under the products
         for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
             const int st = t % HOP_STAGES;
             if (!hopper_wait(full + 8 * st, (t / HOP_STAGES) & 1)) {
@@ -681,10 +718,12 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
             }
         }
         if constexpr (TMA_STORE) {
-            hopper_store_tma<STREAM_K ? HOP_EPI_TMA : EPI, OutT>(acc, pre, &tm_c, fuse,
-                                                                 out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw,
-                                                                 u.m0 + 64 * cw, u.n0, u.split,
-                                                                 sizeof(OutT) == 4 && splits == 1, M, N, &chunks);
+            if (!hopper_store_tma<STREAM_K ? HOP_EPI_TMA : EPI, OutT>(
+                    acc, ring, &t, &tm_c, fuse, out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw, u.m0 + 64 * cw,
+                    u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M, N, &chunks)) {
+                if (store_thread) bulk_wait<false>();  // a wait for the ring timed out
+                return;
+            }
         } else {
             // Versions 3 and 4: warp w of the consumer holds rows 16w + g and 16w + g + 8 of its 64,
             // columns 8j + 2i and 8j + 2i + 1 of d[j] (lane = 4g + i).
@@ -770,7 +809,6 @@ static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const
     fuse.b_up = tma_tensor_map(W + (size_t)F * K, K, K, F, 1, HOP_BN / 2);
     fuse.c_up = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, 64);
     fuse.act = tma_tensor_map(act, F, F, M, 1, 64);
-    fuse.residual = fuse.gate_up = nullptr;
     const int tiles = ceil_div(M, HOP_BM) * ceil_div(F, HOP_BN / 2);
     hopper_launch<true, true, bf16, HOP_EPI_SWIGLU>(
         tma_tensor_map(x, K, K, M, 1, HOP_BM), tma_tensor_map(W, K, K, F, 1, HOP_BN / 2),
@@ -798,7 +836,8 @@ static void hopper_backward_swiglu(bf16* d_gate_up, bf16* act, const bf16* dy, c
     const int M = N, F = I, K = O;  // the GEMM: d_mlp_act[M][F] = dy[M][K] W[K][F]
     HopperFusion fuse = {};
     fuse.c_up = tma_tensor_map(d_gate_up + F, F, 2 * F, M, 1, 64);
-    fuse.gate_up = gate_up;
+    fuse.in[0] = tma_tensor_map(gate_up, F, 2 * F, M, 1, HOP_BM);
+    fuse.in[1] = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, HOP_BM);
     if (act) fuse.act = tma_tensor_map(act, F, F, M, 1, 64);
     const int tiles = ceil_div(M, HOP_BM) * ceil_div(F, HOP_BN);
     const CUtensorMap tm_dy = tma_tensor_map(dy, K, K, M, 1, HOP_BM), tm_w = tma_tensor_map(W, F, F, K, 1, 64);
