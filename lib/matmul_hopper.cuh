@@ -299,13 +299,14 @@ static __device__ __forceinline__ bool hopper_sk_fixup(float (&acc)[HOP_BN / 8][
     return true;
 }
 
-// Version 6's operands beyond A, B and C (unused by the other epilogues), and version 8's scales. SwiGLU: the kernel's B
-// map (tm_b) is W's gate half [F][K] and b_up its up half, C's map (tm_c) gate_up's gate half [M][F]
-// (row stride 2F) and c_up its up half, act the map of act [M][F]. What an epilogue reads, through
-// the ring, are the maps in[] (boxes {64 columns, 128 rows}): the residual's [M][N], C's shape; or,
-// in SwiGLU's backward (N = F), the forward's gate_up [M][2F], its gate half in[0] and up half in[1]
-// (row stride 2F), whose entries match d_mlp_act's. There C's map is d_gate_up's gate half [M][F]
-// and c_up its up half; with act remade (EPI_SWIGLU_BWD_ACT), act is its map, as in the forward.
+// Version 6's operands beyond A, B and C (unused by the other epilogues), and version 8's scales.
+// SwiGLU: the kernel's B map (tm_b) is W's gate half [F][K] and b_up its up half, C's map (tm_c)
+// gate_up's gate half [M][F] (row stride 2F) and c_up its up half, act the map of act [M][F]. What
+// an epilogue reads, through the ring, are the maps in[] (boxes {64 columns, 128 rows}): the
+// residual's [M][N], C's shape; or, in SwiGLU's backward (N = F), the forward's gate_up [M][2F], its
+// gate half in[0] and up half in[1] (row stride 2F), whose entries match d_mlp_act's. There C's map
+// is d_gate_up's gate half [M][F] and c_up its up half; with act remade (EPI_SWIGLU_BWD_ACT), act is
+// its map, as in the forward.
 struct HopperFusion {
     CUtensorMap b_up, c_up, act, in[2];
     const float *a_scale_inv, *b_scale_inv;  // version 8 (FP8 operands): stored -> real, each a device float
@@ -632,8 +633,9 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 for (int col0 = u.n0; EPI_INPUTS > 0 && col0 < min(u.n0 + HOP_BN, N); col0 += 64, ++t) {
                     const int st = t % HOP_STAGES;
                     if (!claim(t, EPI_INPUTS * HOP_BM * 128)) return;
-                    tma_load_3d(a_tiles + st * HOP_A_BYTES, &fuse.in[0], col0, u.m0, 0, full + 8 * st);
-                    if (EPI_INPUTS > 1) tma_load_3d(b_tiles + st * HOP_B_BYTES, &fuse.in[1], col0, u.m0, 0, full + 8 * st);
+                    const uint32_t bar = full + 8 * st;
+                    tma_load_3d(a_tiles + st * HOP_A_BYTES, &fuse.in[0], col0, u.m0, 0, bar);
+                    if (EPI_INPUTS > 1) tma_load_3d(b_tiles + st * HOP_B_BYTES, &fuse.in[1], col0, u.m0, 0, bar);
                 }
             }
         }
