@@ -29,11 +29,12 @@
  *     the full barrier, issues 4 wgmma m64n256k16 (one per 16 k), commits them, waits for the
  *     previous k-block's group, and hands that stage back (one arrive per warp). At the end of a
  *     tile it stores the accumulator (the epilogues, below).
- * The stage and barrier phase of k-block t (counted over the block's whole walk) are t % 4 and
- * (t / 4) & 1 on both sides, so the ring runs on from one tile into the next. A persistent block
- * walks tiles blockIdx, blockIdx + grid, ... in groups of 8 tile rows (hopper_tile_of), so that the
- * operands of the tiles in flight stay in L2, and loads its next tile while this one's epilogue
- * stores (version 7 walks a contiguous range of all the tiles' k-blocks instead: HopperStreamK).
+ * The stage and barrier phase of ring use t (the k-blocks, and version 6's input chunks below,
+ * counted over the block's whole walk) are t % 4 and (t / 4) & 1 on both sides, so the ring runs on
+ * from one tile into the next. A persistent block walks tiles blockIdx, blockIdx + grid, ... in
+ * groups of 8 tile rows (hopper_tile_of), so that the operands of the tiles in flight stay in L2,
+ * and loads its next tile while this one's epilogue stores (version 7 walks a contiguous range of
+ * all the tiles' k-blocks instead: HopperStreamK).
  *
  * Shared-memory layouts (TMA writes them with the 128-byte swizzle, wgmma reads them through
  * descriptors; lib/ptx.cuh): a K-major operand tile is [rows][64 k], 128-byte rows, one TMA box; a
