@@ -33,6 +33,7 @@
 #include <float.h>
 #include <string.h>
 #include "lib/cuda_check.h"
+#include "lib/attention.cuh"  // attention, below in the step's order; the QK norm's backward reads its dQ
 
 // ----------------------------------------------------------------------------------------------
 // Small device helpers
@@ -439,66 +440,86 @@ __global__ void qk_norm_rope_forward_kernel(bf16* qkv_rot, float* rstd, const bf
 //   da[i] = dy[i] cos + dy[i + D/2] sin,   da[i + D/2] = dy[i + D/2] cos - dy[i] sin,
 // and then, as for RMSNorm, with x_hat = x * rstd and g = da * w:
 //   dx = rstd * (g - x_hat * mean(g * x_hat)),   dw += da * x_hat (summed over rows and heads).
-// Each block takes QK_BWD_TASKS consecutive (row, head) tasks and writes one partial row of
-// [dq_norm (D) | dk_norm (D)]. As in the forward, a task is D/16 lanes, lane k owning channels
-// 8k .. 8k+7 and their partners + D/2 in 16-byte accesses, so a warp runs 32 / (D/16) tasks side by
-// side (its slots); each lane sums its channels' dw over the tasks it runs, and the block adds those
-// sums in a fixed order (warp, then slot) into its partial row.
+// As in the forward, a (row, head) task is D/16 lanes, lane k owning channels i0 = 8k .. 8k+7 and
+// their partners + D/2 in 16-byte accesses. One task's work, by its lanes (every lane of the warp
+// calls it, live or not, for the shuffles): dy_lo, dy_hi its channels' dL/dy; writes dx and puts
+// da * x_hat of its 16 channels into dw (zeros when not live).
+template <int D>
+static __device__ __forceinline__ void qk_norm_rope_backward_task(bool live, const float (&dy_lo)[8],
+                                                                  const float (&dy_hi)[8], bf16* dx, const bf16* x,
+                                                                  const bf16* w, float r, const float* rope_cos,
+                                                                  const float* rope_sin, int t, int i0,
+                                                                  float (&dw)[16]) {
+    float x_hat[16], g[16], dot = 0.0f;
+    for (int e = 0; e < 16; e++) dw[e] = 0.0f;
+    if (live) {
+        bf16x8 x_lo = load8(x + i0), x_hi = load8(x + i0 + D / 2), w_lo = load8(w + i0), w_hi = load8(w + i0 + D / 2);
+        const float4* cos4 = reinterpret_cast<const float4*>(rope_cos + t * (D / 2) + i0);
+        const float4* sin4 = reinterpret_cast<const float4*>(rope_sin + t * (D / 2) + i0);
+        float4 cs[2] = {cos4[0], cos4[1]}, sn[2] = {sin4[0], sin4[1]};
+        const float *c = &cs[0].x, *sv = &sn[0].x;
+        for (int e = 0; e < 8; e++) {
+            float da_lo = dy_lo[e] * c[e] + dy_hi[e] * sv[e], da_hi = dy_hi[e] * c[e] - dy_lo[e] * sv[e];
+            x_hat[e] = __bfloat162float(x_lo.v[e]) * r;
+            x_hat[8 + e] = __bfloat162float(x_hi.v[e]) * r;
+            dw[e] = da_lo * x_hat[e];
+            dw[8 + e] = da_hi * x_hat[8 + e];
+            g[e] = da_lo * __bfloat162float(w_lo.v[e]);
+            g[8 + e] = da_hi * __bfloat162float(w_hi.v[e]);
+            dot += g[e] * x_hat[e] + g[8 + e] * x_hat[8 + e];
+        }
+    }
+    for (int offset = D / 32; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    if (live) {
+        const float mean_dot = dot / D;
+        bf16x8 out_lo, out_hi;
+        for (int e = 0; e < 8; e++) {
+            out_lo.v[e] = __float2bfloat16(r * (g[e] - x_hat[e] * mean_dot));
+            out_hi.v[e] = __float2bfloat16(r * (g[8 + e] - x_hat[8 + e] * mean_dot));
+        }
+        store8(dx + i0, out_lo);
+        store8(dx + i0 + D / 2, out_hi);
+    }
+}
+
+// The kernel over (row, head) tasks of heads first_head .. Hq+Hkv-1 (0: all; Hq: the key heads,
+// when the query heads' run from dQ's accumulators, below), dL/dy read from d_qkv. Each block
+// takes QK_BWD_TASKS consecutive tasks and writes one partial row of [dq_norm (D) | dk_norm (D)];
+// a warp runs 32 / (D/16) tasks side by side (its slots); each lane sums its channels' dw over the
+// tasks it runs, and the block adds those sums in a fixed order (warp, then slot) into its partial.
 #define QK_BWD_TASKS 256
 #define QK_BWD_WARPS 8
 template <int D>
 __global__ void qk_norm_rope_backward_kernel(bf16* d_qkv, float* dw_partials, const bf16* qkv, const float* rstd,
                                              const bf16* q_weight, const bf16* k_weight, const float* rope_cos,
-                                             const float* rope_sin, int N, int T, int Hq, int Hkv) {
+                                             const float* rope_sin, int N, int T, int Hq, int Hkv, int first_head) {
     constexpr int LANES = D / 16, SLOTS = 32 / LANES;
     __shared__ float dw_slot[QK_BWD_WARPS * SLOTS][2 * D];  // 32 KB at D = 64 and at D = 128
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, k = lane % LANES, slot = lane / LANES, i0 = 8 * k;
-    const int H = Hq + 2 * Hkv;
+    const int H = Hq + 2 * Hkv, heads = Hq + Hkv - first_head;
     float dw_q[16] = {0}, dw_k[16] = {0};  // channels i0 .. i0+7, then i0 + D/2 .. i0 + D/2 + 7
     const size_t begin = blockIdx.x * (size_t)QK_BWD_TASKS;
-    const size_t task_end = min((size_t)N * (Hq + Hkv), begin + QK_BWD_TASKS);
+    const size_t task_end = min((size_t)N * heads, begin + QK_BWD_TASKS);
     for (size_t base = begin + warp * SLOTS; base < task_end; base += QK_BWD_WARPS * SLOTS) {  // the warp as one
         const size_t task = base + slot;
         const bool live = task < task_end;  // every lane stays to the shuffle
-        const int n = live ? (int)(task / (Hq + Hkv)) : 0, h = (int)(task % (Hq + Hkv)), t = n % T;
+        const int n = live ? (int)(task / heads) : 0, h = first_head + (int)(task % heads), t = n % T;
         const bool is_q = h < Hq;
-        const bf16* x = qkv + (size_t)n * H * D + h * D;
         bf16* dx = d_qkv + (size_t)n * H * D + h * D;
-        float x_hat[16], g[16], dot = 0.0f;
+        float dy_lo[8], dy_hi[8], dw[16];
         if (live) {
-            const float r = rstd[(size_t)n * (Hq + Hkv) + h];
-            const bf16* w = is_q ? q_weight : k_weight;
-            bf16x8 dy_lo = load8(dx + i0), dy_hi = load8(dx + i0 + D / 2), x_lo = load8(x + i0),
-                   x_hi = load8(x + i0 + D / 2), w_lo = load8(w + i0), w_hi = load8(w + i0 + D / 2);
-            const float4* cos4 = reinterpret_cast<const float4*>(rope_cos + t * (D / 2) + i0);
-            const float4* sin4 = reinterpret_cast<const float4*>(rope_sin + t * (D / 2) + i0);
-            float4 cs[2] = {cos4[0], cos4[1]}, sn[2] = {sin4[0], sin4[1]};
-            const float *c = &cs[0].x, *sv = &sn[0].x;
+            const bf16x8 lo = load8(dx + i0), hi = load8(dx + i0 + D / 2);
             for (int e = 0; e < 8; e++) {
-                float lo = __bfloat162float(dy_lo.v[e]), hi = __bfloat162float(dy_hi.v[e]);
-                float da_lo = lo * c[e] + hi * sv[e], da_hi = hi * c[e] - lo * sv[e];
-                x_hat[e] = __bfloat162float(x_lo.v[e]) * r;
-                x_hat[8 + e] = __bfloat162float(x_hi.v[e]) * r;
-                float dw_lo = da_lo * x_hat[e], dw_hi = da_hi * x_hat[8 + e];
-                dw_q[e] += is_q ? dw_lo : 0.0f;
-                dw_q[8 + e] += is_q ? dw_hi : 0.0f;
-                dw_k[e] += is_q ? 0.0f : dw_lo;
-                dw_k[8 + e] += is_q ? 0.0f : dw_hi;
-                g[e] = da_lo * __bfloat162float(w_lo.v[e]);
-                g[8 + e] = da_hi * __bfloat162float(w_hi.v[e]);
-                dot += g[e] * x_hat[e] + g[8 + e] * x_hat[8 + e];
+                dy_lo[e] = __bfloat162float(lo.v[e]);
+                dy_hi[e] = __bfloat162float(hi.v[e]);
             }
         }
-        for (int offset = LANES / 2; offset > 0; offset >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-        if (live) {
-            const float r = rstd[(size_t)n * (Hq + Hkv) + h], mean_dot = dot / D;
-            bf16x8 out_lo, out_hi;
-            for (int e = 0; e < 8; e++) {
-                out_lo.v[e] = __float2bfloat16(r * (g[e] - x_hat[e] * mean_dot));
-                out_hi.v[e] = __float2bfloat16(r * (g[8 + e] - x_hat[8 + e] * mean_dot));
-            }
-            store8(dx + i0, out_lo);
-            store8(dx + i0 + D / 2, out_hi);
+        qk_norm_rope_backward_task<D>(live, dy_lo, dy_hi, dx, qkv + (size_t)n * H * D + h * D,
+                                      is_q ? q_weight : k_weight, live ? rstd[(size_t)n * (Hq + Hkv) + h] : 0.0f,
+                                      rope_cos, rope_sin, t, i0, dw);
+        for (int e = 0; e < 16; e++) {
+            dw_q[e] += is_q ? dw[e] : 0.0f;
+            dw_k[e] += is_q ? 0.0f : dw[e];
         }
     }
     float* mine = dw_slot[warp * SLOTS + slot];
@@ -516,6 +537,53 @@ __global__ void qk_norm_rope_backward_kernel(bf16* d_qkv, float* dw_partials, co
     }
 }
 
+// The query heads' backward straight from attention's dQ accumulators (attention_backward with dq
+// NULL), which saves the bf16 dq that its conversion would write and the kernel above read back: a
+// block of 256 threads per (query tile of BM rows, b*Hq + h) loads the tile as attention's
+// conversion does (attn_dq_tile_load: the same bf16 values), then runs the tile's rows, 256 / (D/16)
+// at a time, from shared memory, and writes one partial row of dq_norm (D): its lanes' sums over
+// their rows, added in a fixed order (row group by row group).
+template <int D>
+__global__ void __launch_bounds__(256)
+    qk_norm_rope_backward_q_kernel(bf16* d_qkv, float* dw_partials, const float* dq_acc, float dq_scale,
+                                   const bf16* qkv, const float* rstd, const bf16* q_weight, const float* rope_cos,
+                                   const float* rope_sin, int T, int Hq, int Hkv) {
+    constexpr int BM = attn_bwd_query_tile(D), PITCH = D + ATTN_DQ_PITCH_PAD, LANES = D / 16, GROUPS = 256 / LANES;
+    __shared__ __align__(16) bf16 tile[BM * PITCH];
+    __shared__ float dw_group[GROUPS][D];  // 16 KB at D = 64 and at D = 128
+    const int m = blockIdx.x, bh = blockIdx.y, b = bh / Hq, h = bh % Hq, H = Hq + 2 * Hkv;
+    const int Tp = (T + 127) / 128 * 128, group = threadIdx.x / LANES, i0 = 8 * (threadIdx.x % LANES);
+    attn_dq_tile_load<D, BM>(tile, dq_acc, bh, m, Tp, dq_scale);
+    __syncthreads();
+    float dw_q[16] = {0};
+    for (int r = group; r < BM; r += GROUPS) {  // BM is a multiple of GROUPS: every lane runs every round
+        const int t = m * BM + r, n = b * T + t;
+        const bool live = t < T;
+        const bf16x8 lo = *reinterpret_cast<const bf16x8*>(tile + r * PITCH + i0);
+        const bf16x8 hi = *reinterpret_cast<const bf16x8*>(tile + r * PITCH + i0 + D / 2);
+        float dy_lo[8], dy_hi[8], dw[16];
+        for (int e = 0; e < 8; e++) {
+            dy_lo[e] = __bfloat162float(lo.v[e]);
+            dy_hi[e] = __bfloat162float(hi.v[e]);
+        }
+        const size_t at = (size_t)n * H * D + h * D;
+        qk_norm_rope_backward_task<D>(live, dy_lo, dy_hi, d_qkv + at, qkv + at, q_weight,
+                                      live ? rstd[(size_t)n * (Hq + Hkv) + h] : 0.0f, rope_cos, rope_sin,
+                                      live ? t : 0, i0, dw);
+        for (int e = 0; e < 16; e++) dw_q[e] += dw[e];
+    }
+    for (int e = 0; e < 8; e++) {
+        dw_group[group][i0 + e] = dw_q[e];
+        dw_group[group][i0 + D / 2 + e] = dw_q[8 + e];
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < D; c += blockDim.x) {
+        float sum = 0.0f;
+        for (int g = 0; g < GROUPS; g++) sum += dw_group[g][c];
+        dw_partials[((size_t)bh * gridDim.x + m) * D + c] = sum;
+    }
+}
+
 static void qk_norm_rope_forward(bf16* qkv_rot, float* rstd, const bf16* qkv, const bf16* q_weight,
                                  const bf16* k_weight, const float* rope_cos, const float* rope_sin, int N, int T,
                                  int Hq, int Hkv, int D, float eps, cudaStream_t s) {
@@ -530,26 +598,45 @@ static void qk_norm_rope_forward(bf16* qkv_rot, float* rstd, const bf16* qkv, co
     LAUNCH_CHECK();
 }
 
-// dw_partials must hold ceil(N * (Hq + Hkv) / QK_BWD_TASKS) * 2 * D floats.
+// The partial sums qk_norm_rope_backward needs, floats: the bf16 path's, or the accumulator path's
+// (the key heads' blocks, then the query heads' tiles), whichever is more.
+static size_t qk_norm_rope_backward_partials(int N, int T, int Hq, int Hkv, int D) {
+    const size_t all_heads = (size_t)ceil_div((size_t)N * (Hq + Hkv), QK_BWD_TASKS) * 2 * D;
+    const size_t q_tiles = (size_t)ceil_div(T, 128) * 128 / attn_bwd_query_tile(D) * (N / T) * Hq;
+    const size_t from_acc = (size_t)ceil_div((size_t)N * Hkv, QK_BWD_TASKS) * 2 * D + q_tiles * D;
+    return all_heads > from_acc ? all_heads : from_acc;
+}
+
+// dw_partials: qk_norm_rope_backward_partials floats. dq_acc: NULL (the query heads' dL/dy in
+// d_qkv), or attn_dq_acc of the scratch that attention_backward just ran on with dq NULL: then the
+// query heads run from it (qk_norm_rope_backward_q_kernel) and the kernel above takes the key heads.
 static void qk_norm_rope_backward(bf16* d_qkv, float* dq_weight, float* dk_weight, float* dw_partials,
                                   const bf16* qkv, const float* rstd, const bf16* q_weight, const bf16* k_weight,
-                                  const float* rope_cos, const float* rope_sin, int N, int T, int Hq, int Hkv, int D,
-                                  bool accumulate, cudaStream_t s) {
-    int blocks = ceil_div((size_t)N * (Hq + Hkv), QK_BWD_TASKS);
-    if (D == 64)
-        qk_norm_rope_backward_kernel<64><<<blocks, 32 * QK_BWD_WARPS, 0, s>>>(
-            d_qkv, dw_partials, qkv, rstd, q_weight, k_weight, rope_cos, rope_sin, N, T, Hq, Hkv);
-    else
-        qk_norm_rope_backward_kernel<128><<<blocks, 32 * QK_BWD_WARPS, 0, s>>>(
-            d_qkv, dw_partials, qkv, rstd, q_weight, k_weight, rope_cos, rope_sin, N, T, Hq, Hkv);
+                                  const float* rope_cos, const float* rope_sin, const float* dq_acc, int N, int T,
+                                  int Hq, int Hkv, int D, bool accumulate, cudaStream_t s) {
+    const int first_head = dq_acc ? Hq : 0, blocks = ceil_div((size_t)N * (Hq + Hkv - first_head), QK_BWD_TASKS);
+    auto kernel = D == 64 ? qk_norm_rope_backward_kernel<64> : qk_norm_rope_backward_kernel<128>;
+    kernel<<<blocks, 32 * QK_BWD_WARPS, 0, s>>>(d_qkv, dw_partials, qkv, rstd, q_weight, k_weight, rope_cos, rope_sin,
+                                                N, T, Hq, Hkv, first_head);
     LAUNCH_CHECK();
-    sum_partials(dq_weight, dw_partials, blocks, D, 2 * D, accumulate, s);
     sum_partials(dk_weight, dw_partials + D, blocks, D, 2 * D, accumulate, s);
+    if (!dq_acc) {
+        sum_partials(dq_weight, dw_partials, blocks, D, 2 * D, accumulate, s);
+        return;
+    }
+    float* q_partials = dw_partials + (size_t)blocks * 2 * D;
+    const dim3 tiles(ceil_div(T, 128) * 128 / attn_bwd_query_tile(D), N / T * Hq);
+    const float dq_scale = 1.f / sqrtf((float)D);  // attention's softmax scale, as its backward computes it
+    auto q_kernel = D == 64 ? qk_norm_rope_backward_q_kernel<64> : qk_norm_rope_backward_q_kernel<128>;
+    q_kernel<<<tiles, 256, 0, s>>>(d_qkv, q_partials, dq_acc, dq_scale, qkv, rstd, q_weight, rope_cos, rope_sin, T, Hq,
+                                   Hkv);
+    LAUNCH_CHECK();
+    sum_partials(dq_weight, q_partials, tiles.x * tiles.y, D, D, accumulate, s);
 }
 
 // ----------------------------------------------------------------------------------------------
-// Attention: causal grouped-query self-attention, forward and backward (lib/attention.cuh).
-#include "lib/attention.cuh"
+// Attention: causal grouped-query self-attention, forward and backward: lib/attention.cuh (included
+// at the top, since the QK norm's backward above reads the dQ that attention's backward leaves).
 
 // ----------------------------------------------------------------------------------------------
 // SwiGLU: a row of gate_up holds [gate (F) | up (F)]; out = silu(gate) * up, silu(g) = g sigmoid(g).

@@ -733,7 +733,7 @@ static int test_kernel_qk_norm_rope(void) {
             dwq[i] = accumulate ? (float)dwq[i] : 0.0;
             dwk[i] = accumulate ? (float)dwk[i] : 0.0;
         }
-        float* partials = (float*)device_alloc_poisoned((size_t)ceil_div((size_t)N * (Hq + Hkv), QK_BWD_TASKS) * 2 * D * 4);
+        float* partials = (float*)device_alloc_poisoned(qk_norm_rope_backward_partials(N, T, Hq, Hkv, D) * 4);
         float* host_rope = (float*)malloc((size_t)T * D * 4);
         rope_tables(host_rope, host_rope + (size_t)T * D / 2, T, D, (float)theta);
         float* d_rope;
@@ -742,7 +742,7 @@ static int test_kernel_qk_norm_rope(void) {
         qk_norm_rope_forward(d_rot, d_rstd, d_qkv, d_wq, d_wk, d_rope, d_rope + (size_t)T * D / 2, N, T, Hq, Hkv, D,
                              1e-6f, 0);
         qk_norm_rope_backward(d_grad, d_dwq, d_dwk, partials, d_qkv, d_rstd, d_wq, d_wk, d_rope,
-                              d_rope + (size_t)T * D / 2, N, T, Hq, Hkv, D, accumulate, 0);
+                              d_rope + (size_t)T * D / 2, NULL, N, T, Hq, Hkv, D, accumulate, 0);
         double *rot = (double*)malloc(n * 8), *rstd = (double*)malloc((size_t)N * (Hq + Hkv) * 8);
         double* dqkv = (double*)malloc(n * 8);
         ref_qk_norm_rope_forward(rot, rstd, qkv, wq, wk, N, T, Hq, Hkv, D, 1e-6, theta);
@@ -862,6 +862,76 @@ static int test_kernel_attention(void) {
         double* all[] = {qkv, dout, out_gpu, out, lse, dqkv, glse, gd_runs[0], gd_runs[1], gd_runs[2]};
         for (double* a : all) free(a);
         void* dev[] = {d_qkv, d_dout, d_out, d_dqkv, d_lse, d_scratch};
+        for (void* d : dev) CUDA_CHECK(cudaFree(d));
+    }
+    return TEST_RESULT;
+}
+
+// The trainer's backward leaves dQ in attention's fp32 accumulators and the QK norm's backward reads
+// it there, tile by tile (qk_norm_rope_backward_q_kernel, through attn_dq_tile_load). Against the
+// path through bf16 rows (attention_backward converting dq, the QK backward reading it), with dQ
+// summed in a fixed order: every byte of d_qkv (query and key heads' dx, dv) must agree, and the
+// norm weights' gradients to rounding (their partial sums group the rows otherwise: per query tile,
+// and the key heads' tasks in blocks of their own); with dQ summed in any order, all to rounding.
+static int test_kernel_qk_backward_reads_dq_accumulators(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    // B, T, Hq, Hkv, D: both head dims (query tiles of 64 and 128 rows), T past a tile and not a multiple
+    int shapes[][5] = {{2, 77, 6, 2, 128}, {1, 300, 4, 1, 64}, {2, 129, 2, 1, 128}, {1, 130, 4, 2, 64}};
+    for (auto& sh : shapes) {
+        int B = sh[0], T = sh[1], Hq = sh[2], Hkv = sh[3], D = sh[4], N = B * T, Q = (Hq + 2 * Hkv) * D;
+        size_t nq = (size_t)N * Q, no = (size_t)N * Hq * D, n_rstd = (size_t)N * (Hq + Hkv);
+        double *qkv = random_array(nq, 1.5), *wq = random_array(D, 1.0), *wk = random_array(D, 1.0);
+        double* dout = random_array(no, 1.0);
+        bf16 *d_qkv = to_device_bf16(qkv, nq), *d_wq = to_device_bf16(wq, D), *d_wk = to_device_bf16(wk, D);
+        bf16 *d_dout = to_device_bf16(dout, no), *d_rot = (bf16*)device_alloc_poisoned(nq * 2);
+        bf16* d_out = (bf16*)device_alloc_poisoned(no * 2);
+        float *d_rstd = (float*)device_alloc_poisoned(n_rstd * 4), *d_lse = (float*)device_alloc_poisoned(no / D * 4);
+        float* d_scratch = (float*)device_alloc_poisoned(attention_backward_scratch_bytes(B, T, Hq, D));
+        float* partials = (float*)device_alloc_poisoned(qk_norm_rope_backward_partials(N, T, Hq, Hkv, D) * 4);
+        float* host_rope = (float*)malloc((size_t)T * D * 4);
+        rope_tables(host_rope, host_rope + (size_t)T * D / 2, T, D, 10000.0f);
+        float* d_rope;
+        CUDA_CHECK(cudaMalloc(&d_rope, (size_t)T * D * 4));
+        CUDA_CHECK(cudaMemcpy(d_rope, host_rope, (size_t)T * D * 4, cudaMemcpyHostToDevice));
+        const bf16 *q = d_rot, *k = d_rot + Hq * D, *v = d_qkv + (Hq + Hkv) * D;
+        qk_norm_rope_forward(d_rot, d_rstd, d_qkv, d_wq, d_wk, d_rope, d_rope + (size_t)T * D / 2, N, T, Hq, Hkv, D,
+                             1e-6f, 0);
+        attention_forward(d_out, d_lse, q, k, v, Q, B, T, Hq, Hkv, D, 0);
+        for (int det = 1; det >= 0; det--) {
+            double *dqkv[2], *dw[2][2];  // [through bf16 rows, from the accumulators]
+            for (int from_acc = 0; from_acc < 2; from_acc++) {
+                bf16* d_dqkv = (bf16*)device_alloc_poisoned(nq * 2);
+                float *d_dwq = (float*)device_alloc_poisoned(D * 4), *d_dwk = (float*)device_alloc_poisoned(D * 4);
+                attention_backward(from_acc ? NULL : d_dqkv, d_dqkv + Hq * D, d_dqkv + (Hq + Hkv) * D, d_scratch,
+                                   d_dout, d_out, d_lse, q, k, v, Q, Q, B, T, Hq, Hkv, D, 0, det);
+                qk_norm_rope_backward(d_dqkv, d_dwq, d_dwk, partials, d_qkv, d_rstd, d_wq, d_wk, d_rope,
+                                      d_rope + (size_t)T * D / 2, from_acc ? attn_dq_acc(d_scratch, B, T, Hq) : NULL,
+                                      N, T, Hq, Hkv, D, false, 0);
+                dqkv[from_acc] = from_device_bf16(d_dqkv, nq);
+                dw[from_acc][0] = from_device_f32(d_dwq, D);
+                dw[from_acc][1] = from_device_f32(d_dwk, D);
+                void* dev[] = {d_dqkv, d_dwq, d_dwk};
+                for (void* d : dev) CUDA_CHECK(cudaFree(d));
+            }
+            char name[128];
+            snprintf(name, sizeof(name), "B%d T%d Hq%d Hkv%d D%d %s", B, T, Hq, Hkv, D,
+                     det ? "deterministic" : "dQ in any order");
+            if (det) {
+                EXPECT(!memcmp(dqkv[0], dqkv[1], nq * sizeof(double)), "%s: d_qkv differs from the bf16 path", name);
+                CHECK_CLOSE("dq_norm (summed per query tile)", dw[1][0], dw[0][0], D, 1e-5);
+                CHECK_CLOSE("dk_norm (key heads' blocks)", dw[1][1], dw[0][1], D, 1e-5);
+            } else {
+                CHECK_CLOSE(name, dqkv[1], dqkv[0], nq, 1e-2);
+                CHECK_CLOSE("dq_norm (dQ in any order)", dw[1][0], dw[0][0], D, 1e-2);
+            }
+            double* all[] = {dqkv[0], dqkv[1], dw[0][0], dw[0][1], dw[1][0], dw[1][1]};
+            for (double* a : all) free(a);
+        }
+        double* all[] = {qkv, wq, wk, dout};
+        for (double* a : all) free(a);
+        free(host_rope);
+        void* dev[] = {d_qkv, d_wq, d_wk, d_dout, d_rot, d_out, d_rstd, d_lse, d_scratch, partials, d_rope};
         for (void* d : dev) CUDA_CHECK(cudaFree(d));
     }
     return TEST_RESULT;
@@ -2199,6 +2269,7 @@ static const TestCase model_tests[] = {
     {"gpu_kernel_rmsnorm", test_kernel_rmsnorm},
     {"gpu_kernel_qk_norm_rope", test_kernel_qk_norm_rope},
     {"gpu_kernel_attention", test_kernel_attention},
+    {"gpu_kernel_qk_backward_reads_dq_accumulators", test_kernel_qk_backward_reads_dq_accumulators},
     {"gpu_kernel_swiglu", test_kernel_swiglu},
     {"gpu_kernel_cross_entropy", test_kernel_cross_entropy},
     {"gpu_kernel_cross_entropy_matches_two_pass", test_kernel_cross_entropy_matches_two_pass},

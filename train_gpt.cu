@@ -605,7 +605,7 @@ static void activations_layout(Activations* a, Arena* kept, Arena* scratch, cons
     a->d_attn_out = (bf16*)shared;
     a->d_qkv = shared ? (bf16*)(shared + (N * A * 2 + 255) / 256 * 256) : NULL;
     size_t norm_partials = (size_t)ceil_div(N, rmsnorm_bwd_rows(N)) * C;
-    size_t qk_partials = (size_t)ceil_div(N * (c->n_head + c->n_kv_head), QK_BWD_TASKS) * 2 * c->head_dim;
+    size_t qk_partials = qk_norm_rope_backward_partials(N, T, c->n_head, c->n_kv_head, c->head_dim);
     size_t partials = norm_partials > qk_partials ? norm_partials : qk_partials;
     a->partials = (float*)arena_take(scratch, (partials > REDUCE_BLOCKS ? partials : REDUCE_BLOCKS) * 4);
 }
@@ -1620,13 +1620,15 @@ static void backward(GPT* m, const Batch* batch) {
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
         if (recomputed(m, l)) qk_norm_rope(m, l);
         layer_backward(m, P_ATTN_OUT, l, N, a->d_attn_out, a->d_residual, a->attn_out[l], acc);
+        // dk and dv into d_qkv; dq stays in the scratch's fp32 accumulators, whence the QK norm's
+        // backward reads it (no bf16 copy written and read back)
         const bf16 *q = a->qkv_rot[l], *v = a->qkv[l] + (Hq + Hkv) * D;
-        attention_backward(a->d_qkv, a->d_qkv + Hq * D, a->d_qkv + (Hq + Hkv) * D, a->attn_scratch, a->d_attn_out,
+        attention_backward(NULL, a->d_qkv + Hq * D, a->d_qkv + (Hq + Hkv) * D, a->attn_scratch, a->d_attn_out,
                            a->attn_out[l], a->lse[l], q, q + Hq * D, v, Q, Q, m->B, m->T, Hq, Hkv, D, m->stream,
                            m->deterministic);
         qk_norm_rope_backward(a->d_qkv, G(m, P_Q_NORM, l), G(m, P_K_NORM, l), a->partials, a->qkv[l], a->rstd_qk[l],
-                              P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos, m->rope_sin, N, m->T, Hq, Hkv, D,
-                              acc, m->stream);
+                              P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos, m->rope_sin,
+                              attn_dq_acc(a->attn_scratch, m->B, m->T, Hq), N, m->T, Hq, Hkv, D, acc, m->stream);
         norm_matrix_backward(m, P_QKV, l, a->d_qkv, acc);
         grads_ready(m, l);  // layer l's gradients are complete
     }

@@ -867,20 +867,20 @@ __global__ void __launch_bounds__(384, 1)
     attn_store_rows<D>(dv + (long)b * T * dstride + hk * D, dstride, n0 + wrow, T, dv_acc, 1.f, 1.f, lane);
 }
 
-// dq[b, t, h, :] = scale * the accumulated dQ, from the fragment order of ws_backward_kernel: one block
-// of 256 threads per (query tile, b*Hq + h); thread (c, i) reads consumer c's thread i's 8 float4 (as
-// they were stored: coalesced) and puts them, rounded to bf16, into the tile's place in shared memory;
-// the block then writes the tile's rows out 16 bytes a thread. (Written straight from the fragments,
-// 4 bytes at a time across 8 rows, the stores ran at about 1.6 TB/s.) A row of the tile is padded by
-// 16 bytes, so the fragment writes, 8 rows by 4 pairs a warp, fall in 32 different banks.
+// The backward's query tile (rows of dQ a block accumulates): 64 at D = 128, 128 at D = 64.
+static __host__ __device__ constexpr int attn_bwd_query_tile(int D) { return D == 128 ? 64 : 128; }
+constexpr int ATTN_DQ_PITCH_PAD = 8;  // bf16 after each row of a dQ tile in shared memory
+
+// Query tile m of head bh = b*Hq + h of the accumulated dQ, from ws_backward_kernel's fragment
+// order into shared memory as rows: tile[r * (D + 8) + c] = scale * dQ[row m*BM + r][c], rounded
+// to bf16, by a block of 256 threads: thread (c, i) reads consumer c's thread i's 8 float4 (as they
+// were stored: coalesced) and puts them in their places; the caller syncs before reading. A row is
+// padded by 16 bytes, so the fragment writes, 8 rows by 4 pairs a warp, fall in 32 different banks.
 template <int D, int BM>
-__global__ void __launch_bounds__(256)
-    ws_dq_convert_kernel(bf16* __restrict__ dq, const float* __restrict__ dq_acc, int dstride, int T, int Tp, int Hq,
-                         float scale) {
-    constexpr int PITCH = D + 8;  // bf16 per row of the tile
-    __shared__ __align__(16) bf16 tile[BM * PITCH];
+static __device__ __forceinline__ void attn_dq_tile_load(bf16* tile, const float* __restrict__ dq_acc, int bh, int m,
+                                                         int Tp, float scale) {
+    constexpr int PITCH = D + ATTN_DQ_PITCH_PAD;
     const int cw = threadIdx.x >> 7, ct = threadIdx.x & 127, lane = ct & 31, w = ct >> 5;
-    const int m = blockIdx.x, bh = blockIdx.y, b = bh / Hq, h = bh % Hq;
     const float4* src = reinterpret_cast<const float4*>(dq_acc + ((long)bh * (Tp / BM) + m) * BM * D) + cw * 8 * 128 + ct;
     const int r0 = (BM == 128 ? 64 * cw : 0) + 16 * w + (lane >> 2);  // the tile's row and column of this thread
     const int c0 = (BM == 64 ? 64 * cw : 0) + 2 * (lane & 3);
@@ -890,6 +890,19 @@ __global__ void __launch_bounds__(256)
         *reinterpret_cast<uint32_t*>(tile + r0 * PITCH + c0 + 8 * j) = attn_pack_bf16(x.x * scale, x.y * scale);
         *reinterpret_cast<uint32_t*>(tile + (r0 + 8) * PITCH + c0 + 8 * j) = attn_pack_bf16(x.z * scale, x.w * scale);
     }
+}
+
+// dq[b, t, h, :] = scale * the accumulated dQ: one block of 256 threads per (query tile, b*Hq + h)
+// loads the tile (attn_dq_tile_load), then writes its rows out 16 bytes a thread. (Written straight
+// from the fragments, 4 bytes at a time across 8 rows, the stores ran at about 1.6 TB/s.)
+template <int D, int BM>
+__global__ void __launch_bounds__(256)
+    ws_dq_convert_kernel(bf16* __restrict__ dq, const float* __restrict__ dq_acc, int dstride, int T, int Tp, int Hq,
+                         float scale) {
+    constexpr int PITCH = D + ATTN_DQ_PITCH_PAD;
+    __shared__ __align__(16) bf16 tile[BM * PITCH];
+    const int m = blockIdx.x, bh = blockIdx.y, b = bh / Hq, h = bh % Hq;
+    attn_dq_tile_load<D, BM>(tile, dq_acc, bh, m, Tp, scale);
     __syncthreads();
     bf16* out = dq + (long)b * T * dstride + h * D;
     for (int at = threadIdx.x; at < BM * D / 8; at += 256) {
@@ -898,6 +911,12 @@ __global__ void __launch_bounds__(256)
             *reinterpret_cast<uint4*>(out + (long)row * dstride + 8 * chunk) =
                 *reinterpret_cast<const uint4*>(tile + r * PITCH + 8 * chunk);
     }
+}
+
+// Where the dQ accumulators lie in the backward's scratch (after lse2 and delta), for
+// attn_dq_tile_load once attention_backward has run with dq NULL.
+static const float* attn_dq_acc(const float* scratch, int B, int T, int Hq) {
+    return scratch + 2 * (size_t)B * Hq * ceil_div(T, 128) * 128;
 }
 
 // Scratch of the backward, bytes: lse2 and delta [B*Hq][Tp]; the dQ accumulators (fp32), one BM x D
@@ -936,6 +955,7 @@ static void ws_backward_launch(bf16* dq, bf16* dk, bf16* dv, float* scratch, con
                                                                    dstride, T, Tp, Hq, Hkv, scale,
                                                                    scale * ATTN_LOG2E);
     CUDA_CHECK(cudaGetLastError());
+    if (!dq) return;  // dQ stays in the accumulators (attn_dq_tile_load)
     ws_dq_convert_kernel<D, BM><<<dim3(Tp / BM, B * Hq), 256, 0, stream>>>(dq, dq_acc, dstride, T, Tp, Hq, scale);
     CUDA_CHECK(cudaGetLastError());
 }
@@ -963,8 +983,10 @@ static void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* 
 }
 
 // scratch: attention_backward_scratch_bytes(B, T, Hq, D) bytes, 16-byte aligned, contents ignored.
-// deterministic = false adds the dQ partial sums in whatever order they come (fp32 atomics in L2):
-// results then vary in the last bits run to run; it is faster only at long T (doc/attention.md).
+// dq NULL: dQ is left in the scratch's fp32 accumulators, for attn_dq_tile_load to read (until the
+// scratch is used again), not converted into bf16 rows. deterministic = false adds the dQ partial
+// sums in whatever order they come (fp32 atomics in L2): results then vary in the last bits run to
+// run; it is faster only at long T (doc/attention.md).
 static void attention_backward(bf16* dq, bf16* dk, bf16* dv, float* scratch, const bf16* dout, const bf16* out,
                                const float* lse, const bf16* q, const bf16* k, const bf16* v, int qkv_stride,
                                int dqkv_stride, int B, int T, int Hq, int Hkv, int D, cudaStream_t stream,
@@ -976,18 +998,19 @@ static void attention_backward(bf16* dq, bf16* dk, bf16* dv, float* scratch, con
                 dqkv_stride, Hq * D);
         exit(1);
     }
+    constexpr int BM64 = attn_bwd_query_tile(64), BM128 = attn_bwd_query_tile(128);
     if (D == 64 && deterministic)
-        ws_backward_launch<64, 128, true>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B, T,
-                                          Hq, Hkv, stream);
+        ws_backward_launch<64, BM64, true>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B, T,
+                                           Hq, Hkv, stream);
     else if (D == 64)
-        ws_backward_launch<64, 128, false>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B,
-                                           T, Hq, Hkv, stream);
+        ws_backward_launch<64, BM64, false>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B, T,
+                                            Hq, Hkv, stream);
     else if (deterministic)
-        ws_backward_launch<128, 64, true>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B, T,
-                                          Hq, Hkv, stream);
+        ws_backward_launch<128, BM128, true>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B,
+                                             T, Hq, Hkv, stream);
     else
-        ws_backward_launch<128, 64, false>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B,
-                                           T, Hq, Hkv, stream);
+        ws_backward_launch<128, BM128, false>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B,
+                                              T, Hq, Hkv, stream);
 }
 
 #endif
