@@ -5,11 +5,12 @@
  *
  * Read it top to bottom: small helpers, the deterministic reductions (global gradient norm, loss
  * sum) and initialization; then the kernels in the order of a training step: embedding, RMSNorm,
- * the per-head QK norm with rotary embedding, attention (in lib/attention.cuh, included at that
- * place; its PTX wrappers are in lib/ptx.cuh), SwiGLU, the chunked cross-entropy; then the
- * optimizer (the learning-rate schedule; the fused AdamW update; 8-bit AdamW's quantization map and
- * its fused update), the cuBLASLt wrapper, then Muon (momentum and Newton-Schulz), whose iteration
- * multiplies through that wrapper.
+ * the per-head QK norm with rotary embedding, attention (in lib/attention.cuh, included at the top,
+ * since the QK norm's backward reads the dQ that attention's backward leaves; its PTX wrappers are
+ * in lib/ptx.cuh), SwiGLU, the chunked cross-entropy; then the optimizer (the learning-rate
+ * schedule; the fused AdamW update; 8-bit AdamW's quantization map and its fused update), the
+ * cuBLASLt wrapper, then Muon (momentum and Newton-Schulz), whose iteration multiplies through that
+ * wrapper.
  * Each forward kernel is followed by its backward, whose comment states the derivative it computes.
  *
  * Conventions a reader must know:
