@@ -443,14 +443,13 @@ __global__ void qk_norm_rope_forward_kernel(bf16* qkv_rot, float* rstd, const bf
 //   dx = rstd * (g - x_hat * mean(g * x_hat)),   dw += da * x_hat (summed over rows and heads).
 // As in the forward, a (row, head) task is D/16 lanes, lane k owning channels i0 = 8k .. 8k+7 and
 // their partners + D/2 in 16-byte accesses. One task's work, by its lanes (every lane of the warp
-// calls it, live or not, for the shuffles): dy_lo, dy_hi its channels' dL/dy; writes dx and puts
-// da * x_hat of its 16 channels into dw (zeros when not live).
+// calls it, live or not, for the shuffles): dy_lo, dy_hi its channels' dL/dy (read only when
+// live); writes dx and puts da * x_hat of its 16 channels into dw (zeros when not live).
 template <int D>
-static __device__ __forceinline__ void qk_norm_rope_backward_task(bool live, const float (&dy_lo)[8],
-                                                                  const float (&dy_hi)[8], bf16* dx, const bf16* x,
-                                                                  const bf16* w, float r, const float* rope_cos,
-                                                                  const float* rope_sin, int t, int i0,
-                                                                  float (&dw)[16]) {
+static __device__ __forceinline__ void qk_norm_rope_backward_task(bool live, const bf16x8& dy_lo, const bf16x8& dy_hi,
+                                                                  bf16* dx, const bf16* x, const bf16* w, float r,
+                                                                  const float* rope_cos, const float* rope_sin, int t,
+                                                                  int i0, float (&dw)[16]) {
     float x_hat[16], g[16], dot = 0.0f;
     for (int e = 0; e < 16; e++) dw[e] = 0.0f;
     if (live) {
@@ -460,7 +459,8 @@ static __device__ __forceinline__ void qk_norm_rope_backward_task(bool live, con
         float4 cs[2] = {cos4[0], cos4[1]}, sn[2] = {sin4[0], sin4[1]};
         const float *c = &cs[0].x, *sv = &sn[0].x;
         for (int e = 0; e < 8; e++) {
-            float da_lo = dy_lo[e] * c[e] + dy_hi[e] * sv[e], da_hi = dy_hi[e] * c[e] - dy_lo[e] * sv[e];
+            float lo = __bfloat162float(dy_lo.v[e]), hi = __bfloat162float(dy_hi.v[e]);
+            float da_lo = lo * c[e] + hi * sv[e], da_hi = hi * c[e] - lo * sv[e];
             x_hat[e] = __bfloat162float(x_lo.v[e]) * r;
             x_hat[8 + e] = __bfloat162float(x_hi.v[e]) * r;
             dw[e] = da_lo * x_hat[e];
@@ -507,14 +507,8 @@ __global__ void qk_norm_rope_backward_kernel(bf16* d_qkv, float* dw_partials, co
         const int n = live ? (int)(task / heads) : 0, h = first_head + (int)(task % heads), t = n % T;
         const bool is_q = h < Hq;
         bf16* dx = d_qkv + (size_t)n * H * D + h * D;
-        float dy_lo[8], dy_hi[8], dw[16];
-        if (live) {
-            const bf16x8 lo = load8(dx + i0), hi = load8(dx + i0 + D / 2);
-            for (int e = 0; e < 8; e++) {
-                dy_lo[e] = __bfloat162float(lo.v[e]);
-                dy_hi[e] = __bfloat162float(hi.v[e]);
-            }
-        }
+        const bf16x8 dy_lo = live ? load8(dx + i0) : bf16x8{}, dy_hi = live ? load8(dx + i0 + D / 2) : bf16x8{};
+        float dw[16];
         qk_norm_rope_backward_task<D>(live, dy_lo, dy_hi, dx, qkv + (size_t)n * H * D + h * D,
                                       is_q ? q_weight : k_weight, live ? rstd[(size_t)n * (Hq + Hkv) + h] : 0.0f,
                                       rope_cos, rope_sin, t, i0, dw);
@@ -553,20 +547,16 @@ __global__ void __launch_bounds__(256)
     __shared__ __align__(16) bf16 tile[BM * PITCH];
     __shared__ float dw_group[GROUPS][D];  // 16 KB at D = 64 and at D = 128
     const int m = blockIdx.x, bh = blockIdx.y, b = bh / Hq, h = bh % Hq, H = Hq + 2 * Hkv;
-    const int Tp = (T + 127) / 128 * 128, group = threadIdx.x / LANES, i0 = 8 * (threadIdx.x % LANES);
-    attn_dq_tile_load<D, BM>(tile, dq_acc, bh, m, Tp, dq_scale);
+    const int group = threadIdx.x / LANES, i0 = 8 * (threadIdx.x % LANES);
+    attn_dq_tile_load<D, BM>(tile, dq_acc, bh, m, gridDim.x * BM, dq_scale);  // gridDim.x: the query tiles
     __syncthreads();
     float dw_q[16] = {0};
     for (int r = group; r < BM; r += GROUPS) {  // BM is a multiple of GROUPS: every lane runs every round
         const int t = m * BM + r, n = b * T + t;
         const bool live = t < T;
-        const bf16x8 lo = *reinterpret_cast<const bf16x8*>(tile + r * PITCH + i0);
-        const bf16x8 hi = *reinterpret_cast<const bf16x8*>(tile + r * PITCH + i0 + D / 2);
-        float dy_lo[8], dy_hi[8], dw[16];
-        for (int e = 0; e < 8; e++) {
-            dy_lo[e] = __bfloat162float(lo.v[e]);
-            dy_hi[e] = __bfloat162float(hi.v[e]);
-        }
+        const bf16x8 dy_lo = *reinterpret_cast<const bf16x8*>(tile + r * PITCH + i0);
+        const bf16x8 dy_hi = *reinterpret_cast<const bf16x8*>(tile + r * PITCH + i0 + D / 2);
+        float dw[16];
         const size_t at = (size_t)n * H * D + h * D;
         qk_norm_rope_backward_task<D>(live, dy_lo, dy_hi, d_qkv + at, qkv + at, q_weight,
                                       live ? rstd[(size_t)n * (Hq + Hkv) + h] : 0.0f, rope_cos, rope_sin,
@@ -603,7 +593,7 @@ static void qk_norm_rope_forward(bf16* qkv_rot, float* rstd, const bf16* qkv, co
 // (the key heads' blocks, then the query heads' tiles), whichever is more.
 static size_t qk_norm_rope_backward_partials(int N, int T, int Hq, int Hkv, int D) {
     const size_t all_heads = (size_t)ceil_div((size_t)N * (Hq + Hkv), QK_BWD_TASKS) * 2 * D;
-    const size_t q_tiles = (size_t)ceil_div(T, 128) * 128 / attn_bwd_query_tile(D) * (N / T) * Hq;
+    const size_t q_tiles = (size_t)attn_bwd_query_tiles(T, D) * (N / T) * Hq;
     const size_t from_acc = (size_t)ceil_div((size_t)N * Hkv, QK_BWD_TASKS) * 2 * D + q_tiles * D;
     return all_heads > from_acc ? all_heads : from_acc;
 }
@@ -626,7 +616,7 @@ static void qk_norm_rope_backward(bf16* d_qkv, float* dq_weight, float* dk_weigh
         return;
     }
     float* q_partials = dw_partials + (size_t)blocks * 2 * D;
-    const dim3 tiles(ceil_div(T, 128) * 128 / attn_bwd_query_tile(D), N / T * Hq);
+    const dim3 tiles(attn_bwd_query_tiles(T, D), N / T * Hq);
     const float dq_scale = 1.f / sqrtf((float)D);  // attention's softmax scale, as its backward computes it
     auto q_kernel = D == 64 ? qk_norm_rope_backward_q_kernel<64> : qk_norm_rope_backward_q_kernel<128>;
     q_kernel<<<tiles, 256, 0, s>>>(d_qkv, q_partials, dq_acc, dq_scale, qkv, rstd, q_weight, rope_cos, rope_sin, T, Hq,

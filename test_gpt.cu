@@ -95,6 +95,17 @@ static float* to_device_f32(const double* x, size_t n) {
     return d;
 }
 
+// The trainer's RoPE tables for T positions of head_dim D on the device: cos [T, D/2], then sin.
+static float* device_rope_tables(int T, int D, float theta) {
+    float* host = (float*)malloc((size_t)T * D * 4);
+    rope_tables(host, host + (size_t)T * D / 2, T, D, theta);
+    float* d;
+    CUDA_CHECK(cudaMalloc(&d, (size_t)T * D * 4));
+    CUDA_CHECK(cudaMemcpy(d, host, (size_t)T * D * 4, cudaMemcpyHostToDevice));
+    free(host);
+    return d;
+}
+
 static int* to_device_int(const int* x, int n) {
     int* d;
     CUDA_CHECK(cudaMalloc(&d, n * sizeof(int)));
@@ -734,11 +745,7 @@ static int test_kernel_qk_norm_rope(void) {
             dwk[i] = accumulate ? (float)dwk[i] : 0.0;
         }
         float* partials = (float*)device_alloc_poisoned(qk_norm_rope_backward_partials(N, T, Hq, Hkv, D) * 4);
-        float* host_rope = (float*)malloc((size_t)T * D * 4);
-        rope_tables(host_rope, host_rope + (size_t)T * D / 2, T, D, (float)theta);
-        float* d_rope;
-        CUDA_CHECK(cudaMalloc(&d_rope, (size_t)T * D * 4));
-        CUDA_CHECK(cudaMemcpy(d_rope, host_rope, (size_t)T * D * 4, cudaMemcpyHostToDevice));
+        float* d_rope = device_rope_tables(T, D, (float)theta);
         qk_norm_rope_forward(d_rot, d_rstd, d_qkv, d_wq, d_wk, d_rope, d_rope + (size_t)T * D / 2, N, T, Hq, Hkv, D,
                              1e-6f, 0);
         qk_norm_rope_backward(d_grad, d_dwq, d_dwk, partials, d_qkv, d_rstd, d_wq, d_wk, d_rope,
@@ -769,7 +776,6 @@ static int test_kernel_qk_norm_rope(void) {
         for (double* a : all) free(a);
         void* dev[] = {d_qkv, d_wq, d_wk, d_rot, d_grad, d_rstd, d_dwq, d_dwk, partials, d_rope};
         for (void* d : dev) CUDA_CHECK(cudaFree(d));
-        free(host_rope);
     }
     return TEST_RESULT;
 }
@@ -889,11 +895,7 @@ static int test_kernel_qk_backward_reads_dq_accumulators(void) {
         float *d_rstd = (float*)device_alloc_poisoned(n_rstd * 4), *d_lse = (float*)device_alloc_poisoned(no / D * 4);
         float* d_scratch = (float*)device_alloc_poisoned(attention_backward_scratch_bytes(B, T, Hq, D));
         float* partials = (float*)device_alloc_poisoned(qk_norm_rope_backward_partials(N, T, Hq, Hkv, D) * 4);
-        float* host_rope = (float*)malloc((size_t)T * D * 4);
-        rope_tables(host_rope, host_rope + (size_t)T * D / 2, T, D, 10000.0f);
-        float* d_rope;
-        CUDA_CHECK(cudaMalloc(&d_rope, (size_t)T * D * 4));
-        CUDA_CHECK(cudaMemcpy(d_rope, host_rope, (size_t)T * D * 4, cudaMemcpyHostToDevice));
+        float* d_rope = device_rope_tables(T, D, 10000.0f);
         const bf16 *q = d_rot, *k = d_rot + Hq * D, *v = d_qkv + (Hq + Hkv) * D;
         qk_norm_rope_forward(d_rot, d_rstd, d_qkv, d_wq, d_wk, d_rope, d_rope + (size_t)T * D / 2, N, T, Hq, Hkv, D,
                              1e-6f, 0);
@@ -930,7 +932,6 @@ static int test_kernel_qk_backward_reads_dq_accumulators(void) {
         }
         double* all[] = {qkv, wq, wk, dout};
         for (double* a : all) free(a);
-        free(host_rope);
         void* dev[] = {d_qkv, d_wq, d_wk, d_dout, d_rot, d_out, d_rstd, d_lse, d_scratch, partials, d_rope};
         for (void* d : dev) CUDA_CHECK(cudaFree(d));
     }

@@ -867,8 +867,11 @@ __global__ void __launch_bounds__(384, 1)
     attn_store_rows<D>(dv + (long)b * T * dstride + hk * D, dstride, n0 + wrow, T, dv_acc, 1.f, 1.f, lane);
 }
 
-// The backward's query tile (rows of dQ a block accumulates): 64 at D = 128, 128 at D = 64.
+// The backward's query tile (rows of dQ a block accumulates): 64 at D = 128, 128 at D = 64; and
+// how many a head has: its rows padded to Tp, T rounded up to 128 (the scratch's layout, below).
 static __host__ __device__ constexpr int attn_bwd_query_tile(int D) { return D == 128 ? 64 : 128; }
+static int attn_bwd_padded_T(int T) { return ceil_div(T, 128) * 128; }
+static int attn_bwd_query_tiles(int T, int D) { return attn_bwd_padded_T(T) / attn_bwd_query_tile(D); }
 constexpr int ATTN_DQ_PITCH_PAD = 8;  // bf16 after each row of a dQ tile in shared memory
 
 // Query tile m of head bh = b*Hq + h of the accumulated dQ, from ws_backward_kernel's fragment
@@ -913,17 +916,17 @@ __global__ void __launch_bounds__(256)
     }
 }
 
-// Where the dQ accumulators lie in the backward's scratch (after lse2 and delta), for
-// attn_dq_tile_load once attention_backward has run with dq NULL.
-static const float* attn_dq_acc(const float* scratch, int B, int T, int Hq) {
-    return scratch + 2 * (size_t)B * Hq * ceil_div(T, 128) * 128;
+// Where the dQ accumulators lie in the backward's scratch (after lse2 and delta): for
+// ws_backward_launch, and for attn_dq_tile_load once attention_backward has run with dq NULL.
+static float* attn_dq_acc(float* scratch, int B, int T, int Hq) {
+    return scratch + 2 * (size_t)B * Hq * attn_bwd_padded_T(T);
 }
 
 // Scratch of the backward, bytes: lse2 and delta [B*Hq][Tp]; the dQ accumulators (fp32), one BM x D
 // block per (b*Hq + h, query tile) in ws_backward_kernel's fragment order; a semaphore per such block
 // (int, at most Tp/64 per head); Tp = T rounded up to 128.
 static size_t attention_backward_scratch_bytes(int B, int T, int Hq, int D) {
-    const size_t rows = (size_t)B * Hq * ceil_div(T, 128) * 128;
+    const size_t rows = (size_t)B * Hq * attn_bwd_padded_T(T);
     return rows * (2 + D) * sizeof(float) + rows / 64 * sizeof(int);
 }
 
@@ -931,11 +934,11 @@ template <int D, int BM, bool DET>
 static void ws_backward_launch(bf16* dq, bf16* dk, bf16* dv, float* scratch, const bf16* dout, const bf16* out,
                                const float* lse, const bf16* q, const bf16* k, const bf16* v, int stride, int dstride,
                                int B, int T, int Hq, int Hkv, cudaStream_t stream) {
-    const int Tp = ceil_div(T, 128) * 128;
+    const int Tp = attn_bwd_padded_T(T);
     const size_t rows = (size_t)B * Hq * Tp;
     float* lse2 = scratch;
     float* delta = lse2 + rows;
-    float* dq_acc = delta + rows;
+    float* dq_acc = attn_dq_acc(scratch, B, T, Hq);  // after delta
     int* dq_sem = reinterpret_cast<int*>(dq_acc + rows * D);
     attn_delta_launch(delta, lse2, lse, dout, out, B, T, Tp, Hq, D, stream);
     if (DET) CUDA_CHECK(cudaMemsetAsync(dq_sem, 0, rows / BM * sizeof(int), stream));
