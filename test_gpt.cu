@@ -1937,7 +1937,7 @@ static int test_recompute_auto_trains_alike(void) {
     return TEST_RESULT;
 }
 
-// --cuda-graph 1 against eager launches, 10 steps without accumulation (the mode graphs capture):
+// --cuda-graph 1 (the default) against eager launches (--cuda-graph 0), 10 steps without accumulation (the mode graphs capture):
 // the same losses and gradient norms to the bit, in BF16 with recomputation on and off, in FP8
 // with delayed scaling (the graph holds the fused path of a calibrated step) and with current
 // scaling, the head in FP8 too, and with Muon and 8-bit AdamW; validating every 3 steps (one batch
@@ -1956,7 +1956,7 @@ static int test_cuda_graph_matches_eager(void) {
     for (int k = 0; k < 7; k++) {
         snprintf(run, sizeof(run), SMALL_RUN "%s --total-batch 0 --steps 10 --train-data '%s/train_*.bin' "
                  "--val-data '%s/train_*.bin' --val-every 3 --val-batches 1", mode_flags[k], dir, dir);
-        const char* variants[][2] = {{"eager", "--ckpt-every 0"},
+        const char* variants[][2] = {{"eager", "--cuda-graph 0 --ckpt-every 0"},
                                      {"graph", "--cuda-graph 1 --ckpt-every 3"},
                                      {"split", "--cuda-graph 1 --ckpt-every 3 --stop-at 5"},
                                      {"split", "--cuda-graph 1 --ckpt-every 3 --resume latest"}};

@@ -2345,7 +2345,7 @@ typedef struct {
     int fp8_fast_accum;      // 1: the FP8 forward products with cuBLASLt's fast accumulation
     int fp8_log_scales;      // 1: every logged step also logs the scales
     int optimizer;           // OptimizerKind
-    int cuda_graph;          // 1: each step replays one captured CUDA graph (StepGraph), where it can
+    int cuda_graph;          // 1 (the default): each step replays one captured CUDA graph (StepGraph), where it can
 } Options;
 
 // OPT_BOOL: 0 or 1. OPT_CHOICE: one of the spec's words; the value (an int) is the word's index.
@@ -2438,7 +2438,8 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--fp8-log-scales", OPT_BOOL, &o->fp8_log_scales,
          "1: each step's log also gives the FP8 scales (exponent ranges, largest amax; needs --fp8 1)"},
         {"--cuda-graph", OPT_BOOL, &o->cuda_graph,
-         "1: capture a step's launches once as a CUDA graph and replay it (modes it cannot capture say so and run eagerly)"},
+         "1: capture a step's launches once as a CUDA graph and replay it (modes it cannot capture say so and run "
+         "eagerly); 0: launch every kernel of every step"},
     };
     int n = (int)(sizeof(all) / sizeof(all[0]));
     if (specs) memcpy(specs, all, sizeof(all));
@@ -2490,7 +2491,7 @@ static void options_default(Options* o) {
     o->fp8_head = 0;
     o->fp8_fast_accum = 0;
     o->fp8_log_scales = 0;
-    o->cuda_graph = 0;
+    o->cuda_graph = 1;  // 0.5-1% a step (doc/perf.md, "CUDA graphs")
 }
 
 // An OPT_CHOICE's words as a reader would list them: 'a', 'b' or 'c'.
@@ -2909,8 +2910,8 @@ static void resume_from(GPT* m, const char* dir, TrainerState* state) {
 
 #define STEPS_IN_FLIGHT 3  // read-back slots: the step being logged, the one running, the next
 
-// --cuda-graph 1: a step's launches (forward, backward, the optimizer) captured once and
-// replayed, one cudaGraphLaunch in place of ~560 kernel launches (doc/perf.md). A replay
+// --cuda-graph 1 (the default): a step's launches (forward, backward, the optimizer) captured once
+// and replayed, one cudaGraphLaunch in place of ~560 kernel launches (doc/perf.md). A replay
 // runs exactly the kernels of the capture with exactly their arguments, so it equals an eager
 // step only where everything the host decides was the same then as now:
 //   - every pointer: the batch lies in the upload slot the capture saw, so there is a graph per
