@@ -5,6 +5,7 @@
 #   make train        prepare the default data if missing, then train on it
 #   make bench        train on synthetic tokens and print one JSON line of throughput figures
 #   make plot         out/log.jsonl (the last run's log) as out/log.png: loss, tokens/s, lr, grad norm
+#   make libsteptrace.so  the kernel timeline recorder that scripts/trace_step.sh loads into a run
 NVCC      ?= nvcc
 CC        ?= gcc
 GPU_ARCH  ?= -gencode=arch=compute_90a,code=sm_90a
@@ -15,7 +16,7 @@ HEADERS   := lib/cuda_check.h lib/util.h lib/ptx.cuh lib/attention.cuh lib/fp8_c
 TEST_HEADERS := test/testing.h test/reference.h test/test_data.h test/test_ckpt.h test/test_comm.h test/test_fp8.h test/test_inputs.h test/test_optim.h
 
 .PHONY: all test data train bench plot dev clean
-all: train_gpt test_gpt prepro dev
+all: train_gpt test_gpt prepro dev libsteptrace.so
 
 train_gpt: train_gpt.cu $(HEADERS)
 	$(NVCC) $(NVFLAGS) $< -o $@ $(LIBS)
@@ -26,6 +27,10 @@ test_gpt: test_gpt.cu train_gpt.cu $(TEST_HEADERS) $(HEADERS)
 # the tool's source is in tools/, its binary stays at the top (./prepro, as the scripts call it)
 prepro: tools/prepro.c data.h lib/util.h lib/tokenizer.h lib/unicode_classes.h
 	$(CC) $(CFLAGS) $< -o $@ -lpthread
+
+# loaded into a CUDA program by the driver (CUDA_INJECTION64_PATH), it records every kernel through CUPTI
+libsteptrace.so: tools/steptrace.c
+	$(NVCC) -shared -cudart none -Xcompiler -fPIC,-Wall,-Wextra $< -o $@ -lcupti
 
 dev: dev/attention dev/matmul
 
@@ -54,4 +59,4 @@ plot:
 	python3 scripts/plot_log.py out/log.jsonl out/log.png
 
 clean:
-	rm -f train_gpt test_gpt prepro dev/attention dev/matmul
+	rm -f train_gpt test_gpt prepro libsteptrace.so dev/attention dev/matmul

@@ -5,7 +5,7 @@
 #   bench     ours: BF16, FP8 delayed, FP8 current, at the default config and at 1b
 #   options   ours, FP8 delayed: plain, --fp8-fast-accum 1, --fp8-head 1, at the default config and at 1b
 #   torch     torch_baseline.py (in the ignored .bench/) BF16 torch.compile and --fp8 tensorwise, both sizes
-#   profile   Nsight Compute: the kernels of one FP8 step at the default config (scripts/profile_step.sh)
+#   profile   the kernels of FP8 steps at the default config, as they run (scripts/trace_step.sh)
 #   converge  300 steps on the default corpus: BF16 (seeds 1337, 1338), FP8 delayed and current; then 1b
 #   converge_options  the same 300 steps at the default config: FP8 plain, with fast accumulation, with the head
 # Logs go to $OUT (or /tmp/out), one summary line per run on stdout.
@@ -46,7 +46,7 @@ for step in ${*:-test bench}; do
         done
       done ;;
     profile)
-      ARGS="--fp8 1" COUNT=1200 bash scripts/profile_step.sh 2>&1 | tee "$OUT/profile_fp8.log" ;;
+      ARGS="--fp8 1" OUT="$OUT/trace_fp8" bash scripts/trace_step.sh 2>&1 | tee "$OUT/profile_fp8.log" ;;
     converge)
       for size in default 1b; do
         args=""; [ $size = 1b ] && args=$ONE_B
