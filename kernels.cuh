@@ -97,26 +97,56 @@ __device__ float block_max(float x) {
 // p < n_partials, c < C. This adds them up into dst (=), or onto it (+=, accumulate). A block owns 32 columns;
 // its 32 thread rows each sum every 32nd partial row, and thread row 0 then adds the 32 sums in
 // order: a fixed order (deterministic), with enough loads in flight to run at memory speed.
-__global__ void sum_partials_kernel(float* dst, const float* partials, int n_partials, int C, int stride,
-                                    bool accumulate) {
+// Such sums come in small groups (a layer's four norms in the backward), and each alone is a launch
+// of a few microseconds that hardly fills the GPU, so a launch takes up to PARTIAL_SUMS_MAX of them
+// (blockIdx.y: which); every one is added in the same order whatever its company, so the bits are too.
+typedef struct {
+    float* dst;
+    const float* partials;
+    int n_partials, C, stride, accumulate;
+} PartialSum;
+#define PARTIAL_SUMS_MAX 6
+typedef struct {
+    PartialSum sum[PARTIAL_SUMS_MAX];
+    int n;
+} PartialSums;
+
+__global__ void sum_partials_kernel(const PartialSums sums) {
     __shared__ float row_sums[32][33];  // +1: no bank conflicts on the transposed read
+    const PartialSum job = sums.sum[blockIdx.y];
+    if (blockIdx.x * 32 >= job.C) return;  // the whole block: a narrower sum than the launch's widest
     int c = blockIdx.x * 32 + threadIdx.x;
     float sum = 0.0f;
-    if (c < C)
-        for (int p = threadIdx.y; p < n_partials; p += 32) sum += partials[(size_t)p * stride + c];
+    if (c < job.C)
+        for (int p = threadIdx.y; p < job.n_partials; p += 32) sum += job.partials[(size_t)p * job.stride + c];
     row_sums[threadIdx.y][threadIdx.x] = sum;
     __syncthreads();
-    if (threadIdx.y == 0 && c < C) {
+    if (threadIdx.y == 0 && c < job.C) {
         float total = 0.0f;
         for (int y = 0; y < 32; y++) total += row_sums[y][threadIdx.x];
-        dst[c] = accumulate ? dst[c] + total : total;
+        job.dst[c] = job.accumulate ? job.dst[c] + total : total;
     }
 }
 
-static void sum_partials(float* dst, const float* partials, int n_partials, int C, int stride, bool accumulate,
-                         cudaStream_t s) {
-    sum_partials_kernel<<<ceil_div(C, 32), dim3(32, 32), 0, s>>>(dst, partials, n_partials, C, stride, accumulate);
+// Adds up every sum gathered in `sums`, in one launch, and empties it.
+static void sum_partials_flush(PartialSums* sums, cudaStream_t s) {
+    if (sums->n == 0) return;
+    int widest = 0;
+    for (int i = 0; i < sums->n; i++) widest = sums->sum[i].C > widest ? sums->sum[i].C : widest;
+    sum_partials_kernel<<<dim3(ceil_div(widest, 32), sums->n), dim3(32, 32), 0, s>>>(*sums);
     LAUNCH_CHECK();
+    sums->n = 0;
+}
+
+// One sum of partial rows: gathered into `sums` for a later sum_partials_flush (which a full list
+// gets at once), or, with sums NULL, added up now.
+static void sum_partials(PartialSums* sums, float* dst, const float* partials, int n_partials, int C, int stride,
+                         bool accumulate, cudaStream_t s) {
+    PartialSums now = {};
+    PartialSums* into = sums ? sums : &now;
+    if (into->n == PARTIAL_SUMS_MAX) sum_partials_flush(into, s);
+    into->sum[into->n++] = PartialSum{dst, partials, n_partials, C, stride, accumulate};
+    if (!sums) sum_partials_flush(into, s);
 }
 
 // Sum (or sum of squares) of a long fp32 vector in two fixed-shape passes: REDUCE_BLOCKS blocks
@@ -365,10 +395,11 @@ __global__ void rmsnorm_backward_kernel(bf16* d_residual, float* dw_partials, bf
     }
 }
 
-// dw_partials must hold ceil(N / rmsnorm_bwd_rows(N)) * C floats; y is [N, C] or NULL.
+// dw_partials must hold ceil(N / rmsnorm_bwd_rows(N)) * C floats, left alone until d_weight's sum is
+// added up: now (sums NULL) or at sums' flush; y is [N, C] or NULL.
 static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partials, bf16* y, const bf16* dy,
                              const bf16* in, const bf16* weight, const float* rstd, int N, int C, bool accumulate,
-                             cudaStream_t s) {
+                             PartialSums* sums, cudaStream_t s) {
     int rows = rmsnorm_bwd_rows(N), blocks = ceil_div(N, rows);
     size_t smem = RMSNORM_BWD_WARPS * rmsnorm_dw_row(C) * sizeof(float);
     static bool configured = false;  // once, for the widest row allowed, so no launch sets it again
@@ -380,7 +411,7 @@ static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partia
     rmsnorm_backward_kernel<<<blocks, 32 * RMSNORM_BWD_WARPS, smem, s>>>(d_residual, dw_partials, y, dy, in,
                                                                          weight, rstd, N, C, rows);
     LAUNCH_CHECK();
-    sum_partials(d_weight, dw_partials, blocks, C, C, accumulate, s);
+    sum_partials(sums, d_weight, dw_partials, blocks, C, C, accumulate, s);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -598,21 +629,22 @@ static size_t qk_norm_rope_backward_partials(int N, int T, int Hq, int Hkv, int 
     return all_heads > from_acc ? all_heads : from_acc;
 }
 
-// dw_partials: qk_norm_rope_backward_partials floats. dq_acc: NULL (the query heads' dL/dy in
+// dw_partials: qk_norm_rope_backward_partials floats, left alone until the weights' sums are added up
+// (now, sums NULL, or at sums' flush). dq_acc: NULL (the query heads' dL/dy in
 // d_qkv), or attn_dq_acc of the scratch that attention_backward just ran on with dq NULL: then the
 // query heads run from it (qk_norm_rope_backward_q_kernel) and the kernel above takes the key heads.
 static void qk_norm_rope_backward(bf16* d_qkv, float* dq_weight, float* dk_weight, float* dw_partials,
                                   const bf16* qkv, const float* rstd, const bf16* q_weight, const bf16* k_weight,
                                   const float* rope_cos, const float* rope_sin, const float* dq_acc, int N, int T,
-                                  int Hq, int Hkv, int D, bool accumulate, cudaStream_t s) {
+                                  int Hq, int Hkv, int D, bool accumulate, PartialSums* sums, cudaStream_t s) {
     const int first_head = dq_acc ? Hq : 0, blocks = ceil_div((size_t)N * (Hq + Hkv - first_head), QK_BWD_TASKS);
     auto kernel = D == 64 ? qk_norm_rope_backward_kernel<64> : qk_norm_rope_backward_kernel<128>;
     kernel<<<blocks, 32 * QK_BWD_WARPS, 0, s>>>(d_qkv, dw_partials, qkv, rstd, q_weight, k_weight, rope_cos, rope_sin,
                                                 N, T, Hq, Hkv, first_head);
     LAUNCH_CHECK();
-    sum_partials(dk_weight, dw_partials + D, blocks, D, 2 * D, accumulate, s);
+    sum_partials(sums, dk_weight, dw_partials + D, blocks, D, 2 * D, accumulate, s);
     if (!dq_acc) {
-        sum_partials(dq_weight, dw_partials, blocks, D, 2 * D, accumulate, s);
+        sum_partials(sums, dq_weight, dw_partials, blocks, D, 2 * D, accumulate, s);
         return;
     }
     float* q_partials = dw_partials + (size_t)blocks * 2 * D;
@@ -622,7 +654,7 @@ static void qk_norm_rope_backward(bf16* d_qkv, float* dq_weight, float* dk_weigh
     q_kernel<<<tiles, 256, 0, s>>>(d_qkv, q_partials, dq_acc, dq_scale, qkv, rstd, q_weight, rope_cos, rope_sin, T, Hq,
                                    Hkv);
     LAUNCH_CHECK();
-    sum_partials(dq_weight, q_partials, tiles.x * tiles.y, D, D, accumulate, s);
+    sum_partials(sums, dq_weight, q_partials, tiles.x * tiles.y, D, D, accumulate, s);
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -671,6 +671,51 @@ static int test_command_line(void) {
 // agree to 4e-3 in relative L2. Kernels that also round intermediates (attention's P to bf16
 // before the PV product; the backward's dS) get 1.5e-2.
 
+// sum_partials: sums of partial rows gathered and added up in one launch (more than a launch takes,
+// of different widths, strides and counts, = and +=) keep the bits of each added up alone, and
+// match the fp64 sums of the same floats.
+static int test_kernel_sum_partials(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    enum { JOBS = PARTIAL_SUMS_MAX + 2 };
+    const int shape[JOBS][3] = {{512, 768, 768}, {37, 128, 256}, {1, 8, 8},   {3, 2056, 2056},
+                                {600, 64, 64},   {2, 1, 1},      {131, 96, 200}, {64, 8192, 8192}};  // n, C, stride
+    float *d_partials[JOBS], *d_batched[JOBS], *d_alone[JOBS];
+    double *partials[JOBS], *start[JOBS];
+    PartialSums sums = {};
+    for (int k = 0; k < JOBS; k++) {
+        const int n = shape[k][0], C = shape[k][1], stride = shape[k][2];
+        partials[k] = random_array((size_t)n * stride, 1.0);
+        start[k] = random_array(C, 1.0);
+        d_partials[k] = to_device_f32(partials[k], (size_t)n * stride);
+        d_batched[k] = k % 2 ? to_device_f32(start[k], C) : (float*)device_alloc_poisoned(C * 4);
+        d_alone[k] = k % 2 ? to_device_f32(start[k], C) : (float*)device_alloc_poisoned(C * 4);
+        sum_partials(&sums, d_batched[k], d_partials[k], n, C, stride, k % 2, 0);
+        sum_partials(NULL, d_alone[k], d_partials[k], n, C, stride, k % 2, 0);
+    }
+    EXPECT(sums.n == JOBS - PARTIAL_SUMS_MAX, "a full list was not added up at once (%d left)", sums.n);
+    sum_partials_flush(&sums, 0);
+    EXPECT(sums.n == 0, "the flush left %d sums", sums.n);
+    for (int k = 0; k < JOBS; k++) {
+        const int n = shape[k][0], C = shape[k][1], stride = shape[k][2];
+        double *got = from_device_f32(d_batched[k], C), *alone = from_device_f32(d_alone[k], C);
+        double* want = (double*)malloc(C * 8);
+        for (int c = 0; c < C; c++) {
+            want[c] = k % 2 ? (float)start[k][c] : 0.0;
+            for (int p = 0; p < n; p++) want[c] += (float)partials[k][(size_t)p * stride + c];
+        }
+        char name[64];
+        snprintf(name, sizeof(name), "sum %d: %d x %d", k, n, C);
+        CHECK_CLOSE(name, got, want, C, 1e-5);
+        EXPECT(!memcmp(got, alone, C * 8), "sum %d: added up with others, its bits differ from alone", k);
+        free(got), free(alone), free(want), free(partials[k]), free(start[k]);
+        CUDA_CHECK(cudaFree(d_partials[k]));
+        CUDA_CHECK(cudaFree(d_batched[k]));
+        CUDA_CHECK(cudaFree(d_alone[k]));
+    }
+    return TEST_RESULT;
+}
+
 static int test_kernel_rmsnorm(void) {
     REQUIRE_GPU();
     int failed = 0;
@@ -689,7 +734,7 @@ static int test_kernel_rmsnorm(void) {
         float* d_dw = accumulate ? to_device_f32(dw0, C) : (float*)device_alloc_poisoned(C * 4);
         float* partials = (float*)device_alloc_poisoned((size_t)ceil_div(N, rmsnorm_bwd_rows(N)) * C * 4);
         rmsnorm_forward(d_y, d_rstd, d_x, d_w, N, C, 1e-6f, 0);
-        rmsnorm_backward(d_dres, d_dw, partials, d_y_remade, d_dy, d_x, d_w, d_rstd, N, C, accumulate, 0);
+        rmsnorm_backward(d_dres, d_dw, partials, d_y_remade, d_dy, d_x, d_w, d_rstd, N, C, accumulate, NULL, 0);
         double *y = (double*)malloc((size_t)N * C * 8), *rstd = (double*)malloc(N * 8);
         ref_rmsnorm_forward(y, rstd, x, w, N, C, 1e-6);
         double* dres = (double*)malloc((size_t)N * C * 8);
@@ -749,7 +794,7 @@ static int test_kernel_qk_norm_rope(void) {
         qk_norm_rope_forward(d_rot, d_rstd, d_qkv, d_wq, d_wk, d_rope, d_rope + (size_t)T * D / 2, N, T, Hq, Hkv, D,
                              1e-6f, 0);
         qk_norm_rope_backward(d_grad, d_dwq, d_dwk, partials, d_qkv, d_rstd, d_wq, d_wk, d_rope,
-                              d_rope + (size_t)T * D / 2, NULL, N, T, Hq, Hkv, D, accumulate, 0);
+                              d_rope + (size_t)T * D / 2, NULL, N, T, Hq, Hkv, D, accumulate, NULL, 0);
         double *rot = (double*)malloc(n * 8), *rstd = (double*)malloc((size_t)N * (Hq + Hkv) * 8);
         double* dqkv = (double*)malloc(n * 8);
         ref_qk_norm_rope_forward(rot, rstd, qkv, wq, wk, N, T, Hq, Hkv, D, 1e-6, theta);
@@ -909,7 +954,7 @@ static int test_kernel_qk_backward_reads_dq_accumulators(void) {
                                    d_dout, d_out, d_lse, q, k, v, Q, Q, B, T, Hq, Hkv, D, 0, det);
                 qk_norm_rope_backward(d_dqkv, d_dwq, d_dwk, partials, d_qkv, d_rstd, d_wq, d_wk, d_rope,
                                       d_rope + (size_t)T * D / 2, from_acc ? attn_dq_acc(d_scratch, B, T, Hq) : NULL,
-                                      N, T, Hq, Hkv, D, false, 0);
+                                      N, T, Hq, Hkv, D, false, NULL, 0);
                 dqkv[from_acc] = from_device_bf16(d_dqkv, nq);
                 dw[from_acc][0] = from_device_f32(d_dwq, D);
                 dw[from_acc][1] = from_device_f32(d_dwk, D);
@@ -2267,6 +2312,7 @@ static const TestCase model_tests[] = {
     {"reference_gradients_match_finite_differences", test_reference_gradients_match_finite_differences},
     {"export_hf_files", test_export_hf_files},
     {"command_line", test_command_line},
+    {"gpu_kernel_sum_partials", test_kernel_sum_partials},
     {"gpu_kernel_rmsnorm", test_kernel_rmsnorm},
     {"gpu_kernel_qk_norm_rope", test_kernel_qk_norm_rope},
     {"gpu_kernel_attention", test_kernel_attention},

@@ -318,6 +318,12 @@ static double flops_per_token(const ModelConfig* c) {
 // every layer shares the norms' and SwiGLU's outputs, whatever k (layers_sharing_norms), and a
 // recomputed layer saves only its 2 N (Hq+2Hkv) D bytes of q/k/v.
 
+// In the backward each norm leaves its weight gradient as partial sums (a row per block) in a slot
+// of its own, and one launch a layer adds them all up (sum_partials_flush) rather than one a norm:
+// the final norm's (with the last layer's), and a layer's MLP norm, QK norm and attention norm. The
+// slots lie after attention's scratch, in the region the head's logits leave free in the backward.
+enum NormSlot { SLOT_FINAL_NORM, SLOT_MLP_NORM, SLOT_QK_NORM, SLOT_ATTN_NORM, NORM_SLOTS };
+
 typedef struct {
     // kept by the forward
     bf16* residual[MAX_LAYERS + 1];   // [N, C] residual stream entering layer l; [L] enters the final norm
@@ -336,7 +342,9 @@ typedef struct {
     float* rstd_final;                // [N]
     bf16* xnorm_final;                // [N, C]
     bf16* logits;                     // [R, V]  a chunk of the output head's rows } one region: the head is
-    float* attn_scratch;              // attention_backward's scratch               } done before the layers
+    float* attn_scratch;              // attention_backward's scratch               } done before the layers,
+    float* norm_partials;             // [NORM_SLOTS][norm_slot] after it: NormSlot } which share the rest
+    size_t norm_slot;                 // the floats of one norm's slot
     float* losses;                    // [N]     per-token loss
     // the backward's scratch, reused by every layer
     bf16* d_residual;                 // [N, C]  dL/d(residual stream), updated in place layer by layer
@@ -345,8 +353,10 @@ typedef struct {
     bf16* d_gate_up;                  // [N, 2F]          } one region: the MLP's backward is done
     bf16* d_attn_out;                 // [N, Hq D]        } before the attention's begins
     bf16* d_qkv;                      // [N, (Hq+2Hkv) D] }
-    float* partials;                  // per-block partial sums of the deterministic reductions
+    float* partials;                  // [REDUCE_BLOCKS] the partial sums of reduce_sum (loss, norms)
 } Activations;
+
+static float* norm_partials(const Activations* a, NormSlot slot) { return a->norm_partials + slot * a->norm_slot; }
 
 // One micro-batch as it is uploaded: the inputs and targets, and the positions sorted by token for
 // the deterministic embedding backward (see embedding_backward in kernels.cuh). The token groups
@@ -591,11 +601,16 @@ static void activations_layout(Activations* a, Arena* kept, Arena* scratch, cons
     a->xnorm_final = (bf16*)arena_take(kept, N * C * 2);
     a->losses = (float*)arena_take(kept, N * 4);
 
+    size_t norm_partials = (size_t)ceil_div(N, rmsnorm_bwd_rows(N)) * C;
+    size_t qk_partials = qk_norm_rope_backward_partials(N, T, c->n_head, c->n_kv_head, c->head_dim);
+    a->norm_slot = ((norm_partials > qk_partials ? norm_partials : qk_partials) + 63) / 64 * 64;  // 256-byte slots
     size_t logits_bytes = (size_t)loss_chunk * c->vocab_size * 2;
-    size_t attn_bytes = attention_backward_scratch_bytes(B, T, c->n_head, c->head_dim);
-    char* head_or_attn = (char*)arena_take(scratch, logits_bytes > attn_bytes ? logits_bytes : attn_bytes);
-    a->logits = (bf16*)head_or_attn;
-    a->attn_scratch = (float*)head_or_attn;
+    size_t attn_bytes = (attention_backward_scratch_bytes(B, T, c->n_head, c->head_dim) + 255) / 256 * 256;
+    size_t layer_bytes = attn_bytes + NORM_SLOTS * a->norm_slot * 4;
+    char* head_or_layer = (char*)arena_take(scratch, logits_bytes > layer_bytes ? logits_bytes : layer_bytes);
+    a->logits = (bf16*)head_or_layer;
+    a->attn_scratch = (float*)head_or_layer;
+    a->norm_partials = head_or_layer ? (float*)(head_or_layer + attn_bytes) : NULL;
     a->d_residual = (bf16*)arena_take(scratch, N * C * 2);
     a->d_xnorm = (bf16*)arena_take(scratch, N * C * 2);
     a->d_mlp_act = d_mlp_act ? (bf16*)arena_take(scratch, N * F * 2) : NULL;
@@ -604,10 +619,7 @@ static void activations_layout(Activations* a, Arena* kept, Arena* scratch, cons
     a->d_gate_up = (bf16*)shared;
     a->d_attn_out = (bf16*)shared;
     a->d_qkv = shared ? (bf16*)(shared + (N * A * 2 + 255) / 256 * 256) : NULL;
-    size_t norm_partials = (size_t)ceil_div(N, rmsnorm_bwd_rows(N)) * C;
-    size_t qk_partials = qk_norm_rope_backward_partials(N, T, c->n_head, c->n_kv_head, c->head_dim);
-    size_t partials = norm_partials > qk_partials ? norm_partials : qk_partials;
-    a->partials = (float*)arena_take(scratch, (partials > REDUCE_BLOCKS ? partials : REDUCE_BLOCKS) * 4);
+    a->partials = (float*)arena_take(scratch, REDUCE_BLOCKS * 4);
 }
 
 // RoPE tables, computed as transformers does (fp32 inverse frequencies, fp32 angles), so that an
@@ -1445,7 +1457,7 @@ static void mlp_down_backward(GPT* m, int l, bool accumulate) {
 // dy^T xnorm, and rmsnorm_backward adds dL/d(norm's input) into d_residual. A layer that remakes
 // xnorm (remakes_norms) gets it in BF16 from the norm's backward, which reads x and w anyway, so dW
 // runs last; with FP8 products the norm's forward runs again first.
-static void norm_matrix_backward(GPT* m, ParamKind kind, int l, const bf16* dy, bool accumulate) {
+static void norm_matrix_backward(GPT* m, ParamKind kind, int l, const bf16* dy, bool accumulate, PartialSums* sums) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
     const ParamTensor* t = param(&m->table, kind, l);
@@ -1462,8 +1474,9 @@ static void norm_matrix_backward(GPT* m, ParamKind kind, int l, const bf16* dy, 
         if (remake && !attn) mlp_norm(m, l);
         layer_backward(m, kind, l, m->N, a->d_xnorm, dy, xnorm, accumulate);
     }
-    rmsnorm_backward(a->d_residual, G(m, norm, l), a->partials, remade_by_norm ? xnorm : NULL, a->d_xnorm, x,
-                     P(m, norm, l), rstd, m->N, c->d_model, accumulate, m->stream);
+    float* partials = norm_partials(a, attn ? SLOT_ATTN_NORM : SLOT_MLP_NORM);
+    rmsnorm_backward(a->d_residual, G(m, norm, l), partials, remade_by_norm ? xnorm : NULL, a->d_xnorm, x,
+                     P(m, norm, l), rstd, m->N, c->d_model, accumulate, sums, m->stream);
     if (remade_by_norm)
         linear_backward_weight(G(m, kind, l), dy, xnorm, m->N, (int)t->cols, (int)t->rows, accumulate, m->stream);
 }
@@ -1608,15 +1621,16 @@ static void backward(GPT* m, const Batch* batch) {
     int N = m->N, C = c->d_model, Q = qkv_dim(c);
     int Hq = c->n_head, Hkv = c->n_kv_head, D = c->head_dim, L = c->n_layer;
     bool acc = grads_accumulate(m);
+    PartialSums norm_sums = {};  // the norms' weight gradients of a layer, added up at its end
     CUDA_CHECK(cudaMemsetAsync(a->d_residual, 0, (size_t)N * C * sizeof(bf16), m->stream));
-    rmsnorm_backward(a->d_residual, G(m, P_FINAL_NORM, 0), a->partials, NULL, a->d_xnorm, a->residual[L],
-                     P(m, P_FINAL_NORM, 0), a->rstd_final, N, C, acc, m->stream);
+    rmsnorm_backward(a->d_residual, G(m, P_FINAL_NORM, 0), norm_partials(a, SLOT_FINAL_NORM), NULL, a->d_xnorm,
+                     a->residual[L], P(m, P_FINAL_NORM, 0), a->rstd_final, N, C, acc, &norm_sums, m->stream);
     for (int l = L - 1; l >= 0; l--) {
         grads_open(m, l);
         // MLP block. d_residual = dL/d(residual[l+1]) flows both through the skip connection
         // (unchanged) and through the block, whose contribution rmsnorm_backward adds to it.
         mlp_down_backward(m, l, acc);
-        norm_matrix_backward(m, P_GATE_UP, l, a->d_gate_up, acc);
+        norm_matrix_backward(m, P_GATE_UP, l, a->d_gate_up, acc, &norm_sums);
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
         if (recomputed(m, l)) qk_norm_rope(m, l);
         layer_backward(m, P_ATTN_OUT, l, N, a->d_attn_out, a->d_residual, a->attn_out[l], acc);
@@ -1626,10 +1640,12 @@ static void backward(GPT* m, const Batch* batch) {
         attention_backward(NULL, a->d_qkv + Hq * D, a->d_qkv + (Hq + Hkv) * D, a->attn_scratch, a->d_attn_out,
                            a->attn_out[l], a->lse[l], q, q + Hq * D, v, Q, Q, m->B, m->T, Hq, Hkv, D, m->stream,
                            m->deterministic);
-        qk_norm_rope_backward(a->d_qkv, G(m, P_Q_NORM, l), G(m, P_K_NORM, l), a->partials, a->qkv[l], a->rstd_qk[l],
-                              P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos, m->rope_sin,
-                              attn_dq_acc(a->attn_scratch, m->B, m->T, Hq), N, m->T, Hq, Hkv, D, acc, m->stream);
-        norm_matrix_backward(m, P_QKV, l, a->d_qkv, acc);
+        qk_norm_rope_backward(a->d_qkv, G(m, P_Q_NORM, l), G(m, P_K_NORM, l), norm_partials(a, SLOT_QK_NORM),
+                              a->qkv[l], a->rstd_qk[l], P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos, m->rope_sin,
+                              attn_dq_acc(a->attn_scratch, m->B, m->T, Hq), N, m->T, Hq, Hkv, D, acc, &norm_sums,
+                              m->stream);
+        norm_matrix_backward(m, P_QKV, l, a->d_qkv, acc, &norm_sums);
+        sum_partials_flush(&norm_sums, m->stream);
         grads_ready(m, l);  // layer l's gradients are complete
     }
     embedding_backward(G(m, P_EMBED, 0), a->d_residual, batch->bucket_start, batch->bucket_pos, batch->bucket_token,
