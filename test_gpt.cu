@@ -1982,13 +1982,14 @@ static int test_recompute_auto_trains_alike(void) {
     return TEST_RESULT;
 }
 
-// --cuda-graph 1 (the default) against eager launches (--cuda-graph 0), 10 steps without accumulation (the mode graphs capture):
-// the same losses and gradient norms to the bit, in BF16 with recomputation on and off, in FP8
-// with delayed scaling (the graph holds the fused path of a calibrated step) and with current
-// scaling, the head in FP8 too, and with Muon and 8-bit AdamW; validating every 3 steps (one batch
-// each, so a slot's graph runs both after a step and after a validation) and checkpointing every
-// 3 (the graph waits for the snapshot). A graph run stopped at step 5 and resumed with graphs must
-// match too. With accumulation the run must say in one line that its steps run eagerly.
+// --cuda-graph 1 (the default) against eager launches (--cuda-graph 0), 10 steps without
+// accumulation (the mode graphs capture): the same losses and gradient norms to the bit, in BF16
+// with recomputation on and off, in FP8 with delayed scaling (the graph holds the fused path of a
+// calibrated step) and with current scaling, the head in FP8 too, and with Muon and 8-bit AdamW;
+// validating every 3 steps (one batch each, so a slot's graph runs both after a step and after a
+// validation) and checkpointing every 3 (the graph waits for the snapshot). A graph run stopped at
+// step 5 and resumed with graphs must match too. With accumulation the run must say in one line
+// that its steps run eagerly.
 static int test_cuda_graph_matches_eager(void) {
     REQUIRE_GPU();
     int failed = 0;

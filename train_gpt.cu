@@ -601,9 +601,9 @@ static void activations_layout(Activations* a, Arena* kept, Arena* scratch, cons
     a->xnorm_final = (bf16*)arena_take(kept, N * C * 2);
     a->losses = (float*)arena_take(kept, N * 4);
 
-    size_t norm_partials = (size_t)ceil_div(N, rmsnorm_bwd_rows(N)) * C;
+    size_t rmsnorm_partials = (size_t)ceil_div(N, rmsnorm_bwd_rows(N)) * C;
     size_t qk_partials = qk_norm_rope_backward_partials(N, T, c->n_head, c->n_kv_head, c->head_dim);
-    a->norm_slot = ((norm_partials > qk_partials ? norm_partials : qk_partials) + 63) / 64 * 64;  // 256-byte slots
+    a->norm_slot = ((rmsnorm_partials > qk_partials ? rmsnorm_partials : qk_partials) + 63) / 64 * 64;  // 256 bytes
     size_t logits_bytes = (size_t)loss_chunk * c->vocab_size * 2;
     size_t attn_bytes = (attention_backward_scratch_bytes(B, T, c->n_head, c->head_dim) + 255) / 256 * 256;
     size_t layer_bytes = attn_bytes + NORM_SLOTS * a->norm_slot * 4;
@@ -2361,7 +2361,7 @@ typedef struct {
     int fp8_fast_accum;      // 1: the FP8 forward products with cuBLASLt's fast accumulation
     int fp8_log_scales;      // 1: every logged step also logs the scales
     int optimizer;           // OptimizerKind
-    int cuda_graph;          // 1 (the default): each step replays one captured CUDA graph (StepGraph), where it can
+    int cuda_graph;          // 1 (default): each step replays one captured CUDA graph (StepGraph), where it can
 } Options;
 
 // OPT_BOOL: 0 or 1. OPT_CHOICE: one of the spec's words; the value (an int) is the word's index.

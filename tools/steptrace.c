@@ -51,7 +51,8 @@ static void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* ma
     *max_records = 0;  // as many as fit
 }
 
-static void CUPTIAPI buffer_completed(CUcontext context, uint32_t stream, uint8_t* buffer, size_t size, size_t valid) {
+static void CUPTIAPI buffer_completed(CUcontext context, uint32_t stream, uint8_t* buffer, size_t size,
+                                      size_t valid) {
     (void)context, (void)stream, (void)size;
     CUpti_Activity* record = NULL;
     while (cuptiActivityGetNextRecord(buffer, valid, &record) == CUPTI_SUCCESS) {
