@@ -629,10 +629,10 @@ static size_t qk_norm_rope_backward_partials(int N, int T, int Hq, int Hkv, int 
     return all_heads > from_acc ? all_heads : from_acc;
 }
 
-// dw_partials: qk_norm_rope_backward_partials floats, left alone until the weights' sums are added up
-// (now, sums NULL, or at sums' flush). dq_acc: NULL (the query heads' dL/dy in
-// d_qkv), or attn_dq_acc of the scratch that attention_backward just ran on with dq NULL: then the
-// query heads run from it (qk_norm_rope_backward_q_kernel) and the kernel above takes the key heads.
+// dw_partials: qk_norm_rope_backward_partials floats, left alone until the weights' sums are added
+// up (now, sums NULL, or at sums' flush). dq_acc: NULL (the query heads' dL/dy in d_qkv), or
+// attn_dq_acc of the scratch that attention_backward just ran on with dq NULL: then the query heads
+// run from it (qk_norm_rope_backward_q_kernel) and the kernel above takes the key heads.
 static void qk_norm_rope_backward(bf16* d_qkv, float* dq_weight, float* dk_weight, float* dw_partials,
                                   const bf16* qkv, const float* rstd, const bf16* q_weight, const bf16* k_weight,
                                   const float* rope_cos, const float* rope_sin, const float* dq_acc, int N, int T,

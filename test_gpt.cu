@@ -131,6 +131,17 @@ static double* from_device_f32(const float* d, size_t n) {
     return x;
 }
 
+// Whether two device buffers hold the same bytes (a bit-for-bit comparison of two kernels' outputs).
+static bool device_bytes_equal(const void* a, const void* b, size_t bytes) {
+    unsigned char *host_a = (unsigned char*)malloc(bytes), *host_b = (unsigned char*)malloc(bytes);
+    CUDA_CHECK(cudaMemcpy(host_a, a, bytes, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(host_b, b, bytes, cudaMemcpyDeviceToHost));
+    const bool same = memcmp(host_a, host_b, bytes) == 0;
+    free(host_a);
+    free(host_b);
+    return same;
+}
+
 static void* device_alloc_poisoned(size_t bytes) {
     void* d;
     CUDA_CHECK(cudaMalloc(&d, bytes + 256));
@@ -751,13 +762,8 @@ static int test_kernel_rmsnorm(void) {
         CHECK_CLOSE("d_residual", gres, dres, (size_t)N * C, 4e-3);
         CHECK_CLOSE("dw", gdw, dw, C, 1e-4);
         // the output the backward remakes for a recomputing layer: the forward's bits
-        uint16_t *y_bits = (uint16_t*)malloc((size_t)N * C * 2), *remade_bits = (uint16_t*)malloc((size_t)N * C * 2);
-        CUDA_CHECK(cudaMemcpy(y_bits, d_y, (size_t)N * C * 2, cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(remade_bits, d_y_remade, (size_t)N * C * 2, cudaMemcpyDeviceToHost));
-        EXPECT(!memcmp(y_bits, remade_bits, (size_t)N * C * 2), "rmsnorm %dx%d: the backward's y differs from the "
-               "forward's", N, C);
-        free(y_bits);
-        free(remade_bits);
+        EXPECT(device_bytes_equal(d_y, d_y_remade, (size_t)N * C * 2), "rmsnorm %dx%d: the backward's y differs from "
+               "the forward's", N, C);
         double* all[] = {x, w, dy, dres0, dw0, y, rstd, dres, dw, gy, gr, gres, gdw};
         for (double* a : all) free(a);
         void* dev[] = {d_x, d_w, d_dy, d_dres, d_y, d_y_remade, d_rstd, d_dw, partials};
@@ -1104,15 +1110,9 @@ static int test_kernel_cross_entropy_matches_two_pass(void) {
         two_pass_cross_entropy_kernel<<<N, CE_THREADS>>>(d_old, d_losses_old, d_targets, V, d_loss);
         LAUNCH_CHECK();
         cross_entropy(d_new, d_losses_new, d_targets, N, V, d_loss, 0);
-        bf16* host[2] = {(bf16*)malloc(n * sizeof(bf16)), (bf16*)malloc(n * sizeof(bf16))};
-        float* host_losses[2] = {(float*)malloc(N * 4), (float*)malloc(N * 4)};
-        CUDA_CHECK(cudaMemcpy(host[0], d_old, n * sizeof(bf16), cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(host[1], d_new, n * sizeof(bf16), cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(host_losses[0], d_losses_old, N * 4, cudaMemcpyDeviceToHost));
-        CUDA_CHECK(cudaMemcpy(host_losses[1], d_losses_new, N * 4, cudaMemcpyDeviceToHost));
-        EXPECT(memcmp(host_losses[0], host_losses[1], N * 4) == 0, "%dx%d: the losses differ from the two-pass "
+        EXPECT(device_bytes_equal(d_losses_old, d_losses_new, N * 4), "%dx%d: the losses differ from the two-pass "
                "kernel's", N, V);
-        EXPECT(memcmp(host[0], host[1], n * sizeof(bf16)) == 0, "%dx%d: the dlogits differ from the two-pass "
+        EXPECT(device_bytes_equal(d_old, d_new, n * sizeof(bf16)), "%dx%d: the dlogits differ from the two-pass "
                "kernel's", N, V);
         if (N >= 4096) {
             float old_ms = time_median_ms([&] {
@@ -1124,7 +1124,7 @@ static int test_kernel_cross_entropy_matches_two_pass(void) {
             printf("    %dx%d: two-pass %.3f ms, one read %.3f ms (%.0f and %.0f GB/s of one read + one write)\n",
                    N, V, old_ms, new_ms, gb / old_ms * 1e3, gb / new_ms * 1e3);
         }
-        free(host[0]); free(host[1]); free(host_losses[0]); free(host_losses[1]); free(targets);
+        free(targets);
         void* dev[] = {d_old, d_new, d_targets, d_losses_old, d_losses_new};
         for (void* d : dev) CUDA_CHECK(cudaFree(d));
     }
@@ -1397,12 +1397,9 @@ static int test_kernel_down_swiglu_backward(void) {
                 CHECK_CLOSE(name, used_act, want, n_act, 4e-3);
                 bf16* d_act = (bf16*)device_alloc_poisoned(n_act * 2);
                 swiglu_forward(d_act, a->gate_up[l], N, F, m.stream);
-                uint16_t *want_bits = (uint16_t*)malloc(n_act * 2), *got_bits = (uint16_t*)malloc(n_act * 2);
-                CUDA_CHECK(cudaMemcpy(want_bits, d_act, n_act * 2, cudaMemcpyDeviceToHost));
-                CUDA_CHECK(cudaMemcpy(got_bits, a->mlp_act[l], n_act * 2, cudaMemcpyDeviceToHost));
-                EXPECT(!memcmp(want_bits, got_bits, n_act * 2), "N %d, C %d, F %d: the remade act differs from "
-                       "swiglu_forward's", N, C, F);
-                free(want); free(want_bits); free(got_bits); free(used_act); free(kept_bits);
+                EXPECT(device_bytes_equal(d_act, a->mlp_act[l], n_act * 2), "N %d, C %d, F %d: the remade act "
+                       "differs from swiglu_forward's", N, C, F);
+                free(want); free(used_act); free(kept_bits);
                 CUDA_CHECK(cudaFree(d_act));
                 free(bits[0]);
             }

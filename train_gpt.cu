@@ -353,7 +353,8 @@ typedef struct {
     bf16* d_gate_up;                  // [N, 2F]          } one region: the MLP's backward is done
     bf16* d_attn_out;                 // [N, Hq D]        } before the attention's begins
     bf16* d_qkv;                      // [N, (Hq+2Hkv) D] }
-    float* partials;                  // [REDUCE_BLOCKS] the partial sums of reduce_sum (loss, norms)
+    float* partials;                  // [REDUCE_BLOCKS] reduce_sum's partials (the loss, the gradient
+                                      // norm, Muon's norms)
 } Activations;
 
 static float* norm_partials(const Activations* a, NormSlot slot) { return a->norm_partials + slot * a->norm_slot; }

@@ -14,19 +14,25 @@ make -j16 train_gpt libsteptrace.so > "$OUT/build.log" 2>&1 || { echo "build fai
 CUDA_INJECTION64_PATH=$PWD/libsteptrace.so TRACE_OUT=$OUT/trace.csv \
     ./train_gpt --bench --bench-steps ${STEPS:-8} ${ARGS:-} --out "$OUT/run" > "$OUT/train.log" 2>&1 ||
     { echo "train_gpt failed: $(tail -2 "$OUT/train.log")"; exit 1; }
-grep -a '^{"bench"' "$OUT/train.log" | python3 -c \
-    "import json,sys; j=json.load(sys.stdin); print('train_gpt --bench under the recorder: %.2f ms a step' % j['ms_per_step'])"
+grep -a '^{"bench"' "$OUT/train.log" | python3 -c "import json, sys
+print('train_gpt --bench under the recorder: %.2f ms a step' % json.load(sys.stdin)['ms_per_step'])"
 python3 - "$OUT/trace.csv" <<'PY'
-import collections, re, subprocess, sys
+import collections, functools, re, subprocess, sys
 rows = []
 for line in open(sys.argv[1]).read().splitlines()[1:]:
     start, end, stream, smem, dyn, blocks, name = line.split(',', 6)
     rows.append((int(start), int(end), name))
 rows.sort()
 names = sorted(set(r[2] for r in rows))
-out = subprocess.run(['cu++filt'], input='\n'.join(names), capture_output=True, text=True).stdout.splitlines()
+try:  # CUDA's demangler; without it the names stay mangled
+    out = subprocess.run(['cu++filt'], input='\n'.join(names), capture_output=True, text=True).stdout.splitlines()
+except FileNotFoundError:
+    out = []
 demangled = dict(zip(names, out)) if len(out) == len(names) else {}
-OURS = {'3': 'our GEMM: gate/up + SwiGLU', '4': 'our GEMM: down dx + SwiGLU bwd', '5': 'our GEMM: down dx + SwiGLU bwd + act'}
+# our GEMM's instances by their epilogue, HopperEpilogue's values in lib/matmul_hopper.cuh
+OURS = {'3': 'our GEMM: gate/up + SwiGLU', '4': 'our GEMM: down dx + SwiGLU bwd',
+        '5': 'our GEMM: down dx + SwiGLU bwd + act'}
+@functools.lru_cache(maxsize=None)
 def short(name):
     d = demangled.get(name, name)
     d = re.sub(r'^void ', '', d)
@@ -55,8 +61,9 @@ for a, b in steps:
             idle_after[key] += s - covered_to; idle_count[key] += 1
         busy += max(0, e - max(s, covered_to)); covered_to = max(covered_to, e)
         per_kernel[short(name)] += e - s; launches[short(name)] += 1; total += e - s
+idle = span - busy
 print('%d steps, %d kernels a step: span %.3f ms, kernels summed %.3f ms, GPU idle %.3f ms a step (%.1f%%)' % (
-    n, (steps[0][1] - steps[0][0]), span / n / 1e6, total / n / 1e6, (span - busy) / n / 1e6, 100 * (span - busy) / span))
+    n, steps[0][1] - steps[0][0], span / n / 1e6, total / n / 1e6, idle / n / 1e6, 100 * idle / span))
 print('the longest idle transitions (ms a step, count a step, mean us):')
 for k, v in idle_after.most_common(8):
     print('  %7.3f %4d %6.2f  %s' % (v / n / 1e6, idle_count[k] / n, v / idle_count[k] / 1e3, k))
