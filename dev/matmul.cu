@@ -37,7 +37,11 @@
  *      wgmma m64n128k32 from the same 128-byte rows, each k-block of 128 summed afresh and promoted
  *      into fp32 times the operands' scales; timed against cuBLASLt's FP8 matmul (kernels.cuh's
  *      matmul() with the same scale pointers) in a table of their own. It has only these forms.
- * Versions 2-7 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too), the FP8
+ *   9  versions 5 and 6 (plain forms and fused ones) in clusters of two blocks: the two take tiles
+ *      one above the other, which read the same tile of B, and each loads half of that tile into
+ *      both blocks' shared memory by TMA multicast, so L2 serves B once a pair; the same sums in the
+ *      same order, so the same bits as versions 5 and 6 (the unsplit ones).
+ * Versions 2-7 and 9 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too), the FP8
  * forms (version 8, cuBLASLt) multiples of 16; a shape a version cannot take is skipped, with a word. Resource use (-Xptxas -v) and the figures:
  * doc/matmul.md.
  *
@@ -207,10 +211,11 @@ static void hopper_fp8(Form form, void* c, const uint8_t* a, const uint8_t* b, c
     else V::gemm<true, true>((bf16*)c, (const __nv_fp8_e4m3*)a, b8, M, N, K, s, a_scale_inv, b_scale_inv);
 }
 
-// Version 6's: one launch, d_mlp_act never stored (d_act unused).
+// Versions 6 and 9: one launch, d_mlp_act never stored (d_act unused).
+template <int CLUSTER>
 static void hopper_backward_swiglu_form(bf16* d_gate_up, bf16*, bf16* act, const bf16* dy, const bf16* W,
                                         const bf16* gate_up, int N, int I, int O, cudaStream_t s) {
-    hopper_backward_swiglu(d_gate_up, act, dy, W, gate_up, N, I, O, s);
+    hopper_backward_swiglu<CLUSTER>(d_gate_up, act, dy, W, gate_up, N, I, O, s);
 }
 
 static const Impl IMPLS[] = {
@@ -226,11 +231,14 @@ static const Impl IMPLS[] = {
      mm_backward_weight<HopperMatmul<4>>, NULL, NULL, NULL, NULL, NULL, true, 3, 10},
     {5, "TMA+split-K", mm_forward<HopperMatmul<5>>, mm_backward_input<HopperMatmul<5>>,
      mm_backward_weight<HopperMatmul<5>>, NULL, NULL, NULL, NULL, NULL, true, 3, 10},
-    {6, "fused epilogues", NULL, NULL, NULL, hopper_forward_residual, hopper_forward_swiglu,
-     hopper_backward_swiglu_form, mm_backward_input<HopperMatmul<6>>, NULL, true, 3, 10},
+    {6, "fused epilogues", NULL, NULL, NULL, hopper_forward_residual<1>, hopper_forward_swiglu<1>,
+     hopper_backward_swiglu_form<1>, mm_backward_input<HopperMatmul<6>>, NULL, true, 3, 10},
     {7, "stream-K", mm_forward<HopperMatmul<7>>, mm_backward_input<HopperMatmul<7>>,
      mm_backward_weight<HopperMatmul<7>>, NULL, NULL, NULL, NULL, NULL, true, 3, 10},
     {8, "FP8", NULL, NULL, NULL, NULL, NULL, NULL, NULL, hopper_fp8, true, 3, 10},
+    {9, "clusters of 2", mm_forward<HopperMatmul<9>>, mm_backward_input<HopperMatmul<9>>,
+     mm_backward_weight<HopperMatmul<9>>, hopper_forward_residual<2>, hopper_forward_swiglu<2>,
+     hopper_backward_swiglu_form<2>, mm_backward_input<HopperMatmul<6>>, NULL, true, 3, 10},
 };
 static const int N_IMPLS = sizeof(IMPLS) / sizeof(IMPLS[0]);
 
@@ -889,10 +897,11 @@ int main(int argc, char** argv) {
     for (int i = 1; i < N_IMPLS; ++i)
         if (!*want || strchr(want, '0' + IMPLS[i].version)) chosen.push_back(i);
     const bool bad_versions =
-        *want && (strspn(want, "012345678") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
+        *want && (strspn(want, "0123456789") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
     if (bad_versions || argc > 3 || (argc == 3 && timing)) {
         fprintf(stderr, "usage: %s [versions] [check]; versions are digits of 0 cuBLASLt, 1 naive, 2 mma.sync, "
                         "3 wgmma, 4 wgmma persistent, 5 TMA store and split K, 6 fused epilogues, 7 stream-K, 8 FP8, "
+                        "9 clusters of two, "
                         "in one word (not '%s'%s)\n", argv[0],
                 want, argc > 2 ? " followed by more than `check`" : "");
         return 1;

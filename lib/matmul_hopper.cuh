@@ -12,10 +12,11 @@
  * epilogue (hopper_backward_swiglu: d_gate_up from d_mlp_act = dy W_down, which is never stored),
  * in a layer that recomputes also remaking the forward's act from the gate and up it reads anyway;
  * every other matmul of the trainer stays with cuBLASLt through kernels.cuh's matmul(). The kernel
- * is the matmul ladder's (dev/matmul.cu): its versions 3 to 7 are this kernel's launch
+ * is the matmul ladder's (dev/matmul.cu): its versions 3 to 9 are this kernel's launch
  * configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and
  * splits K), 6 adds the residual or applies SwiGLU or its backward, 7 (the ladder's only) stores as
- * 5 on a stream-K walk (HopperStreamK, below), 8 (the ladder's only) is 5 on FP8 operands (below). train_gpt.cu includes this file after kernels.cuh,
+ * 5 on a stream-K walk (HopperStreamK, below), 8 (the ladder's only) is 5 on FP8 operands (below),
+ * 9 (the ladder's only) is 5 and 6 in clusters of two blocks that share B's tile (below). train_gpt.cu includes this file after kernels.cuh,
  * whose swiglu8 and swiglu_backward8 and lib/attention.cuh helpers (the tensor-map cache, shared
  * addresses, bf16 packing) it uses.
  *
@@ -90,6 +91,22 @@
  * floats, read once a launch): "promotion" every 128 k, as cuBLASLt does. Version 5's epilogue and
  * split K then store the real values, bf16 or fp32 +=.
  *
+ * Clusters of two (version 9; the template's CLUSTER = 2, a launch attribute): the two blocks of a
+ * cluster walk pairs of tiles one above the other (row tiles 2p and 2p + 1, the second past M when
+ * the rows make an odd number: it loads no A and stores nothing), which read the same B tile; each
+ * block's producer loads half of it (K-major: 128 of its rows, SwiGLU: the gate or the up rows,
+ * N-major: two of its four panels) into both blocks' shared memory by one TMA multicast, and both
+ * full barriers count the whole tile's bytes. A stage is then written by both producers, so it is
+ * free only once both blocks' consumers are done with it: every consumer warp arrives on its own
+ * block's empty barrier and on the other's (counts of 16), and the blocks meet at a cluster barrier
+ * after setting up their barriers and before leaving, so that neither signals a departed block.
+ * L2 then serves B once a pair instead of twice. Measured (doc/matmul.md): 0-4% ahead of version 5
+ * on the plain products at the default config's shapes, level to 7% behind at 1b's; on the fused
+ * forms level with version 6 at the default config (-1% to +2%), 1-3% behind at 1b. L2 was not what
+ * held these back, so the trainer keeps clusters of one.
+ * (The arrive on the other block's barrier first had cluster-scope release semantics; on the
+ * consumers' path every k-block, it made every product about 35% slower.)
+ *
  * Determinism: with one split of K (all the trainer runs) each output is one fp32 sum over k in a
  * fixed order, whatever the grid; the ladder's split K and stream-K sum their partials in a fixed
  * order too.
@@ -102,7 +119,8 @@
  * wait on a full barrier each on their own, so if one gives up just as the phase completes, it
  * leaves while the others go on to the epilogue's named barrier and wait there for it; stream-K's
  * flag wait avoids this (one thread waits, bar.red shares the outcome), the mbarrier waits do not
- * yet. Only an already broken pipeline can get there.
+ * yet. Only an already broken pipeline can get there. The cluster barrier (version 9) has no
+ * bound, but a thread that gave up has left, and a departed thread does not hold it up.
  */
 #ifndef MATMUL_HOPPER_CUH
 #define MATMUL_HOPPER_CUH
@@ -320,11 +338,19 @@ static __host__ __device__ constexpr int hopper_epi_inputs(int epi) {
 }
 
 // A consumer's view of the ring: the shared memory (stage s's A tile at a + s * HOP_A_BYTES, its B
-// tile at b + s * HOP_B_BYTES) and the barriers (full + 8s, empty + 8s).
+// tile at b + s * HOP_B_BYTES) and the barriers (full + 8s, empty + 8s); in a cluster of two, also
+// the other block's empty barriers (peer_empty + 8s, in the cluster's shared window; 0: no cluster).
 struct HopperRing {
     const unsigned char *a, *b;
-    uint32_t full, empty;
+    uint32_t full, empty, peer_empty;
 };
+
+// Hands stage st back, once per consumer warp: to this block's producer and, in a cluster, to the
+// other block's, whose multicast writes half of this block's B tile into the stage too.
+static __device__ __forceinline__ void hopper_release(const HopperRing& ring, int st) {
+    mbar_arrive(ring.empty + 8 * st);
+    if (ring.peer_empty) mbar_arrive_cluster(ring.peer_empty + 8 * st);
+}
 
 // Where thread tid (0..127) of a consumer holds its accumulator (lib/ptx.cuh): rows r and r + 8 of
 // the consumer's 64, columns 8j + 2i and 8j + 2i + 1 of d[j]. Since (r + 8) % 8 = r % 8, both rows
@@ -391,7 +417,7 @@ static __device__ __forceinline__ bool hopper_take_inputs(uint32_t (&in)[N_IN][8
                 in[k][jj][1] = *reinterpret_cast<const uint32_t*>(box[k] + hopper_swizzled(r + 8, b));
             }
     __syncwarp();  // the warp's reads, before its arrive frees the stage
-    if ((threadIdx.x & 31) == 0) mbar_arrive(ring.empty + 8 * st);
+    if ((threadIdx.x & 31) == 0) hopper_release(ring, st);
     ++*t;
     return true;
 }
@@ -534,7 +560,7 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[HOP_B
 // B tile is W's 128 gate rows of them and the 128 up rows (tm_b and fuse.b_up), two boxes a stage.
 // HOP_EPI_SWIGLU_BWD (and _ACT) is the plain input gradient's product (N = F), tile for tile.
 // HOP_EPI_STREAM_K (version 7, splits 1): version 5's epilogue on the stream-K walk of `sk`.
-template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16>
+template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1>
 __global__ void __launch_bounds__(HOP_THREADS, 1)
     hopper_matmul_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                          const __grid_constant__ CUtensorMap tm_c, const __grid_constant__ HopperFusion fuse,
@@ -552,6 +578,9 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     static_assert(!SWIGLU || (A_K && B_K), "SwiGLU fuses into the forward, whose operands are K-major");
     static_assert((EPI != HOP_EPI_SWIGLU_BWD && EPI != HOP_EPI_SWIGLU_BWD_ACT) || (A_K && !B_K && sizeof(OutT) == 2),
                   "SwiGLU's backward fuses into an input gradient: dy K-major, W N-major, bf16 out");
+    constexpr bool MULTICAST = CLUSTER == 2;  // version 9: B's tile shared by a cluster of two blocks
+    static_assert(CLUSTER == 1 || (MULTICAST && TMA_STORE && !STREAM_K),
+                  "clusters of two, on the TMA epilogues' grid walk (one split of K)");
     constexpr int EPI_INPUTS = hopper_epi_inputs(EPI);  // boxes an epilogue chunk reads through the ring
     extern __shared__ __align__(1024) unsigned char hopper_smem[];
     const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * HOP_A_BYTES;
@@ -563,16 +592,25 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
         return;
     }
     const int tiles_m = (M + HOP_BM - 1) / HOP_BM, tiles_n = (N + TILE_N - 1) / TILE_N;
-    const int units = tiles_m * tiles_n * splits, k_blocks = (K + BK - 1) / BK;
+    const int k_blocks = (K + BK - 1) / BK;
+    // version 9: a cluster walks pairs of tiles, one above the other (the second past M when
+    // tiles_m is odd), block rank r taking row tile 2p + r of pair row p
+    const int rank = MULTICAST ? (int)cluster_rank() : 0;
+    const int units = (MULTICAST ? (tiles_m + 1) / 2 : tiles_m) * tiles_n * splits;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
     // The block's units: first, first + step, ... below last; version 7: the tiles its range
     // sk_begin .. sk_end-1 of all k-blocks touches, each clipped to it (block_unit).
-    int first = blockIdx.x, last = units, step = gridDim.x;
+    int first = blockIdx.x / CLUSTER, last = units, step = gridDim.x / CLUSTER;
     const long sk_total = STREAM_K ? (long)units * k_blocks : 0;
     const long sk_begin = hopper_sk_begin(blockIdx.x, sk_total, gridDim.x);
     const long sk_end = hopper_sk_begin(blockIdx.x + 1, sk_total, gridDim.x);
     if constexpr (STREAM_K) first = (int)(sk_begin / k_blocks), last = (int)((sk_end - 1) / k_blocks) + 1, step = 1;
     auto block_unit = [&](int unit) {
+        if constexpr (MULTICAST) {  // pair rows: a group of group_m tile rows is group_m / 2 of them
+            HopperUnit u = hopper_unit(unit, (tiles_m + 1) / 2, tiles_n, TILE_N, max(1, group_m / 2), k_blocks, 1);
+            u.m0 = 2 * u.m0 + rank * HOP_BM;
+            return u;
+        }
         HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
         if constexpr (STREAM_K) {
             const long tile_begin = (long)unit * k_blocks;
@@ -585,11 +623,12 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     if (threadIdx.x == 0) {
         for (int s = 0; s < HOP_STAGES; ++s) {
             mbar_init(full + 8 * s, 1);   // the producer's arrive (with the expected bytes)
-            mbar_init(empty + 8 * s, 8);  // one arrive per consumer warp
+            mbar_init(empty + 8 * s, 8 * CLUSTER);  // one arrive per consumer warp of the cluster
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
-    __syncthreads();
+    if constexpr (MULTICAST) cluster_sync();  // both blocks' barriers set up before either signals the other's
+    else __syncthreads();
 
     if (wg == 0) {  // producer
         setmaxnreg_dec<HOP_PROD_REGS>();
@@ -605,9 +644,12 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
             int t = 0;  // stages loaded so far
             for (int unit = first; unit < last; unit += step) {
                 const HopperUnit u = block_unit(unit);
-                const int a_panels = min(2, (M - u.m0 + 63) / 64), b_panels = min(4, (N - u.n0 + 63) / 64);
-                const uint32_t bytes = (A_K ? HOP_A_BYTES : a_panels * HOP_PANEL_BYTES) +
-                                       (B_K ? HOP_B_BYTES : b_panels * HOP_PANEL_BYTES);
+                // (a cluster's second tile past M loads no A, nor a K-major B its half wholly past N:
+                // what they would feed is never stored)
+                const int a_panels = max(0, min(2, (M - u.m0 + 63) / 64)), b_panels = min(4, (N - u.n0 + 63) / 64);
+                const int b_halves = MULTICAST && B_K && !SWIGLU && N - u.n0 <= HOP_BN / 2 ? 1 : 2;
+                const uint32_t bytes = (A_K ? (a_panels ? HOP_A_BYTES : 0) : a_panels * HOP_PANEL_BYTES) +
+                                       (B_K ? b_halves * (HOP_B_BYTES / 2) : b_panels * HOP_PANEL_BYTES);
                 for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
                     const int st = t % HOP_STAGES;
                     const uint32_t bar = full + 8 * st;
@@ -615,12 +657,23 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                     const uint32_t as = a_tiles + st * HOP_A_BYTES, bs = b_tiles + st * HOP_B_BYTES;
                     const int k0 = kb * BK;
                     if constexpr (A_K) {
-                        tma_load_3d(as, &tm_a, k0, u.m0, 0, bar);  // box {64 k, 128 m}
+                        if (a_panels) tma_load_3d(as, &tm_a, k0, u.m0, 0, bar);  // box {64 k, 128 m}
                     } else {
                         for (int p = 0; p < a_panels; ++p)  // boxes {64 m, 64 k}
                             tma_load_3d(as + p * HOP_PANEL_BYTES, &tm_a, u.m0 + 64 * p, k0, 0, bar);
                     }
-                    if constexpr (SWIGLU) {  // boxes {64 k, 128 features}: gate rows, then up rows
+                    if constexpr (MULTICAST) {  // this block's half of B, into both blocks
+                        // (tm_b's boxes are 128 rows; SwiGLU: rank 0 the gate rows, rank 1 the up rows)
+                        const uint32_t half = bs + rank * (HOP_B_BYTES / 2);
+                        if constexpr (SWIGLU)
+                            tma_load_3d_multicast(half, rank ? &fuse.b_up : &tm_b, k0, u.n0, 0, bar, 3);
+                        else if constexpr (B_K) {
+                            if (rank < b_halves)
+                                tma_load_3d_multicast(half, &tm_b, k0, u.n0 + rank * (HOP_BN / 2), 0, bar, 3);
+                        } else
+                            for (int p = 2 * rank; p < min(2 * rank + 2, b_panels); ++p)
+                                tma_load_3d_multicast(bs + p * HOP_PANEL_BYTES, &tm_b, u.n0 + 64 * p, k0, 0, bar, 3);
+                    } else if constexpr (SWIGLU) {  // boxes {64 k, 128 features}: gate rows, then up rows
                         tma_load_3d(bs, &tm_b, k0, u.n0, 0, bar);
                         tma_load_3d(bs + HOP_B_BYTES / 2, &fuse.b_up, k0, u.n0, 0, bar);
                     } else if constexpr (B_K) {
@@ -633,7 +686,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 // then what the tile's epilogue reads, a stage a chunk of 64 columns (hopper_take_inputs)
                 for (int col0 = u.n0; EPI_INPUTS > 0 && col0 < min(u.n0 + HOP_BN, N); col0 += 64, ++t) {
                     const int st = t % HOP_STAGES;
-                    if (!claim(t, EPI_INPUTS * HOP_BM * 128)) return;
+                    if (!claim(t, u.m0 < M ? EPI_INPUTS * HOP_BM * 128 : 0)) return;
+                    if (u.m0 >= M) continue;  // a cluster's second tile past M: the stage is taken, empty
                     const uint32_t bar = full + 8 * st;
                     tma_load_3d(a_tiles + st * HOP_A_BYTES, &fuse.in[0], col0, u.m0, 0, bar);
                     if (EPI_INPUTS > 1) tma_load_3d(b_tiles + st * HOP_B_BYTES, &fuse.in[1], col0, u.m0, 0, bar);
@@ -652,7 +706,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     const float alpha = FP8 ? *fuse.a_scale_inv * *fuse.b_scale_inv : 1.0f;
     int t = 0;                // stages consumed so far (k-blocks, and version 6's input chunks)
     int chunks = 0;           // versions 5, 6: chunks this consumer has staged
-    const HopperRing ring = {hopper_smem, hopper_smem + HOP_STAGES * HOP_A_BYTES, full, empty};
+    const HopperRing ring = {hopper_smem, hopper_smem + HOP_STAGES * HOP_A_BYTES, full, empty,
+                             MULTICAST ? cluster_map_shared(empty, rank ^ 1) : 0u};
     for (int unit = first; unit < last; unit += step) {
         const HopperUnit u = block_unit(unit);
 #pragma unroll
@@ -690,7 +745,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                         for (int e = 0; e < 4; ++e)
                             acc[h * HOP_BN / 16 + j][e] = fmaf(alpha, part[j][e], acc[h * HOP_BN / 16 + j][e]);
                 }
-                if (lane == 0) mbar_arrive(empty + 8 * st);
+                if (lane == 0) hopper_release(ring, st);
                 continue;
             }
             wg_fence();
@@ -702,12 +757,12 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
             }
             wg_commit();
             wg_wait<1>();  // k-block kb-1's products are done: its stage can be refilled
-            if (kb > u.kb0 && lane == 0) mbar_arrive(empty + 8 * ((t - 1) % HOP_STAGES));
+            if (kb > u.kb0 && lane == 0) hopper_release(ring, (t - 1) % HOP_STAGES);
         }
         if constexpr (!FP8) {  // (version 8 waited for each k-block and handed its stage back)
             wg_wait<0>();
             wg_fence_regs(acc);
-            if (u.kb1 > u.kb0 && lane == 0) mbar_arrive(empty + 8 * ((t - 1) % HOP_STAGES));
+            if (u.kb1 > u.kb0 && lane == 0) hopper_release(ring, (t - 1) % HOP_STAGES);
         }
 
         if constexpr (STREAM_K) {
@@ -741,18 +796,27 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
         }
     }
     if (store_thread) bulk_wait<false>();  // every store done before the block's shared memory goes
+    // and, in a cluster, the other block's last arrives on this block's barriers done too
+    if constexpr (MULTICAST) cluster_sync();
 }
 
-// One launch of the kernel, its shared memory allowed first (past the 48 KiB default).
-template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16>
+// One launch of the kernel, its shared memory allowed first (past the 48 KiB default); CLUSTER 2:
+// in clusters of two blocks (grid even), whose B tiles each load half of (version 9).
+template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1>
 static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
                           const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
                           cudaStream_t s, const HopperStreamK& sk = {}) {
     constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS);
-    attn_allow_smem(hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT>, smem);
-    hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT>
-        <<<grid, HOP_THREADS, smem, s>>>(tm_a, tm_b, tm_c, fuse, c, M, N, K, group_m, splits, sk);
-    LAUNCH_CHECK();
+    auto kernel = hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT, CLUSTER>;
+    attn_allow_smem(kernel, smem);
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(grid), config.blockDim = dim3(HOP_THREADS), config.dynamicSmemBytes = smem;
+    config.stream = s;
+    cudaLaunchAttribute cluster = {};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = CLUSTER, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster, config.numAttrs = CLUSTER > 1;  // (CLUSTER 1: a plain launch)
+    CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tm_a, tm_b, tm_c, fuse, c, M, N, K, group_m, splits, sk));
 }
 
 // The SMs of the current device: the persistent grid's size.
@@ -764,6 +828,39 @@ static int hopper_sms(void) {
         CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     }
     return sms;
+}
+
+// How many clusters of two blocks of the kernel the GPU runs at once. A cluster's blocks run on SMs
+// of one GPC, and GPCs may hold odd numbers of SMs, so this can be less than SMs / 2; a persistent
+// grid of more clusters than this would run its last ones after the others' whole walks.
+static int hopper_cluster_slots(void) {
+    static int slots = 0;
+    if (!slots) {
+        auto kernel = hopper_matmul_kernel<true, true, bf16, HOP_EPI_TMA, bf16, bf16, 2>;
+        constexpr int smem = hopper_smem_bytes(true);  // as every cluster instance's
+        attn_allow_smem(kernel, smem);
+        cudaLaunchConfig_t config = {};
+        config.gridDim = dim3(hopper_sms() / 2 * 2), config.blockDim = dim3(HOP_THREADS);
+        config.dynamicSmemBytes = smem;
+        cudaLaunchAttribute cluster = {};
+        cluster.id = cudaLaunchAttributeClusterDimension;
+        cluster.val.clusterDim.x = 2, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
+        config.attrs = &cluster, config.numAttrs = 1;
+        CUDA_CHECK(cudaOccupancyMaxActiveClusters(&slots, kernel, &config));
+        if (slots < 1) {
+            fprintf(stderr, "matmul: no cluster of two blocks of our GEMM fits on this GPU\n");
+            exit(1);
+        }
+    }
+    return slots;
+}
+
+// The persistent grid for tiles_m x tiles_n tiles of C: a block an SM, or (CLUSTER 2) a cluster of
+// two blocks for each pair of tiles (tiles_m rounded up to even), as many as run at once.
+template <int CLUSTER>
+static int hopper_grid(int tiles_m, int tiles_n) {
+    if (CLUSTER == 1) return std::min(tiles_m * tiles_n, hopper_sms());
+    return 2 * std::min((tiles_m + 1) / 2 * tiles_n, hopper_cluster_slots());
 }
 
 // What the fused SwiGLU products need of their operands, or NULL when they are fine: TMA's row
@@ -801,6 +898,9 @@ static const char* hopper_swiglu_backward_problem(const bf16* d_gate_up, const b
 // hopper_swiglu_problem accepts (else it exits with that line). A tile takes 128 features: W's gate
 // rows and up rows of them, each half of W, gate_up and act a map of its own, whose edges TMA
 // zero-fills (loads) and clips (stores). One split of K, so the result repeats bit for bit.
+// CLUSTER 2 (the ladder's version 9): in clusters of two blocks, one loading the gate rows of both,
+// the other the up rows; the same bits, no faster (doc/matmul.md), so the trainer runs 1.
+template <int CLUSTER = 1>
 static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const bf16* W, int N, int I, int O,
                                   cudaStream_t s) {
     if (const char* problem = hopper_swiglu_problem(gate_up, act, x, W, N, I, O)) {
@@ -812,11 +912,10 @@ static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const
     fuse.b_up = tma_tensor_map(W + (size_t)F * K, K, K, F, 1, HOP_BN / 2);
     fuse.c_up = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, 64);
     fuse.act = tma_tensor_map(act, F, F, M, 1, 64);
-    const int tiles = ceil_div(M, HOP_BM) * ceil_div(F, HOP_BN / 2);
-    hopper_launch<true, true, bf16, HOP_EPI_SWIGLU>(
+    hopper_launch<true, true, bf16, HOP_EPI_SWIGLU, bf16, bf16, CLUSTER>(
         tma_tensor_map(x, K, K, M, 1, HOP_BM), tma_tensor_map(W, K, K, F, 1, HOP_BN / 2),
-        tma_tensor_map(gate_up, F, 2 * F, M, 1, 64), fuse, gate_up, M, F, K, std::min(tiles, hopper_sms()), HOP_GROUP_M,
-        1, s);
+        tma_tensor_map(gate_up, F, 2 * F, M, 1, 64), fuse, gate_up, M, F, K,
+        hopper_grid<CLUSTER>(ceil_div(M, HOP_BM), ceil_div(F, HOP_BN / 2)), HOP_GROUP_M, 1, s);
 }
 
 // The down matrix's input gradient with SwiGLU's backward fused (the ladder's version 6, the
@@ -829,7 +928,10 @@ static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const
 // each half of d_gate_up. With act not NULL it also stores act[N, F] = silu(gate) * up, the bits
 // swiglu_forward makes from gate_up: the forward's SwiGLU output remade for a layer that
 // recomputes it, at the cost of its store alone, since gate and up are read here anyway. One split
-// of K, so the result repeats bit for bit.
+// of K, so the result repeats bit for bit. CLUSTER 2 (the ladder's version 9): in clusters of two
+// blocks, each loading two of the four panels of W's tile into both; the same bits, no faster
+// (doc/matmul.md), so the trainer runs 1.
+template <int CLUSTER = 1>
 static void hopper_backward_swiglu(bf16* d_gate_up, bf16* act, const bf16* dy, const bf16* W, const bf16* gate_up,
                                    int N, int I, int O, cudaStream_t s) {
     if (const char* problem = hopper_swiglu_backward_problem(d_gate_up, act, dy, W, gate_up, N, I, O)) {
@@ -842,18 +944,18 @@ static void hopper_backward_swiglu(bf16* d_gate_up, bf16* act, const bf16* dy, c
     fuse.in[0] = tma_tensor_map(gate_up, F, 2 * F, M, 1, HOP_BM);
     fuse.in[1] = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, HOP_BM);
     if (act) fuse.act = tma_tensor_map(act, F, F, M, 1, 64);
-    const int tiles = ceil_div(M, HOP_BM) * ceil_div(F, HOP_BN);
     const CUtensorMap tm_dy = tma_tensor_map(dy, K, K, M, 1, HOP_BM), tm_w = tma_tensor_map(W, F, F, K, 1, 64);
     const CUtensorMap tm_d_gate = tma_tensor_map(d_gate_up, F, 2 * F, M, 1, 64);
-    const int grid = std::min(tiles, hopper_sms());
+    const int grid = hopper_grid<CLUSTER>(ceil_div(M, HOP_BM), ceil_div(F, HOP_BN));
     // two instances of the kernel: act's stores are compiled out of the other (a runtime choice
     // in one would hold registers that the consumers, at 232, do not have to spare)
     if (act)
-        hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD_ACT>(tm_dy, tm_w, tm_d_gate, fuse, d_gate_up, M, F, K, grid,
-                                                                 HOP_GROUP_M, 1, s);
+        hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD_ACT, bf16, bf16, CLUSTER>(
+            tm_dy, tm_w, tm_d_gate, fuse, d_gate_up, M, F, K, grid, HOP_GROUP_M, 1, s);
     else
-        hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD>(tm_dy, tm_w, tm_d_gate, fuse, d_gate_up, M, F, K, grid,
-                                                             HOP_GROUP_M, 1, s);
+        hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD, bf16, bf16, CLUSTER>(tm_dy, tm_w, tm_d_gate, fuse,
+                                                                                  d_gate_up, M, F, K, grid,
+                                                                                  HOP_GROUP_M, 1, s);
 }
 
 #endif

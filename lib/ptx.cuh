@@ -2,7 +2,8 @@
  * lib/ptx.cuh - inline-PTX wrappers for the Hopper (sm_90a) instructions CUDA C++ does not expose:
  * warpgroup matrix products (wgmma: fence, commit, wait, shared-memory descriptors, the products
  * with both operands in shared memory and with A in registers, and the FP8 product), mbarriers, TMA tensor loads (and
- * cuTensorMapEncodeTiled, fetched through the runtime to encode their maps) and stores, setmaxnreg,
+ * cuTensorMapEncodeTiled, fetched through the runtime to encode their maps) and stores, clusters (TMA
+ * multicast, another block's shared memory and barriers, the cluster barrier), setmaxnreg,
  * bulk copies and bulk reductions with their waits, named barriers, the gpu-scope acquire / release
  * pair, and the async-proxy fences.
  *
@@ -266,6 +267,42 @@ static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorM
         "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(t0), "r"(b), "r"(bar)
         : "memory");
 }
+
+// Thread-block clusters (PTX ISA: "Cluster", "mapa", "barrier.cluster"). The blocks of a cluster
+// run at once on neighbouring SMs and may address each other's shared memory: tma_load_3d_multicast
+// writes one box into the same offset of every block of cta_mask (bit r: the block of rank r) and
+// completes its bytes on the barrier at bar's offset in each of them.
+static __device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap* map, int c0, int t0,
+                                                             int b, uint32_t bar, uint16_t cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, "
+        "{%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(t0), "r"(b), "r"(bar), "h"(cta_mask)
+        : "memory");
+}
+static __device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+    return r;
+}
+// The address, in the cluster's shared window, of the same offset as addr in the block of rank `rank`.
+static __device__ __forceinline__ uint32_t cluster_map_shared(uint32_t addr, uint32_t rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(addr), "r"(rank));
+    return remote;
+}
+// An arrive on another block's mbarrier (its address from cluster_map_shared). Its release is the
+// default, CTA scope: what it orders are this warpgroup's wgmma reads of a stage, done before it
+// (wgmma.wait_group), and the other block's producer then only overwrites that stage through TMA.
+static __device__ __forceinline__ void mbar_arrive_cluster(uint32_t remote_bar) {
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote_bar) : "memory");
+}
+// Every thread of the cluster's blocks that has not exited arrives, then waits for the others: the
+// cluster's __syncthreads (exited threads do not hold it up).
+static __device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 template <int N>
 static __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
