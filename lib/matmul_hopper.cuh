@@ -800,6 +800,20 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     if constexpr (MULTICAST) cluster_sync();
 }
 
+// A launch of `grid` blocks of the kernel with `smem` bytes of shared memory on stream s, in
+// clusters of `cluster` blocks (1: a plain launch); *attr holds the cluster's attribute.
+static cudaLaunchConfig_t hopper_launch_config(int grid, int smem, int cluster, cudaStream_t s,
+                                               cudaLaunchAttribute* attr) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(grid), config.blockDim = dim3(HOP_THREADS), config.dynamicSmemBytes = smem;
+    config.stream = s;
+    *attr = {};
+    attr->id = cudaLaunchAttributeClusterDimension;
+    attr->val.clusterDim.x = cluster, attr->val.clusterDim.y = 1, attr->val.clusterDim.z = 1;
+    config.attrs = attr, config.numAttrs = cluster > 1;
+    return config;
+}
+
 // One launch of the kernel, its shared memory allowed first (past the 48 KiB default); CLUSTER 2:
 // in clusters of two blocks (grid even), whose B tiles each load half of (version 9).
 template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1>
@@ -809,13 +823,8 @@ static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, cons
     constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS);
     auto kernel = hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT, CLUSTER>;
     attn_allow_smem(kernel, smem);
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(grid), config.blockDim = dim3(HOP_THREADS), config.dynamicSmemBytes = smem;
-    config.stream = s;
-    cudaLaunchAttribute cluster = {};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = CLUSTER, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster, config.numAttrs = CLUSTER > 1;  // (CLUSTER 1: a plain launch)
+    cudaLaunchAttribute cluster;
+    const cudaLaunchConfig_t config = hopper_launch_config(grid, smem, CLUSTER, s, &cluster);
     CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, tm_a, tm_b, tm_c, fuse, c, M, N, K, group_m, splits, sk));
 }
 
@@ -839,13 +848,8 @@ static int hopper_cluster_slots(void) {
         auto kernel = hopper_matmul_kernel<true, true, bf16, HOP_EPI_TMA, bf16, bf16, 2>;
         constexpr int smem = hopper_smem_bytes(true);  // as every cluster instance's
         attn_allow_smem(kernel, smem);
-        cudaLaunchConfig_t config = {};
-        config.gridDim = dim3(hopper_sms() / 2 * 2), config.blockDim = dim3(HOP_THREADS);
-        config.dynamicSmemBytes = smem;
-        cudaLaunchAttribute cluster = {};
-        cluster.id = cudaLaunchAttributeClusterDimension;
-        cluster.val.clusterDim.x = 2, cluster.val.clusterDim.y = 1, cluster.val.clusterDim.z = 1;
-        config.attrs = &cluster, config.numAttrs = 1;
+        cudaLaunchAttribute cluster;
+        const cudaLaunchConfig_t config = hopper_launch_config(hopper_sms() / 2 * 2, smem, 2, 0, &cluster);
         CUDA_CHECK(cudaOccupancyMaxActiveClusters(&slots, kernel, &config));
         if (slots < 1) {
             fprintf(stderr, "matmul: no cluster of two blocks of our GEMM fits on this GPU\n");
