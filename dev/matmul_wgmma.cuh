@@ -176,9 +176,9 @@ struct HopperMatmul {
         const CUtensorMap tm_b = B_K ? hopper_operand_map(b, K, N, HOP_BN) : hopper_operand_map(b, N, K, 64);
         HopperFusion scales = {};  // version 8's: real = a_scale_inv b_scale_inv x the FP8 product
         scales.a_scale_inv = a_scale_inv, scales.b_scale_inv = b_scale_inv;
-        const int tiles = ceil_div(M, HOP_BM) * ceil_div(N, HOP_BN);
+        const int tiles_m = ceil_div(M, HOP_BM), tiles_n = ceil_div(N, HOP_BN), tiles = tiles_m * tiles_n;
         if constexpr (VERSION < 5) {
-            const int grid = VERSION == 4 ? std::min(tiles, sms) : tiles;
+            const int grid = VERSION == 4 ? hopper_grid<1>(tiles_m, tiles_n) : tiles;
             hopper_launch<A_K, B_K, OutT, HOP_EPI_REGISTERS>(tm_a, tm_b, CUtensorMap{}, HopperFusion{}, c, M, N, K,
                                                              grid, VERSION == 4 ? HOP_GROUP_M : 1, 1, s);
             return;
@@ -196,14 +196,14 @@ struct HopperMatmul {
             if (splits == 1) {
                 const CUtensorMap tm_b_half = B_K ? hopper_operand_map(b, K, N, HOP_BN / 2) : tm_b;
                 hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT, 2>(
-                    tm_a, tm_b_half, hopper_c_map(c, M, N), scales, c, M, N, K,
-                    hopper_grid<2>(ceil_div(M, HOP_BM), ceil_div(N, HOP_BN)), HOP_GROUP_M, 1, s);
+                    tm_a, tm_b_half, hopper_c_map(c, M, N), scales, c, M, N, K, hopper_grid<2>(tiles_m, tiles_n),
+                    HOP_GROUP_M, 1, s);
                 return;
             }
         }
         if (splits == 1) {
             hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT>(tm_a, tm_b, hopper_c_map(c, M, N), scales, c, M, N, K,
-                                                               std::min(tiles, sms), HOP_GROUP_M, 1, s);
+                                                               hopper_grid<1>(tiles_m, tiles_n), HOP_GROUP_M, 1, s);
             return;
         }
         float* ws = hopper_workspace((size_t)splits * M * N);

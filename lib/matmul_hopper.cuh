@@ -16,9 +16,9 @@
  * configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and
  * splits K), 6 adds the residual or applies SwiGLU or its backward, 7 (the ladder's only) stores as
  * 5 on a stream-K walk (HopperStreamK, below), 8 (the ladder's only) is 5 on FP8 operands (below),
- * 9 (the ladder's only) is 5 and 6 in clusters of two blocks that share B's tile (below). train_gpt.cu includes this file after kernels.cuh,
- * whose swiglu8 and swiglu_backward8 and lib/attention.cuh helpers (the tensor-map cache, shared
- * addresses, bf16 packing) it uses.
+ * 9 (the ladder's only) is 5 and 6 in clusters of two blocks that share B's tile (below).
+ * train_gpt.cu includes this file after kernels.cuh, whose swiglu8 and swiglu_backward8 and
+ * lib/attention.cuh helpers (the tensor-map cache, shared addresses, bf16 packing) it uses.
  *
  * Work split: a 128 x 256 output tile, k-blocks of 64, a 4-stage ring of A [128 x 64] and B
  * [256 x 64] tiles (4 x 48 KiB = 192 KiB of shared memory), 384 threads:
@@ -820,6 +820,10 @@ template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typena
 static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
                           const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
                           cudaStream_t s, const HopperStreamK& sk = {}) {
+    if (CLUSTER > 1 && splits != 1) {  // a cluster's walk has no splits of K (the kernel's static_assert: nor stream-K)
+        fprintf(stderr, "hopper_launch: clusters of %d blocks take one split of K, not %d\n", CLUSTER, splits);
+        exit(1);
+    }
     constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS);
     auto kernel = hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT, CLUSTER>;
     attn_allow_smem(kernel, smem);
