@@ -41,8 +41,6 @@
  *      one above the other, which read the same tile of B, and each loads half of that tile into
  *      both blocks' shared memory by TMA multicast, so L2 serves B once a pair; each output the
  *      same fp32 sum in the same order as versions 5 and 6 (unsplit) make it.
- *  10  versions 5 and 6 in ping-pong (./dev/matmul a): tiles of 64 rows, each consumer warpgroup on
- *      a tile of its own, so that one's epilogue runs under the other's products; the same sums.
  * Versions 2-7 and 9 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too), the FP8
  * forms (version 8, cuBLASLt) multiples of 16; a shape a version cannot take is skipped, with a word. Resource use (-Xptxas -v) and the figures:
  * doc/matmul.md.
@@ -213,11 +211,11 @@ static void hopper_fp8(Form form, void* c, const uint8_t* a, const uint8_t* b, c
     else V::gemm<true, true>((bf16*)c, (const __nv_fp8_e4m3*)a, b8, M, N, K, s, a_scale_inv, b_scale_inv);
 }
 
-// Versions 6, 9 and 10: one launch, d_mlp_act never stored (d_act unused).
-template <int CLUSTER, bool PING_PONG = false>
+// Versions 6 and 9: one launch, d_mlp_act never stored (d_act unused).
+template <int CLUSTER>
 static void hopper_backward_swiglu_form(bf16* d_gate_up, bf16*, bf16* act, const bf16* dy, const bf16* W,
                                         const bf16* gate_up, int N, int I, int O, cudaStream_t s) {
-    hopper_backward_swiglu<CLUSTER, PING_PONG>(d_gate_up, act, dy, W, gate_up, N, I, O, s);
+    hopper_backward_swiglu<CLUSTER>(d_gate_up, act, dy, W, gate_up, N, I, O, s);
 }
 
 static const Impl IMPLS[] = {
@@ -241,12 +239,7 @@ static const Impl IMPLS[] = {
     {9, "clusters of 2", mm_forward<HopperMatmul<9>>, mm_backward_input<HopperMatmul<9>>,
      mm_backward_weight<HopperMatmul<9>>, hopper_forward_residual<2>, hopper_forward_swiglu<2>,
      hopper_backward_swiglu_form<2>, mm_backward_input<HopperMatmul<6>>, NULL, true, 3, 10},
-    {10, "ping-pong", mm_forward<HopperMatmul<10>>, mm_backward_input<HopperMatmul<10>>,
-     mm_backward_weight<HopperMatmul<10>>, hopper_forward_residual<PP_CLUSTER, true>, hopper_forward_swiglu<PP_CLUSTER, true>,
-     hopper_backward_swiglu_form<PP_CLUSTER, true>, mm_backward_input<HopperMatmul<6>>, NULL, true, 3, 10},
 };
-// The command line's digit for each version (10: a).
-static const char VERSION_DIGITS[] = "0123456789a";
 static const int N_IMPLS = sizeof(IMPLS) / sizeof(IMPLS[0]);
 
 static bool has_form(const Impl& im, Form f) {
@@ -902,13 +895,14 @@ int main(int argc, char** argv) {
     const bool timing = !(argc > 2 && strcmp(argv[2], "check") == 0);
     std::vector<int> chosen = {0};  // indices into IMPLS; cuBLASLt first, always
     for (int i = 1; i < N_IMPLS; ++i)
-        if (!*want || strchr(want, VERSION_DIGITS[IMPLS[i].version])) chosen.push_back(i);
+        if (!*want || strchr(want, '0' + IMPLS[i].version)) chosen.push_back(i);
     const bool bad_versions =
-        *want && (strspn(want, VERSION_DIGITS) != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
+        *want && (strspn(want, "0123456789") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
     if (bad_versions || argc > 3 || (argc == 3 && timing)) {
         fprintf(stderr, "usage: %s [versions] [check]; versions are digits of 0 cuBLASLt, 1 naive, 2 mma.sync, "
                         "3 wgmma, 4 wgmma persistent, 5 TMA store and split K, 6 fused epilogues, 7 stream-K, 8 FP8, "
-                        "9 clusters of two, a ping-pong, in one word (not '%s'%s)\n", argv[0],
+                        "9 clusters of two, "
+                        "in one word (not '%s'%s)\n", argv[0],
                 want, argc > 2 ? " followed by more than `check`" : "");
         return 1;
     }

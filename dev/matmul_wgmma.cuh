@@ -1,5 +1,5 @@
 /*
- * dev/matmul_wgmma.cuh - versions 3 to 10 of the matmul ladder: Hopper's GEMM. The kernel itself is
+ * dev/matmul_wgmma.cuh - versions 3 to 9 of the matmul ladder: Hopper's GEMM. The kernel itself is
  * the trainer's, lib/matmul_hopper.cuh (TMA loads on an mbarrier ring, wgmma from swizzled shared
  * memory, a producer warpgroup and two consumers; its header has the work split, the layouts and
  * the epilogues); this file holds what only the ladder runs of it, as launch configurations:
@@ -22,10 +22,7 @@
  *   9  versions 5 and 6 in clusters of two blocks (the kernel's CLUSTER = 2): the blocks of a
  *      cluster take two tiles one above the other, which read the same tile of B, and each loads
  *      half of it into both by TMA multicast, so L2 serves B once for two tiles (where version 5
- *      splits K, version 9 runs version 5's split plan unchanged);
- *  10  versions 5 and 6 in ping-pong (the kernel's PING_PONG): tiles of 64 rows, the block's tiles
- *      dealt to its two consumers in turn, so that one's epilogue runs under the other's products
- *      (where version 5 splits K, version 10 runs version 5's split plan unchanged).
+ *      splits K, version 9 runs version 5's split plan unchanged).
  *
  * Version 5's split of K: a product with fewer tiles than half the SMs (a weight gradient of a small
  * matrix: 18 tiles for 132 SMs, K = 32768) cuts each tile's k-blocks into `splits` runs, so that
@@ -167,9 +164,7 @@ static HopperStreamK hopper_stream_k_workspace(int grid) {
 // epilogue and split K; 6: 5 never split, the plain product whose accumulators version 6's fused
 // epilogues round (each output one fp32 sum in k order, as theirs), against which the ladder checks
 // the bits of SwiGLU's fused backward; 7: 5 with stream-K where its units fill the SMs badly; 9: 5
-// in clusters of two where it does not split K (a K-major B in boxes of 128 rows, one a block); 10:
-// 5 in ping-pong where it does not split K (tiles of 64 rows, a K-major A in boxes of 64).
-constexpr int PP_CLUSTER = 1;
+// in clusters of two where it does not split K (a K-major B in boxes of 128 rows, one a block).
 template <int VERSION>
 struct HopperMatmul {
     template <bool A_K, bool B_K, typename OutT, typename AT = bf16, typename BT = bf16>
@@ -206,17 +201,6 @@ struct HopperMatmul {
                 return;
             }
         }
-        if constexpr (VERSION == 10) {
-            if (splits == 1) {
-                constexpr int tile_m = hop_tile_m<true>;
-                const CUtensorMap tm_a_pp = A_K ? hopper_operand_map(a, K, M, tile_m) : tm_a;
-                const CUtensorMap tm_b_half = B_K ? hopper_operand_map(b, K, N, HOP_BN / PP_CLUSTER) : tm_b;
-                hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT, PP_CLUSTER, true>(
-                    tm_a_pp, tm_b_half, hopper_c_map(c, M, N), scales, c, M, N, K,
-                    hopper_grid<PP_CLUSTER>(ceil_div(M, tile_m), tiles_n), hopper_group_m(tile_m), 1, s);
-                return;
-            }
-        }
         if (splits == 1) {
             hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT>(tm_a, tm_b, hopper_c_map(c, M, N), scales, c, M, N, K,
                                                                hopper_grid<1>(tiles_m, tiles_n), HOP_GROUP_M, 1, s);
@@ -234,18 +218,17 @@ struct HopperMatmul {
 
 // Version 6, the forward with the residual fused: y[N, O] = x[N, I] W[O, I]^T + residual[N, O], as
 // the trainer's attn_out and down forwards (cuBLASLt's beta = 1, out of place). No split of K: M is
-// the tokens, many tiles. CLUSTER 2: version 9's clusters of two, W's tile in halves; PING_PONG:
-// version 10's tiles of 64 rows, one a consumer, the residual through the input ring.
-template <int CLUSTER, bool PING_PONG = false>
+// the tokens, many tiles. CLUSTER 2: version 9's clusters of two, W's tile in halves.
+template <int CLUSTER>
 static void hopper_forward_residual(bf16* y, const bf16* x, const bf16* W, const bf16* residual, int N, int I, int O,
                                     cudaStream_t s) {
-    const int M = N, NC = O, K = I, tile_m = hop_tile_m<PING_PONG>;  // C[M][NC] = A[M][K] B[K][NC] + residual
+    const int M = N, NC = O, K = I;  // the GEMM: C[M][NC] = A[M][K] B[K][NC] + residual
     HopperFusion fuse = {};
-    fuse.in[0] = tma_tensor_map(residual, NC, NC, M, 1, tile_m);  // read through a ring, a chunk a slot
-    hopper_launch<true, true, bf16, HOP_EPI_RESIDUAL, bf16, bf16, CLUSTER, PING_PONG>(
-        tma_tensor_map(x, K, K, M, 1, tile_m), tma_tensor_map(W, K, K, NC, 1, HOP_BN / CLUSTER),
+    fuse.in[0] = tma_tensor_map(residual, NC, NC, M, 1, HOP_BM);  // read through the ring, a chunk a stage
+    hopper_launch<true, true, bf16, HOP_EPI_RESIDUAL, bf16, bf16, CLUSTER>(
+        tma_tensor_map(x, K, K, M, 1, HOP_BM), tma_tensor_map(W, K, K, NC, 1, HOP_BN / CLUSTER),
         tma_tensor_map(y, NC, NC, M, 1, 64), fuse, y, M, NC, K,
-        hopper_grid<CLUSTER>(ceil_div(M, tile_m), ceil_div(NC, HOP_BN)), hopper_group_m(tile_m), 1, s);
+        hopper_grid<CLUSTER>(ceil_div(M, HOP_BM), ceil_div(NC, HOP_BN)), HOP_GROUP_M, 1, s);
 }
 
 #endif

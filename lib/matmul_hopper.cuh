@@ -107,16 +107,6 @@
  * (The arrive on the other block's barrier first had cluster-scope release semantics; on the
  * consumers' path every k-block, it made every product about 35% slower.)
  *
- * Ping-pong (version 10, the ladder's only; the template's PING_PONG): tiles of 64 rows, the
- * block's i-th tile to consumer i % 2, so that one consumer's epilogue runs under the other's
- * products. A stage then feeds one consumer: the empty barriers count 4 warps, and each consumer has
- * full barriers of its own, on which it waits only for its own uses, in order (HopperRing's phase
- * bits): a barrier shared by consumers on different tiles could show a consumer the phase of a use
- * two before its own, whose parity is the same. The epilogue's inputs come through a ring of their
- * own (two slots of two [64][64] boxes), fed by a second producer thread, so that a consumer reading
- * them does not hold back the other's k-blocks. Measured (doc/matmul.md): slower than version 5 at
- * every trainer shape, its products alone at 0.64-0.96 of cuBLASLt.
- *
  * Determinism: with one split of K (all the trainer runs) each output is one fp32 sum over k in a
  * fixed order, whatever the grid; the ladder's split K and stream-K sum their partials in a fixed
  * order too.
@@ -150,30 +140,18 @@ template <typename T>
 constexpr int hop_bk = 128 / (int)sizeof(T);
 template <typename T>
 static int hopper_k_blocks(int K) { return (K + hop_bk<T> - 1) / hop_bk<T>; }
-// A tile's rows: 128, the two consumers' 64 each; in ping-pong (version 10) 64, one consumer's.
-template <bool PING_PONG>
-constexpr int hop_tile_m = PING_PONG ? HOP_BM / 2 : HOP_BM;
-constexpr int HOP_PANEL_BYTES = 64 * 64 * 2;  // one [64][64] bf16 panel
-template <bool PING_PONG>
-constexpr int hop_a_bytes = hop_tile_m<PING_PONG> * HOP_BK * 2;  // a stage's A tile: 16 KiB, 2 panels (ping-pong: 8, 1)
-constexpr int HOP_B_BYTES = HOP_BN * HOP_BK * 2;                 // 32 KiB: 4 panels
-template <bool PING_PONG>
-constexpr int hop_ring_bytes = HOP_STAGES * (hop_a_bytes<PING_PONG> + HOP_B_BYTES);
-constexpr int HOP_OUT_BUF_BYTES = 64 * 128, HOP_OUT_BUFS = 2;        // version 5: a consumer's staging
-constexpr int HOP_OUT_BYTES = 2 * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES;  // 32 KiB for the two consumers
-// Version 10's ring of epilogue inputs: 2 slots of two [64 rows][64 columns] bf16 boxes (gate's and up's).
-constexpr int HOP_IN_SLOTS = 2, HOP_IN_BOX_BYTES = 64 * 128, HOP_IN_SLOT_BYTES = 2 * HOP_IN_BOX_BYTES;
-constexpr int HOP_BARRIER_BYTES = 256;  // room for the mbarriers, 8 bytes each (version 10 has 18)
-// The ring (192 KiB; ping-pong's 160), version 5's staging buffers (32), version 10's input ring
-// (32, where its epilogue reads inputs) and the barriers: 192 to 224 KiB and 256 B (of 227 KiB).
-constexpr int hopper_smem_bytes(bool tma_store, bool ping_pong, bool inputs) {
-    return (ping_pong ? hop_ring_bytes<true> : hop_ring_bytes<false>) + (tma_store ? HOP_OUT_BYTES : 0) +
-           (ping_pong && inputs ? HOP_IN_SLOTS * HOP_IN_SLOT_BYTES : 0) + HOP_BARRIER_BYTES;
+constexpr int HOP_PANEL_BYTES = 64 * 64 * 2;         // one [64][64] bf16 panel
+constexpr int HOP_A_BYTES = HOP_BM * HOP_BK * 2;       // 16 KiB: 2 panels
+constexpr int HOP_B_BYTES = HOP_BN * HOP_BK * 2;       // 32 KiB: 4 panels
+constexpr int HOP_RING_BYTES = HOP_STAGES * (HOP_A_BYTES + HOP_B_BYTES);
+constexpr int HOP_OUT_BUF_BYTES = 64 * 128, HOP_OUT_BUFS = 2;               // version 5: a consumer's staging
+constexpr int HOP_OUT_BYTES = 2 * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES;         // 32 KiB for the two consumers
+// The ring, version 5's staging buffers, and the barriers: 192 KiB + 64 B, or 224 KiB + 64 B (of 227 KiB).
+constexpr int hopper_smem_bytes(bool tma_store) {
+    return HOP_RING_BYTES + (tma_store ? HOP_OUT_BYTES : 0) + 2 * HOP_STAGES * 8;
 }
 constexpr int HOP_PROD_REGS = 40, HOP_CONS_REGS = 232;  // 128 * 40 + 256 * 232 = 64512 <= 65536
 constexpr int HOP_GROUP_M = 8;                          // versions 4 and 5: tile rows per group
-// A group of the walk for tiles of tile_m rows: 1024 rows of C, as 8 rows of 128-row tiles.
-static int hopper_group_m(int tile_m) { return HOP_GROUP_M * HOP_BM / tile_m; }
 constexpr int HOP_WAIT_TRIES = 1 << 20, HOP_WAIT_HINT_NS = 1000;
 
 // Why a kernel gave up, raised in mm_error (0: it did not). A wait that runs past its bound raises
@@ -222,18 +200,18 @@ static __host__ __device__ __forceinline__ void hopper_tile_of(int t, int tiles_
     *tn = in_group / rows;
 }
 
-// Unit `unit` of a walk of tiles x splits units (tiles of tile_m x tile_n): its tile's first row m0
-// and column n0, its split, and the split's k-blocks kb0 .. kb1-1 (k_blocks cut in `splits` nearly
-// equal runs, none empty while splits <= k_blocks).
+// Unit `unit` of a walk of tiles x splits units: its tile's first row m0 and column n0, its split,
+// and the split's k-blocks kb0 .. kb1-1 (k_blocks cut in `splits` nearly equal runs, none empty
+// while splits <= k_blocks).
 struct HopperUnit {
     int m0, n0, split, kb0, kb1;
 };
-static __device__ __forceinline__ HopperUnit hopper_unit(int unit, int tiles_m, int tiles_n, int tile_m, int tile_n,
-                                                         int group_m, int k_blocks, int splits) {
+static __device__ __forceinline__ HopperUnit hopper_unit(int unit, int tiles_m, int tiles_n, int tile_n, int group_m,
+                                                         int k_blocks, int splits) {
     const int tiles = tiles_m * tiles_n, split = unit / tiles;
     int tm, tn;
     hopper_tile_of(unit % tiles, tiles_m, tiles_n, group_m, &tm, &tn);
-    return {tm * tile_m, tn * tile_n, split, split * k_blocks / splits, (split + 1) * k_blocks / splits};
+    return {tm * HOP_BM, tn * tile_n, split, split * k_blocks / splits, (split + 1) * k_blocks / splits};
 }
 
 // mbar wait that gives up: false (and MM_TIMEOUT raised) after HOP_WAIT_TRIES tries, or at once
@@ -359,46 +337,19 @@ static __host__ __device__ constexpr int hopper_epi_inputs(int epi) {
     return epi == HOP_EPI_RESIDUAL ? 1 : epi == HOP_EPI_SWIGLU_BWD || epi == HOP_EPI_SWIGLU_BWD_ACT ? 2 : 0;
 }
 
-// A consumer's view of a ring of slots: the k-block ring (whose stages also carry version 6's
-// epilogue inputs), or version 10's ring of epilogue inputs. Slot s's boxes lie at box[k] + s *
-// stride[k] (the k-block ring's: its A tile, then its B tile); its full barrier at full + 8s (this
-// consumer's own set in ping-pong), its empty one at empty + 8s, and in a cluster of two the other
-// block's at peer_empty + 8s (in the cluster's shared window; 0: no cluster). t is the consumer's
-// next use of the ring (slot t % slots), and bit s of phases the parity of its next wait on slot
-// s's full barrier: a consumer waits on a full barrier only for its own uses, in order, so each of
-// its waits is for the barrier's next phase (a parity from t alone, (t / slots) & 1, holds only
-// while the consumer takes every use, as the cooperative consumers do).
+// A consumer's view of the ring: the shared memory (stage s's A tile at a + s * HOP_A_BYTES, its B
+// tile at b + s * HOP_B_BYTES) and the barriers (full + 8s, empty + 8s); in a cluster of two, also
+// the other block's empty barriers (peer_empty + 8s, in the cluster's shared window; 0: no cluster).
 struct HopperRing {
-    const unsigned char* box[2];
-    int stride[2], slots;
+    const unsigned char *a, *b;
     uint32_t full, empty, peer_empty;
-    int t;
-    uint32_t phases;
 };
 
-// Waits for the ring's next use and takes it: its slot, or -1 when the wait timed out.
-static __device__ __forceinline__ int hopper_take(HopperRing* ring) {
-    const int s = ring->t % ring->slots;
-    if (!hopper_wait(ring->full + 8 * s, (ring->phases >> s) & 1)) return -1;
-    ring->phases ^= 1u << s;
-    ++ring->t;
-    return s;
-}
-
-// Hands slot s back, once per consumer warp: to this block's producer and, in a cluster, to the
+// Hands stage st back, once per consumer warp: to this block's producer and, in a cluster, to the
 // other block's, whose multicast writes half of this block's B tile into the stage too.
-static __device__ __forceinline__ void hopper_release(const HopperRing& ring, int s) {
-    mbar_arrive(ring.empty + 8 * s);
-    if (ring.peer_empty) mbar_arrive_cluster(ring.peer_empty + 8 * s);
-}
-
-// The producer's claim of a slot for its use `use` (counted per slot): once the slot's previous use
-// is handed back (its empty barrier's phase use - 1 completed), announce on full the bytes to come.
-// False when the wait timed out.
-static __device__ __forceinline__ bool hopper_claim(uint32_t empty, uint32_t full, int use, uint32_t bytes) {
-    if (use > 0 && !hopper_wait(empty, (use - 1) & 1)) return false;
-    mbar_expect_tx(full, bytes);
-    return true;
+static __device__ __forceinline__ void hopper_release(const HopperRing& ring, int st) {
+    mbar_arrive(ring.empty + 8 * st);
+    if (ring.peer_empty) mbar_arrive_cluster(ring.peer_empty + 8 * st);
 }
 
 // Where thread tid (0..127) of a consumer holds its accumulator (lib/ptx.cuh): rows r and r + 8 of
@@ -444,32 +395,30 @@ static __device__ __forceinline__ void hopper_stage_store(unsigned char* bufs, i
     ++*chunks;
 }
 
-// What version 6's epilogue reads for one chunk of 64 columns, by all 128 threads of a consumer:
-// takes the ring's next use (version 6: a stage of the k-block ring; version 10: a slot of its input
-// ring), reads the entries that match this thread's accumulator (rows box_row0 + r and + 8 of each
-// box: the consumer's rows of the tile, columns 8jj + 2i, +1 of the chunk, a pair a word) of each of
-// its N_IN boxes into in[], and hands it back. A consumer whose rows lie past M (read = false)
-// takes and hands back its uses all the same, so that the ring's uses are counted alike on every
-// side. False when the wait timed out.
+// What version 6's epilogue reads for one chunk of 64 columns, by all 128 threads of consumer cw:
+// waits for the chunk's stage (ring use *t), reads the entries that match this thread's
+// accumulator (rows 64cw + r and + 8, columns 8jj + 2i, +1 of the chunk, a pair a word) of each of
+// the N_IN boxes (the stage's A tile, then its B tile) into in[], and hands the stage back. A
+// consumer whose rows lie past M (read = false) takes and hands back the stages all the same, so
+// that both count the ring alike. False when the wait timed out.
 template <int N_IN>
-static __device__ __forceinline__ bool hopper_take_inputs(uint32_t (&in)[N_IN][8][2], HopperRing* ring, int box_row0,
-                                                          bool read) {
-    const int tid = threadIdx.x & 127, r = box_row0 + hopper_row_of(tid);
-    const int s = hopper_take(ring);
-    if (s < 0) return false;
+static __device__ __forceinline__ bool hopper_take_inputs(uint32_t (&in)[N_IN][8][2], const HopperRing& ring, int* t,
+                                                          int cw, bool read) {
+    const int st = *t % HOP_STAGES, tid = threadIdx.x & 127, r = 64 * cw + hopper_row_of(tid);
+    if (!hopper_wait(ring.full + 8 * st, (*t / HOP_STAGES) & 1)) return false;
+    const unsigned char* box[2] = {ring.a + st * HOP_A_BYTES, ring.b + st * HOP_B_BYTES};
     if (read)
 #pragma unroll
-        for (int k = 0; k < N_IN; ++k) {
-            const unsigned char* box = ring->box[k] + s * ring->stride[k];
+        for (int k = 0; k < N_IN; ++k)
 #pragma unroll
             for (int jj = 0; jj < 8; ++jj) {
                 const int b = (8 * jj + 2 * hopper_pair_of(tid)) * 2;
-                in[k][jj][0] = *reinterpret_cast<const uint32_t*>(box + hopper_swizzled(r, b));
-                in[k][jj][1] = *reinterpret_cast<const uint32_t*>(box + hopper_swizzled(r + 8, b));
+                in[k][jj][0] = *reinterpret_cast<const uint32_t*>(box[k] + hopper_swizzled(r, b));
+                in[k][jj][1] = *reinterpret_cast<const uint32_t*>(box[k] + hopper_swizzled(r + 8, b));
             }
-        }
-    __syncwarp();  // the warp's reads, before its arrive frees the slot
-    if ((threadIdx.x & 31) == 0) hopper_release(*ring, s);
+    __syncwarp();  // the warp's reads, before its arrive frees the stage
+    if ((threadIdx.x & 31) == 0) hopper_release(ring, st);
+    ++*t;
     return true;
 }
 
@@ -488,13 +437,12 @@ static __device__ __forceinline__ float hopper_bf16_hi(uint32_t w) { return __ui
 // halves: swiglu_backward's bits on that d_mlp_act. EPI_SWIGLU_BWD_ACT stores act = silu(gate) * up
 // of the same entries first (swiglu1 two features a word, rounded as swiglu8 rounds them:
 // swiglu_forward's bits on the stored gate_up). The residual, gate and up come a chunk at a time
-// through in_ring (hopper_take_inputs: the k-block ring, or version 10's input ring; the consumer's
-// rows start at row in_row0 of its boxes). Chunks wholly past M or N (SwiGLU: F) are skipped, the
-// same for the whole warpgroup (a chunk past M still takes its slot); TMA clips the others. False
-// when a wait for the ring timed out.
+// through the ring (hopper_take_inputs; ring use *t). Chunks wholly past M or N (SwiGLU: F) are
+// skipped, the same for the whole warpgroup (a chunk past M still takes its stage); TMA clips the
+// others. False when a wait for the ring timed out.
 template <int EPI, typename T>
-static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[HOP_BN / 8][4], HopperRing* in_ring,
-                                                        int in_row0, const CUtensorMap* tm_c, const HopperFusion& fuse,
+static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[HOP_BN / 8][4], const HopperRing& ring,
+                                                        int* t, const CUtensorMap* tm_c, const HopperFusion& fuse,
                                                         unsigned char* bufs, int cw, int row0, int n0, int batch,
                                                         bool add, int M, int N, int* chunks) {
     constexpr int COLS = 128 / sizeof(T), J_PER_CHUNK = COLS / 8;  // a chunk's columns, and its d[j]
@@ -541,7 +489,7 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[HOP_B
             const int f0 = n0 + q * COLS;
             if (f0 >= N) break;
             uint32_t gate_up[2][8][2];  // gate's entries, then up's
-            if (!hopper_take_inputs<2>(gate_up, in_ring, in_row0, row0 < M)) return false;
+            if (!hopper_take_inputs<2>(gate_up, ring, t, cw, row0 < M)) return false;
             if (row0 >= M) continue;
             if constexpr (EPI == HOP_EPI_SWIGLU_BWD_ACT)  // first: only gate and up are held beside acc
                 hopper_stage_store<T>(bufs, cw, chunks, &fuse.act, f0, row0, 0, false, [&](int jj, int h) {
@@ -582,7 +530,7 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[HOP_B
             if (col0 >= N) break;
             if constexpr (EPI == HOP_EPI_RESIDUAL) {
                 uint32_t residual[1][8][2];
-                if (!hopper_take_inputs<1>(residual, in_ring, in_row0, row0 < M)) return false;
+                if (!hopper_take_inputs<1>(residual, ring, t, cw, row0 < M)) return false;
                 if (row0 >= M) continue;
                 hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, false, [&](int jj, int h) {
                     const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
@@ -612,11 +560,7 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[HOP_B
 // B tile is W's 128 gate rows of them and the 128 up rows (tm_b and fuse.b_up), two boxes a stage.
 // HOP_EPI_SWIGLU_BWD (and _ACT) is the plain input gradient's product (N = F), tile for tile.
 // HOP_EPI_STREAM_K (version 7, splits 1): version 5's epilogue on the stream-K walk of `sk`.
-// PING_PONG (version 10, the TMA epilogues, splits 1): tiles of 64 rows, the block's tiles dealt
-// to its consumers in turn (the walk's i-th to consumer i % 2), each its own full barriers; the
-// epilogue's inputs through a ring of their own, fed by a second producer thread.
-template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1,
-          bool PING_PONG = false>
+template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1>
 __global__ void __launch_bounds__(HOP_THREADS, 1)
     hopper_matmul_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                          const __grid_constant__ CUtensorMap tm_c, const __grid_constant__ HopperFusion fuse,
@@ -624,14 +568,12 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                          const __grid_constant__ HopperStreamK sk) {
     constexpr bool TMA_STORE = EPI != HOP_EPI_REGISTERS, SWIGLU = EPI == HOP_EPI_SWIGLU;
     constexpr bool STREAM_K = EPI == HOP_EPI_STREAM_K;
-    constexpr int TILE_M = hop_tile_m<PING_PONG>;         // the rows of C a tile covers
     constexpr int TILE_N = SWIGLU ? HOP_BN / 2 : HOP_BN;  // the columns of C (SwiGLU: features) a tile covers
-    constexpr int A_BYTES = hop_a_bytes<PING_PONG>, RING_BYTES = hop_ring_bytes<PING_PONG>;
     constexpr bool FP8 = sizeof(AT) == 1;                 // version 8
     constexpr int BK = hop_bk<AT>;
     static_assert(sizeof(AT) == sizeof(BT) && (!FP8 || std::is_same_v<BT, __nv_fp8_e4m3>),
                   "operands: both bf16, or FP8 with B in E4M3 (the trainer's pairs, lib/ptx.cuh)");
-    static_assert(!FP8 || (A_K && B_K && (EPI == HOP_EPI_TMA) && !PING_PONG),
+    static_assert(!FP8 || (A_K && B_K && (EPI == HOP_EPI_TMA)),
                   "FP8 wgmma takes K-major operands only (the TN form), stored by version 5's epilogue");
     static_assert(!SWIGLU || (A_K && B_K), "SwiGLU fuses into the forward, whose operands are K-major");
     static_assert((EPI != HOP_EPI_SWIGLU_BWD && EPI != HOP_EPI_SWIGLU_BWD_ACT) || (A_K && !B_K && sizeof(OutT) == 2),
@@ -639,26 +581,17 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     constexpr bool MULTICAST = CLUSTER == 2;  // version 9: B's tile shared by a cluster of two blocks
     static_assert(CLUSTER == 1 || (MULTICAST && TMA_STORE && !STREAM_K),
                   "clusters of two, on the TMA epilogues' grid walk (one split of K)");
-    static_assert(!PING_PONG || (TMA_STORE && !STREAM_K), "ping-pong, on the TMA epilogues' grid walk");
-    constexpr int EPI_INPUTS = hopper_epi_inputs(EPI);  // boxes an epilogue chunk reads through a ring
-    constexpr int CONSUMERS_A_USE = PING_PONG ? 1 : 2;  // consumer warpgroups that take each k-block
+    constexpr int EPI_INPUTS = hopper_epi_inputs(EPI);  // boxes an epilogue chunk reads through the ring
     extern __shared__ __align__(1024) unsigned char hopper_smem[];
-    const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * A_BYTES;
-    unsigned char* out_bufs = hopper_smem + RING_BYTES;  // version 5: consumer c's are the c-th pair
-    unsigned char* in_bufs = out_bufs + HOP_OUT_BYTES;   // version 10's input ring (where EPI reads inputs)
-    constexpr bool IN_RING = PING_PONG && EPI_INPUTS > 0;  // version 10's input ring
-    constexpr int FULL_SETS = 2 / CONSUMERS_A_USE;         // ping-pong: a set of full barriers per consumer
-    // the barriers, 8 bytes each: full, empty, then version 10's input ring's full (a set per
-    // consumer) and empty
-    const uint32_t full = a_tiles + RING_BYTES + (TMA_STORE ? HOP_OUT_BYTES : 0) +
-                          (IN_RING ? HOP_IN_SLOTS * HOP_IN_SLOT_BYTES : 0);
-    const uint32_t empty = full + 8 * HOP_STAGES * FULL_SETS;
-    const uint32_t in_full = empty + 8 * HOP_STAGES, in_empty = in_full + 8 * 2 * HOP_IN_SLOTS;
+    const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * HOP_A_BYTES;
+    unsigned char* out_bufs = hopper_smem + HOP_RING_BYTES;  // version 5: consumer c's are the c-th pair
+    const uint32_t full = a_tiles + HOP_RING_BYTES + (TMA_STORE ? HOP_OUT_BYTES : 0);  // 8 bytes a barrier
+    const uint32_t empty = full + 8 * HOP_STAGES;
     if (a_tiles % 1024 != 0) {  // the same for every thread: all leave
         if (threadIdx.x == 0) atomicExch(&mm_error, MM_MISALIGNED);
         return;
     }
-    const int tiles_m = (M + TILE_M - 1) / TILE_M, tiles_n = (N + TILE_N - 1) / TILE_N;
+    const int tiles_m = (M + HOP_BM - 1) / HOP_BM, tiles_n = (N + TILE_N - 1) / TILE_N;
     const int k_blocks = (K + BK - 1) / BK;
     // version 9: a cluster walks pairs of tiles, one above the other (the second past M when
     // tiles_m is odd), block rank r taking row tile 2p + r of pair row p
@@ -674,12 +607,11 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     if constexpr (STREAM_K) first = (int)(sk_begin / k_blocks), last = (int)((sk_end - 1) / k_blocks) + 1, step = 1;
     auto block_unit = [&](int unit) {
         if constexpr (MULTICAST) {  // pair rows: a group of group_m tile rows is group_m / 2 of them
-            HopperUnit u =
-                hopper_unit(unit, (tiles_m + 1) / 2, tiles_n, TILE_M, TILE_N, max(1, group_m / 2), k_blocks, 1);
-            u.m0 = 2 * u.m0 + rank * TILE_M;
+            HopperUnit u = hopper_unit(unit, (tiles_m + 1) / 2, tiles_n, TILE_N, max(1, group_m / 2), k_blocks, 1);
+            u.m0 = 2 * u.m0 + rank * HOP_BM;
             return u;
         }
-        HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_M, TILE_N, group_m, k_blocks, splits);
+        HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
         if constexpr (STREAM_K) {
             const long tile_begin = (long)unit * k_blocks;
             u.kb0 = sk_begin > tile_begin ? (int)(sk_begin - tile_begin) : 0;
@@ -687,20 +619,12 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
         }
         return u;
     };
-    // the chunks of 64 columns a tile's epilogue reads inputs for (a ring use each)
-    auto input_chunks = [&](const HopperUnit& u) { return EPI_INPUTS ? (min(u.n0 + HOP_BN, N) - u.n0 + 63) / 64 : 0; };
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < HOP_STAGES; ++s) {
-            for (int cs = 0; cs < FULL_SETS; ++cs)
-                mbar_init(full + 8 * (cs * HOP_STAGES + s), 1);  // the producer's arrive (with the expected bytes)
-            mbar_init(empty + 8 * s, 4 * CONSUMERS_A_USE * CLUSTER);  // one arrive per consumer warp taking it
+            mbar_init(full + 8 * s, 1);   // the producer's arrive (with the expected bytes)
+            mbar_init(empty + 8 * s, 8 * CLUSTER);  // one arrive per consumer warp of the cluster
         }
-        if (IN_RING)
-            for (int s = 0; s < HOP_IN_SLOTS; ++s) {
-                for (int cs = 0; cs < 2; ++cs) mbar_init(in_full + 8 * (cs * HOP_IN_SLOTS + s), 1);
-                mbar_init(in_empty + 8 * s, 4);
-            }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     if constexpr (MULTICAST) cluster_sync();  // both blocks' barriers set up before either signals the other's
@@ -708,26 +632,32 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
 
     if (wg == 0) {  // producer
         setmaxnreg_dec<HOP_PROD_REGS>();
+        // Ring use t (a k-block, or an epilogue's chunk): once the stage's previous use (t - STAGES)
+        // is done (its empty phase use-1 completed), announce the bytes to come on its full barrier.
+        auto claim = [&](int t, uint32_t bytes) {
+            const int st = t % HOP_STAGES, use = t / HOP_STAGES;
+            if (use > 0 && !hopper_wait(empty + 8 * st, (use - 1) & 1)) return false;
+            mbar_expect_tx(full + 8 * st, bytes);
+            return true;
+        };
         if (threadIdx.x == 0) {
             int t = 0;  // stages loaded so far
-            for (int unit = first, i = 0; unit < last; unit += step, ++i) {
+            for (int unit = first; unit < last; unit += step) {
                 const HopperUnit u = block_unit(unit);
-                const uint32_t full_set = full + (PING_PONG ? 8 * HOP_STAGES * (i & 1) : 0);  // its consumer's
                 // (a cluster's second tile past M loads no A, nor a K-major B its half wholly past N:
                 // what they would feed is never stored)
-                const int a_panels = max(0, min(TILE_M / 64, (M - u.m0 + 63) / 64));
-                const int b_panels = min(4, (N - u.n0 + 63) / 64);
+                const int a_panels = max(0, min(2, (M - u.m0 + 63) / 64)), b_panels = min(4, (N - u.n0 + 63) / 64);
                 const int b_halves = MULTICAST && B_K && !SWIGLU && N - u.n0 <= HOP_BN / 2 ? 1 : 2;
-                const uint32_t bytes = (A_K ? (a_panels ? A_BYTES : 0) : a_panels * HOP_PANEL_BYTES) +
+                const uint32_t bytes = (A_K ? (a_panels ? HOP_A_BYTES : 0) : a_panels * HOP_PANEL_BYTES) +
                                        (B_K ? b_halves * (HOP_B_BYTES / 2) : b_panels * HOP_PANEL_BYTES);
                 for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
                     const int st = t % HOP_STAGES;
-                    const uint32_t bar = full_set + 8 * st;
-                    if (!hopper_claim(empty + 8 * st, bar, t / HOP_STAGES, bytes)) return;
-                    const uint32_t as = a_tiles + st * A_BYTES, bs = b_tiles + st * HOP_B_BYTES;
+                    const uint32_t bar = full + 8 * st;
+                    if (!claim(t, bytes)) return;
+                    const uint32_t as = a_tiles + st * HOP_A_BYTES, bs = b_tiles + st * HOP_B_BYTES;
                     const int k0 = kb * BK;
                     if constexpr (A_K) {
-                        if (a_panels) tma_load_3d(as, &tm_a, k0, u.m0, 0, bar);  // box {64 k, TILE_M m}
+                        if (a_panels) tma_load_3d(as, &tm_a, k0, u.m0, 0, bar);  // box {64 k, 128 m}
                     } else {
                         for (int p = 0; p < a_panels; ++p)  // boxes {64 m, 64 k}
                             tma_load_3d(as + p * HOP_PANEL_BYTES, &tm_a, u.m0 + 64 * p, k0, 0, bar);
@@ -753,36 +683,14 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                             tma_load_3d(bs + p * HOP_PANEL_BYTES, &tm_b, u.n0 + 64 * p, k0, 0, bar);
                     }
                 }
-                // then (version 6) what the tile's epilogue reads, a stage a chunk of 64 columns
-                // (hopper_take_inputs); a cluster's second tile past M takes its stages empty
-                for (int q = 0; !PING_PONG && q < input_chunks(u); ++q, ++t) {
+                // then what the tile's epilogue reads, a stage a chunk of 64 columns (hopper_take_inputs)
+                for (int col0 = u.n0; EPI_INPUTS > 0 && col0 < min(u.n0 + HOP_BN, N); col0 += 64, ++t) {
                     const int st = t % HOP_STAGES;
+                    if (!claim(t, u.m0 < M ? EPI_INPUTS * HOP_BM * 128 : 0)) return;
+                    if (u.m0 >= M) continue;  // a cluster's second tile past M: the stage is taken, empty
                     const uint32_t bar = full + 8 * st;
-                    if (!hopper_claim(empty + 8 * st, bar, t / HOP_STAGES, u.m0 < M ? EPI_INPUTS * TILE_M * 128 : 0))
-                        return;
-                    if (u.m0 >= M) continue;
-                    tma_load_3d(a_tiles + st * A_BYTES, &fuse.in[0], u.n0 + 64 * q, u.m0, 0, bar);
-                    if (EPI_INPUTS > 1) tma_load_3d(b_tiles + st * HOP_B_BYTES, &fuse.in[1], u.n0 + 64 * q, u.m0, 0, bar);
-                }
-            }
-        } else if (IN_RING && threadIdx.x == 32) {
-            // Version 10: what the epilogues read, through their own ring, a slot a chunk of 64
-            // columns, in the walk's order of tiles (its consumer's full barriers); a slot's next
-            // chunk loads once its consumer has read the last, so the first ones of a tile land
-            // while its products run. A cluster's second tile past M takes its slots empty.
-            int j = 0;  // slots loaded so far
-            for (int unit = first, i = 0; unit < last; unit += step, ++i) {
-                const HopperUnit u = block_unit(unit);
-                for (int q = 0; q < input_chunks(u); ++q, ++j) {
-                    const int s = j % HOP_IN_SLOTS;
-                    const uint32_t bar = in_full + 8 * ((i & 1) * HOP_IN_SLOTS + s);
-                    const uint32_t dst = attn_smem_u32(in_bufs) + s * HOP_IN_SLOT_BYTES;
-                    if (!hopper_claim(in_empty + 8 * s, bar, j / HOP_IN_SLOTS,
-                                      u.m0 < M ? EPI_INPUTS * HOP_IN_BOX_BYTES : 0))
-                        return;
-                    if (u.m0 >= M) continue;
-                    tma_load_3d(dst, &fuse.in[0], u.n0 + 64 * q, u.m0, 0, bar);
-                    if (EPI_INPUTS > 1) tma_load_3d(dst + HOP_IN_BOX_BYTES, &fuse.in[1], u.n0 + 64 * q, u.m0, 0, bar);
+                    tma_load_3d(a_tiles + st * HOP_A_BYTES, &fuse.in[0], col0, u.m0, 0, bar);
+                    if (EPI_INPUTS > 1) tma_load_3d(b_tiles + st * HOP_B_BYTES, &fuse.in[1], col0, u.m0, 0, bar);
                 }
             }
         }
@@ -796,43 +704,24 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     float acc[HOP_BN / 8][4];  // wgmma's accumulator layout (lib/ptx.cuh): d[j] holds columns 8j .. 8j+7
     // version 8: real = alpha x the product of the stored FP8 values, read once a launch (the scales are the device's)
     const float alpha = FP8 ? *fuse.a_scale_inv * *fuse.b_scale_inv : 1.0f;
-    int chunks = 0;  // versions 5, 6: chunks this consumer has staged
-    // the k-block ring (t counts its stages, k-blocks and version 6's input chunks), and version 10's input ring
-    HopperRing ring = {{hopper_smem, hopper_smem + HOP_STAGES * A_BYTES},
-                       {A_BYTES, HOP_B_BYTES},
-                       HOP_STAGES,
-                       full + (PING_PONG ? 8 * HOP_STAGES * cw : 0),
-                       empty,
-                       MULTICAST ? cluster_map_shared(empty, rank ^ 1) : 0u,
-                       0,
-                       0};
-    HopperRing in_ring = {{in_bufs, in_bufs + HOP_IN_BOX_BYTES},
-                          {HOP_IN_SLOT_BYTES, HOP_IN_SLOT_BYTES},
-                          HOP_IN_SLOTS,
-                          in_full + 8 * HOP_IN_SLOTS * cw,
-                          in_empty,
-                          0,
-                          0,
-                          0};
-    for (int unit = first, i = 0; unit < last; unit += step, ++i) {
+    int t = 0;                // stages consumed so far (k-blocks, and version 6's input chunks)
+    int chunks = 0;           // versions 5, 6: chunks this consumer has staged
+    const HopperRing ring = {hopper_smem, hopper_smem + HOP_STAGES * HOP_A_BYTES, full, empty,
+                             MULTICAST ? cluster_map_shared(empty, rank ^ 1) : 0u};
+    for (int unit = first; unit < last; unit += step) {
         const HopperUnit u = block_unit(unit);
-        if (PING_PONG && (i & 1) != cw) {  // the other consumer's tile: its uses of the rings go by
-            ring.t += u.kb1 - u.kb0;
-            in_ring.t += input_chunks(u);
-            continue;
-        }
 #pragma unroll
         for (int j = 0; j < HOP_BN / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-        for (int kb = u.kb0; kb < u.kb1; ++kb) {
-            const int st = hopper_take(&ring);
-            if (st < 0) {
+        for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
+            const int st = t % HOP_STAGES;
+            if (!hopper_wait(full + 8 * st, (t / HOP_STAGES) & 1)) {
                 wg_wait<0>();                          // leave no product in flight
                 if (store_thread) bulk_wait<false>();  // nor a store reading shared memory
                 return;
             }
-            const uint32_t as = a_tiles + st * A_BYTES + (PING_PONG ? 0 : cw * (A_K ? 64 * 128 : HOP_PANEL_BYTES));
+            const uint32_t as = a_tiles + st * HOP_A_BYTES + cw * (A_K ? 64 * 128 : HOP_PANEL_BYTES);
             const uint32_t bs = b_tiles + st * HOP_B_BYTES;
             if constexpr (FP8) {
                 // Version 8: the tensor cores sum FP8 products in less than fp32 (the promotion in
@@ -868,12 +757,12 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
             }
             wg_commit();
             wg_wait<1>();  // k-block kb-1's products are done: its stage can be refilled
-            if (kb > u.kb0 && lane == 0) hopper_release(ring, (ring.t - 2) % HOP_STAGES);
+            if (kb > u.kb0 && lane == 0) hopper_release(ring, (t - 1) % HOP_STAGES);
         }
         if constexpr (!FP8) {  // (version 8 waited for each k-block and handed its stage back)
             wg_wait<0>();
             wg_fence_regs(acc);
-            if (u.kb1 > u.kb0 && lane == 0) hopper_release(ring, (ring.t - 1) % HOP_STAGES);
+            if (u.kb1 > u.kb0 && lane == 0) hopper_release(ring, (t - 1) % HOP_STAGES);
         }
 
         if constexpr (STREAM_K) {
@@ -887,12 +776,9 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
             }
         }
         if constexpr (TMA_STORE) {
-            // (ping-pong: the tile is this consumer's; cooperative: its rows are the tile's 64cw ..)
-            const int row0 = u.m0 + (PING_PONG ? 0 : 64 * cw);
             if (!hopper_store_tma<STREAM_K ? HOP_EPI_TMA : EPI, OutT>(
-                    acc, PING_PONG ? &in_ring : &ring, PING_PONG ? 0 : 64 * cw, &tm_c, fuse,
-                    out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw, row0, u.n0, u.split,
-                    sizeof(OutT) == 4 && splits == 1, M, N, &chunks)) {
+                    acc, ring, &t, &tm_c, fuse, out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw, u.m0 + 64 * cw,
+                    u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M, N, &chunks)) {
                 if (store_thread) bulk_wait<false>();  // a wait for the ring timed out
                 return;
             }
@@ -930,19 +816,16 @@ static cudaLaunchConfig_t hopper_launch_config(int grid, int smem, int cluster, 
 
 // One launch of the kernel, its shared memory allowed first (past the 48 KiB default); CLUSTER 2:
 // in clusters of two blocks (grid even), whose B tiles each load half of (version 9).
-template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1,
-          bool PING_PONG = false>
+template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1>
 static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
                           const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
                           cudaStream_t s, const HopperStreamK& sk = {}) {
-    // a cluster's walk and ping-pong's have no splits of K (the kernel's static_asserts: nor stream-K)
-    if ((CLUSTER > 1 || PING_PONG) && splits != 1) {
-        fprintf(stderr, "hopper_launch: %s takes one split of K, not %d\n",
-                PING_PONG ? "ping-pong" : "a cluster of blocks", splits);
+    if (CLUSTER > 1 && splits != 1) {  // a cluster's walk has no splits of K (the kernel's static_assert: nor stream-K)
+        fprintf(stderr, "hopper_launch: clusters of %d blocks take one split of K, not %d\n", CLUSTER, splits);
         exit(1);
     }
-    constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS, PING_PONG, hopper_epi_inputs(EPI) > 0);
-    auto kernel = hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT, CLUSTER, PING_PONG>;
+    constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS);
+    auto kernel = hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT, CLUSTER>;
     attn_allow_smem(kernel, smem);
     cudaLaunchAttribute cluster;
     const cudaLaunchConfig_t config = hopper_launch_config(grid, smem, CLUSTER, s, &cluster);
@@ -967,7 +850,7 @@ static int hopper_cluster_slots(void) {
     static int slots = 0;
     if (!slots) {
         auto kernel = hopper_matmul_kernel<true, true, bf16, HOP_EPI_TMA, bf16, bf16, 2>;
-        constexpr int smem = hopper_smem_bytes(true, false, false);  // (every instance takes a whole SM)
+        constexpr int smem = hopper_smem_bytes(true);  // as every cluster instance's
         attn_allow_smem(kernel, smem);
         cudaLaunchAttribute cluster;
         const cudaLaunchConfig_t config = hopper_launch_config(hopper_sms() / 2 * 2, smem, 2, 0, &cluster);
@@ -1025,22 +908,22 @@ static const char* hopper_swiglu_backward_problem(const bf16* d_gate_up, const b
 // zero-fills (loads) and clips (stores). One split of K, so the result repeats bit for bit.
 // CLUSTER 2 (the ladder's version 9): in clusters of two blocks, one loading the gate rows of both,
 // the other the up rows; the same bits, no faster (doc/matmul.md), so the trainer runs 1.
-template <int CLUSTER = 1, bool PING_PONG = false>
+template <int CLUSTER = 1>
 static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const bf16* W, int N, int I, int O,
                                   cudaStream_t s) {
     if (const char* problem = hopper_swiglu_problem(gate_up, act, x, W, N, I, O)) {
         fprintf(stderr, "hopper_forward_swiglu: %s (N %d, I %d, O %d)\n", problem, N, I, O);
         exit(1);
     }
-    const int M = N, F = O / 2, K = I, tile_m = hop_tile_m<PING_PONG>;
+    const int M = N, F = O / 2, K = I;
     HopperFusion fuse = {};
     fuse.b_up = tma_tensor_map(W + (size_t)F * K, K, K, F, 1, HOP_BN / 2);
     fuse.c_up = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, 64);
     fuse.act = tma_tensor_map(act, F, F, M, 1, 64);
-    hopper_launch<true, true, bf16, HOP_EPI_SWIGLU, bf16, bf16, CLUSTER, PING_PONG>(
-        tma_tensor_map(x, K, K, M, 1, tile_m), tma_tensor_map(W, K, K, F, 1, HOP_BN / 2),
+    hopper_launch<true, true, bf16, HOP_EPI_SWIGLU, bf16, bf16, CLUSTER>(
+        tma_tensor_map(x, K, K, M, 1, HOP_BM), tma_tensor_map(W, K, K, F, 1, HOP_BN / 2),
         tma_tensor_map(gate_up, F, 2 * F, M, 1, 64), fuse, gate_up, M, F, K,
-        hopper_grid<CLUSTER>(ceil_div(M, tile_m), ceil_div(F, HOP_BN / 2)), hopper_group_m(tile_m), 1, s);
+        hopper_grid<CLUSTER>(ceil_div(M, HOP_BM), ceil_div(F, HOP_BN / 2)), HOP_GROUP_M, 1, s);
 }
 
 // The down matrix's input gradient with SwiGLU's backward fused (the ladder's version 6, the
@@ -1056,30 +939,31 @@ static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const
 // of K, so the result repeats bit for bit. CLUSTER 2 (the ladder's version 9): in clusters of two
 // blocks, each loading two of the four panels of W's tile into both; the same bits, no faster
 // (doc/matmul.md), so the trainer runs 1.
-template <int CLUSTER = 1, bool PING_PONG = false>
+template <int CLUSTER = 1>
 static void hopper_backward_swiglu(bf16* d_gate_up, bf16* act, const bf16* dy, const bf16* W, const bf16* gate_up,
                                    int N, int I, int O, cudaStream_t s) {
     if (const char* problem = hopper_swiglu_backward_problem(d_gate_up, act, dy, W, gate_up, N, I, O)) {
         fprintf(stderr, "hopper_backward_swiglu: %s (N %d, I %d, O %d)\n", problem, N, I, O);
         exit(1);
     }
-    const int M = N, F = I, K = O, tile_m = hop_tile_m<PING_PONG>;  // the GEMM: d_mlp_act[M][F] = dy[M][K] W[K][F]
+    const int M = N, F = I, K = O;  // the GEMM: d_mlp_act[M][F] = dy[M][K] W[K][F]
     HopperFusion fuse = {};
     fuse.c_up = tma_tensor_map(d_gate_up + F, F, 2 * F, M, 1, 64);
-    fuse.in[0] = tma_tensor_map(gate_up, F, 2 * F, M, 1, tile_m);
-    fuse.in[1] = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, tile_m);
+    fuse.in[0] = tma_tensor_map(gate_up, F, 2 * F, M, 1, HOP_BM);
+    fuse.in[1] = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, HOP_BM);
     if (act) fuse.act = tma_tensor_map(act, F, F, M, 1, 64);
-    const CUtensorMap tm_dy = tma_tensor_map(dy, K, K, M, 1, tile_m), tm_w = tma_tensor_map(W, F, F, K, 1, 64);
+    const CUtensorMap tm_dy = tma_tensor_map(dy, K, K, M, 1, HOP_BM), tm_w = tma_tensor_map(W, F, F, K, 1, 64);
     const CUtensorMap tm_d_gate = tma_tensor_map(d_gate_up, F, 2 * F, M, 1, 64);
-    const int grid = hopper_grid<CLUSTER>(ceil_div(M, tile_m), ceil_div(F, HOP_BN)), group_m = hopper_group_m(tile_m);
+    const int grid = hopper_grid<CLUSTER>(ceil_div(M, HOP_BM), ceil_div(F, HOP_BN));
     // two instances of the kernel: act's stores are compiled out of the other (a runtime choice
     // in one would hold registers that the consumers, at 232, do not have to spare)
     if (act)
-        hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD_ACT, bf16, bf16, CLUSTER, PING_PONG>(
-            tm_dy, tm_w, tm_d_gate, fuse, d_gate_up, M, F, K, grid, group_m, 1, s);
+        hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD_ACT, bf16, bf16, CLUSTER>(
+            tm_dy, tm_w, tm_d_gate, fuse, d_gate_up, M, F, K, grid, HOP_GROUP_M, 1, s);
     else
-        hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD, bf16, bf16, CLUSTER, PING_PONG>(
-            tm_dy, tm_w, tm_d_gate, fuse, d_gate_up, M, F, K, grid, group_m, 1, s);
+        hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD, bf16, bf16, CLUSTER>(tm_dy, tm_w, tm_d_gate, fuse,
+                                                                                  d_gate_up, M, F, K, grid,
+                                                                                  HOP_GROUP_M, 1, s);
 }
 
 #endif
