@@ -149,6 +149,18 @@ static void sum_partials(PartialSums* sums, float* dst, const float* partials, i
     if (!sums) sum_partials_flush(into, s);
 }
 
+// A block's own partial row, from the rows its threads summed into shared memory (visible after a
+// __syncthreads): dst[c] = the sum over r < n_rows, in order, of rows[r * pitch + slot(c)], c < C.
+template <typename Slot>
+static __device__ __forceinline__ void block_partial_row(float* dst, const float* rows, int n_rows, int pitch, int C,
+                                                         Slot slot) {
+    for (int c = threadIdx.x; c < C; c += blockDim.x) {
+        float sum = 0.0f;
+        for (int r = 0; r < n_rows; r++) sum += rows[r * pitch + slot(c)];
+        dst[c] = sum;
+    }
+}
+
 // Sum (or sum of squares) of a long fp32 vector in two fixed-shape passes: REDUCE_BLOCKS blocks
 // each stride over the vector and write one partial; one block then adds the partials in order.
 // `out` receives the total (accumulate = false) or has it added (accumulate = true). A thread reads
@@ -388,11 +400,8 @@ __global__ void rmsnorm_backward_kernel(bf16* d_residual, float* dw_partials, bf
         }
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < C; c += blockDim.x) {
-        float sum = 0.0f;
-        for (int w = 0; w < RMSNORM_BWD_WARPS; w++) sum += dw_warp[w * dw_row + rmsnorm_dw_slot(c)];
-        dw_partials[(size_t)blockIdx.x * C + c] = sum;
-    }
+    block_partial_row(dw_partials + (size_t)blockIdx.x * C, dw_warp, RMSNORM_BWD_WARPS, dw_row, C,
+                      [](int c) { return rmsnorm_dw_slot(c); });
 }
 
 // dw_partials must hold ceil(N / rmsnorm_bwd_rows(N)) * C floats, left alone until d_weight's sum is
@@ -556,11 +565,8 @@ __global__ void qk_norm_rope_backward_kernel(bf16* d_qkv, float* dw_partials, co
         mine[D + i0 + D / 2 + e] = dw_k[8 + e];
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < 2 * D; c += blockDim.x) {
-        float sum = 0.0f;
-        for (int row = 0; row < QK_BWD_WARPS * SLOTS; row++) sum += dw_slot[row][c];
-        dw_partials[(size_t)blockIdx.x * 2 * D + c] = sum;
-    }
+    block_partial_row(dw_partials + (size_t)blockIdx.x * 2 * D, &dw_slot[0][0], QK_BWD_WARPS * SLOTS, 2 * D, 2 * D,
+                      [](int c) { return c; });
 }
 
 // The query heads' backward straight from attention's dQ accumulators (attention_backward with dq
@@ -599,11 +605,8 @@ __global__ void __launch_bounds__(256)
         dw_group[group][i0 + D / 2 + e] = dw_q[8 + e];
     }
     __syncthreads();
-    for (int c = threadIdx.x; c < D; c += blockDim.x) {
-        float sum = 0.0f;
-        for (int g = 0; g < GROUPS; g++) sum += dw_group[g][c];
-        dw_partials[((size_t)bh * gridDim.x + m) * D + c] = sum;
-    }
+    block_partial_row(dw_partials + ((size_t)bh * gridDim.x + m) * D, &dw_group[0][0], GROUPS, D, D,
+                      [](int c) { return c; });
 }
 
 static void qk_norm_rope_forward(bf16* qkv_rot, float* rstd, const bf16* qkv, const bf16* q_weight,

@@ -29,16 +29,19 @@ try:  # CUDA's demangler; without it the names stay mangled
 except FileNotFoundError:
     out = []
 demangled = dict(zip(names, out)) if len(out) == len(names) else {}
-# our GEMM's instances by their epilogue, HopperEpilogue's values in lib/matmul_hopper.cuh
-OURS = {'3': 'our GEMM: gate/up + SwiGLU', '4': 'our GEMM: down dx + SwiGLU bwd',
-        '5': 'our GEMM: down dx + SwiGLU bwd + act'}
+# our GEMM's instances by their epilogue: the template's EPI, HopperEpilogue's value, named as
+# lib/matmul_hopper.cuh declares it
+enum = re.search(r'enum HopperEpilogue \{([^}]*)\}', open('lib/matmul_hopper.cuh').read()).group(1)
+EPILOGUES = [e.strip() for e in enum.split(',') if e.strip()]
+OURS = {'HOP_EPI_SWIGLU': 'our GEMM: gate/up + SwiGLU', 'HOP_EPI_SWIGLU_BWD': 'our GEMM: down dx + SwiGLU bwd',
+        'HOP_EPI_SWIGLU_BWD_ACT': 'our GEMM: down dx + SwiGLU bwd + act'}
 @functools.lru_cache(maxsize=None)
 def short(name):
     d = demangled.get(name, name)
     d = re.sub(r'^void ', '', d)
     if d.startswith('hopper_matmul_kernel<'):
-        epi = re.sub(r'\(\w+\)', '', d.split('<', 1)[1].split(',')[3]).strip()
-        return OURS.get(epi, 'our GEMM, epilogue ' + epi)
+        epi = EPILOGUES[int(re.sub(r'\(\w+\)', '', d.split('<', 1)[1].split(',')[3]).strip())]
+        return OURS.get(epi, 'our GEMM, ' + epi)
     base = d.split('(')[0].split('<')[0]
     if 'nvjet' in base or 'gemm' in base.lower() or 'cublas' in base.lower():
         return 'cuBLASLt ' + re.sub(r'^.*::', '', base)[:48]
