@@ -434,6 +434,8 @@ static __device__ __forceinline__ int ws_next_item(int items, int grid) {
 //                        wait only for S_i, then mask it (diagonal tiles) and compute
 //   P_i = 2^(S_i*scale - m_i), l_i, alpha_i = 2^(m_{i-1} - m_i); then wait for P_{i-1} V_{i-1},
 //   O *= alpha_i, and pack P_i to bf16 for the next iteration's O += P_i V_i.
+// The consumers take turns at issuing those products (ping-pong: round robin on named barriers), so
+// that one consumer's products run while the others compute their softmax.
 // End of an item: O /= l, lse = (m + log2 l) ln 2, stored straight from registers; with `codes`
 // (FP8 training's fused path, doc/fp8.md) also O's E4M3 codes at codes_scale->scale, from the bf16
 // values stored (attn_store_rows), and at the end of the block O's amax over its rows into
@@ -573,6 +575,15 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
         attn_softmax_tile<NT>(s, row_max, row_sum, alpha, scale_log2);
     };
 
+    // The consumers take turns at issuing their products (FlashAttention-3's ping-pong): consumer c
+    // issues once consumer c - 1 has (round robin on named barriers 2 .. NC+1: c waits at its own,
+    // the one before arrives there), so that one consumer's products run on the tensor cores while
+    // the others compute their softmax. The last consumer hands the first turn to consumer 0, and
+    // consumer 0 takes the last one's final turn at the end.
+    auto turn_begin = [&]() { named_barrier(2 + cw, 256); };
+    auto turn_end = [&]() { named_barrier_arrive(2 + (cw + 1) % NC, 256); };
+    if (cw == NC - 1) turn_end();
+
     int t = 0;  // as the producer's
     for (int j = 0;; ++j) {
         mbar_wait(q_full, j & 1);
@@ -584,7 +595,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
         row_max[0] = row_max[1] = -INFINITY;
         row_sum[0] = row_sum[1] = 0.f;
         mbar_wait(k_full + 8 * (t & 1), (t >> 1) & 1);
+        turn_begin();
         issue_s(t & 1);
+        turn_end();
         wg_wait<0>();
         wg_fence_regs(s);
         if (lane == 0) {
@@ -596,9 +609,11 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
         for (int i = 1; i <= last; ++i) {
             const int tc = t + i, st = tc & 1, prev = (tc - 1) & 1;
             mbar_wait(k_full + 8 * st, (tc >> 1) & 1);
-            issue_s(st);
             mbar_wait(v_full + 8 * prev, ((tc - 1) >> 1) & 1);
+            turn_begin();
+            issue_s(st);
             issue_pv(prev);
+            turn_end();
             wg_wait<1>();  // S_i is done; P_{i-1} V_{i-1} may still run
             wg_fence_regs(s);
             if (lane == 0) {
@@ -614,7 +629,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
         }
         t += last;
         mbar_wait(v_full + 8 * (t & 1), (t >> 1) & 1);
+        turn_begin();
         issue_pv(t & 1);
+        turn_end();
         wg_wait<0>();
         wg_fence_regs(o);
         if (lane == 0) mbar_arrive(v_empty + 8 * (t & 1));
@@ -637,6 +654,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
         attn_store_rows<D>(out + at, (long)Hq * D, m0 + wrow, T, o, inv[0], inv[1], lane, codes ? codes + at : nullptr,
                            codes_mul, &codes_amax);
     }
+    if (cw == 0) turn_begin();  // the last consumer's final turn_end
     if (codes) {  // the block's amax: the producer has left, so a named barrier over the consumers
         __shared__ float warp_amax[4 * NC];
         for (int offset = 16; offset > 0; offset >>= 1)

@@ -363,6 +363,10 @@ static __device__ __forceinline__ void tma_store_3d(const CUtensorMap* map, uint
 static __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// Counts this thread's arrival at barrier id (of `threads` in all) without waiting for the others.
+static __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 static __device__ __forceinline__ int load_acquire_gpu(const int* p) {
     int v;
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
