@@ -44,7 +44,8 @@ static constexpr float ATTN_LN2 = 0.69314718056f;    // ln(2) = 1 / log2(e)
 // the A-operand layout). The online softmax runs in base 2.
 //   forward (ws_forward_kernel): one block per SM taking query tiles from a work queue; per tile,
 //     the KV tiles from the diagonal down; the softmax of tile i overlaps S = Q K^T of tile i+1 on
-//     the tensor cores, and the next tile's loads overlap this one's epilogue.
+//     the tensor cores, the consumers take turns at issuing their products (one's softmax under
+//     the other's products), and the next tile's loads overlap this one's epilogue.
 //   backward (ws_backward_kernel): one pass per KV tile over the query tiles at or below the
 //     diagonal, 5 products per tile pair; dK and dV stay in registers, dQ partial sums are added
 //     into fp32 accumulators in global memory in a fixed order (deterministic) or, on request, in
@@ -56,7 +57,7 @@ static constexpr float ATTN_LN2 = 0.69314718056f;    // ln(2) = 1 / log2(e)
 // MN-major one advances 16 rows (2048 bytes) per step. TMA writes tiles in exactly this layout.
 //
 // Measured on an H100 SXM (B*T = 16K tokens, causal FLOPs counted once), D = 128, T = 512 / 1024 /
-// 2048 / 4096: forward 269 / 387 / 475 / 533 TFLOP/s, backward 174 / 265 / 339 / 405.
+// 2048 / 4096: forward 266 / 389 / 492 / 537 TFLOP/s, backward 211 / 304 / 386 / 416 (2026-11-24).
 // First the helpers (shared-memory addresses, exp2, bf16 packing, the softmax step, row stores,
 // delta), which the versions in dev/ share, then the kernels and their launchers.
 
