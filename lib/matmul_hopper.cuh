@@ -579,6 +579,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     static_assert((EPI != HOP_EPI_SWIGLU_BWD && EPI != HOP_EPI_SWIGLU_BWD_ACT) || (A_K && !B_K && sizeof(OutT) == 2),
                   "SwiGLU's backward fuses into an input gradient: dy K-major, W N-major, bf16 out");
     constexpr bool MULTICAST = CLUSTER == 2;  // version 9: B's tile shared by a cluster of two blocks
+    constexpr uint16_t BOTH_BLOCKS = (1 << CLUSTER) - 1;  // a multicast's cta_mask: every block of the cluster
     static_assert(CLUSTER == 1 || (MULTICAST && TMA_STORE && !STREAM_K),
                   "clusters of two, on the TMA epilogues' grid walk (one split of K)");
     constexpr int EPI_INPUTS = hopper_epi_inputs(EPI);  // boxes an epilogue chunk reads through the ring
@@ -666,13 +667,14 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                         // (tm_b's boxes are 128 rows; SwiGLU: rank 0 the gate rows, rank 1 the up rows)
                         const uint32_t half = bs + rank * (HOP_B_BYTES / 2);
                         if constexpr (SWIGLU)
-                            tma_load_3d_multicast(half, rank ? &fuse.b_up : &tm_b, k0, u.n0, 0, bar, 3);
+                            tma_load_3d_multicast(half, rank ? &fuse.b_up : &tm_b, k0, u.n0, 0, bar, BOTH_BLOCKS);
                         else if constexpr (B_K) {
                             if (rank < b_halves)
-                                tma_load_3d_multicast(half, &tm_b, k0, u.n0 + rank * (HOP_BN / 2), 0, bar, 3);
+                                tma_load_3d_multicast(half, &tm_b, k0, u.n0 + rank * (HOP_BN / 2), 0, bar, BOTH_BLOCKS);
                         } else
                             for (int p = 2 * rank; p < min(2 * rank + 2, b_panels); ++p)
-                                tma_load_3d_multicast(bs + p * HOP_PANEL_BYTES, &tm_b, u.n0 + 64 * p, k0, 0, bar, 3);
+                                tma_load_3d_multicast(bs + p * HOP_PANEL_BYTES, &tm_b, u.n0 + 64 * p, k0, 0, bar,
+                                                      BOTH_BLOCKS);
                     } else if constexpr (SWIGLU) {  // boxes {64 k, 128 features}: gate rows, then up rows
                         tma_load_3d(bs, &tm_b, k0, u.n0, 0, bar);
                         tma_load_3d(bs + HOP_B_BYTES / 2, &fuse.b_up, k0, u.n0, 0, bar);
@@ -957,13 +959,9 @@ static void hopper_backward_swiglu(bf16* d_gate_up, bf16* act, const bf16* dy, c
     const int grid = hopper_grid<CLUSTER>(ceil_div(M, HOP_BM), ceil_div(F, HOP_BN));
     // two instances of the kernel: act's stores are compiled out of the other (a runtime choice
     // in one would hold registers that the consumers, at 232, do not have to spare)
-    if (act)
-        hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD_ACT, bf16, bf16, CLUSTER>(
-            tm_dy, tm_w, tm_d_gate, fuse, d_gate_up, M, F, K, grid, HOP_GROUP_M, 1, s);
-    else
-        hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD, bf16, bf16, CLUSTER>(tm_dy, tm_w, tm_d_gate, fuse,
-                                                                                  d_gate_up, M, F, K, grid,
-                                                                                  HOP_GROUP_M, 1, s);
+    const auto launch = act ? hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD_ACT, bf16, bf16, CLUSTER>
+                            : hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD, bf16, bf16, CLUSTER>;
+    launch(tm_dy, tm_w, tm_d_gate, fuse, d_gate_up, M, F, K, grid, HOP_GROUP_M, 1, s, HopperStreamK{});
 }
 
 #endif
