@@ -1167,8 +1167,26 @@ static void q8_quantize(uint8_t* codes, float* absmax, const float* x, size_t n,
 // narrower accumulators are then never promoted to fp32 along k, which is faster and less
 // exact; train_gpt offers it for the forward products only (--fp8-fast-accum, doc/fp8.md).
 //
-// Descriptors, layouts and the heuristic's choice of algorithm are made once per shape and kept
-// in a plan; a call finds its plan, sets the scale pointers, and launches.
+// Descriptors, layouts and the choice of algorithm are made once per shape and kept in a plan; a
+// call finds its plan, sets the scale pointers, and launches.
+//
+// The choice. cuBLASLt's heuristic ranks its algorithms for a shape by a model of the GPU, and its
+// first is not always the fastest at our shapes (doc/perf.md, "cuBLASLt's candidates"). Tuning
+// (train_gpt's --matmul-tune, over its warm-up steps) goes in two phases, g_matmul_tune:
+//  - MATMUL_TUNE_CHECK (the first step): a shape's first call outside a graph capture runs each of
+//    the heuristic's candidates once on the call's own operands and keeps those whose result has
+//    the same bits as the first's (a fingerprint of D over every byte). A candidate that sums in
+//    another order (split-K, mostly) is never taken, so tuning never changes a number: runs
+//    repeat, resume and match the references bit for bit whichever candidate the clock favours.
+//  - MATMUL_TUNE_TIME (the next steps): each shape's calls run in turn on those candidates, each
+//    between two events, inside real steps: the operands, caches and power-capped clocks the step
+//    will have. (Timed alone, back to back, candidates rank otherwise: at the 1b config the
+//    alone-fastest made the step 0.8% slower.)
+// matmul_tune_finish() closes tuning: a shape takes the candidate with the least mean time if it
+// beats the heuristic's first by MATMUL_TUNE_MARGIN. A kernel's time is not all it costs: the card
+// runs at its power limit, so a faster kernel that draws more power slows the others. Taking every
+// small win made the 1b step 0.3-0.6% slower; the margin keeps the clear ones (the default
+// config's head and QKV forward products, 12-16% faster in the step).
 //
 // Two products do not come here: the BF16 gate/up forward and the BF16 down input gradient, whose
 // SwiGLU and SwiGLU backward our own Hopper GEMM computes in its epilogue (lib/matmul_hopper.cuh;
@@ -1194,12 +1212,32 @@ typedef struct {  // what makes two calls the same plan; all ints, so no padding
     int a_type, b_type, d_type;  // cudaDataType_t
 } MatmulKey;
 
+#define MATMUL_CANDIDATES 8  // the heuristic's first 8 (it offers no more at our shapes)
+
 typedef struct {
     MatmulKey key;
     cublasLtMatmulDesc_t desc;
     cublasLtMatrixLayout_t layout_a, layout_b, layout_c, layout_d;
-    cublasLtMatmulAlgo_t algo;
+    cublasLtMatmulAlgo_t algo;                           // what a call runs, but while tuning times candidates
+    cublasLtMatmulAlgo_t candidates[MATMUL_CANDIDATES];  // the heuristic's, best first
+    int n_candidates;
+    bool checked;                  // tuning ran every candidate once and kept those with candidate 0's bits:
+    int same[MATMUL_CANDIDATES];   // their indices (same[0] = 0)
+    int n_same;
+    int n_timed;                   // calls timed so far; candidate same[n_timed % n_same] runs next
+    double ms_sum[MATMUL_CANDIDATES];  // per candidate: the timed calls' total, and their count
+    int n_samples[MATMUL_CANDIDATES];
+    int chosen;                 // index of algo among the candidates once tuning has finished; -1 before
+    float us_first, us_chosen;  // mean time of a call with candidate 0 and with the chosen one
 } MatmulPlan;
+
+// One timed call while tuning is open: which plan and candidate, between which events.
+typedef struct {
+    MatmulPlan* plan;
+    int candidate;
+    cudaEvent_t start, stop;
+} MatmulSample;
+#define MATMUL_MAX_SAMPLES 4096  // beyond these, calls run untimed (medium's warm-up times about 700)
 
 #define MATMUL_MAX_PLANS 256
 static cublasLtHandle_t g_cublaslt;
@@ -1207,23 +1245,15 @@ static void* g_cublaslt_workspace;
 static const size_t CUBLASLT_WORKSPACE_BYTES = 32u << 20;
 static MatmulPlan g_plans[MATMUL_MAX_PLANS];
 static int g_n_plans;
+typedef enum { MATMUL_TUNE_OFF, MATMUL_TUNE_CHECK, MATMUL_TUNE_TIME } MatmulTunePhase;  // above
+static MatmulTunePhase g_matmul_tune;  // OFF: calls run the heuristic's first, or what tuning chose
+#define MATMUL_TUNE_MARGIN 0.03f       // how much faster than the heuristic's first a candidate must be
+static MatmulSample* g_samples;
+static int g_n_samples;
 
 static void matmul_init(void) {
     CUBLAS_CHECK(cublasLtCreate(&g_cublaslt));
     CUDA_CHECK(cudaMalloc(&g_cublaslt_workspace, CUBLASLT_WORKSPACE_BYTES));
-}
-
-static void matmul_free(void) {
-    for (int i = 0; i < g_n_plans; i++) {
-        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(g_plans[i].layout_a));
-        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(g_plans[i].layout_b));
-        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(g_plans[i].layout_c));
-        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(g_plans[i].layout_d));
-        CUBLAS_CHECK(cublasLtMatmulDescDestroy(g_plans[i].desc));
-    }
-    g_n_plans = 0;
-    CUBLAS_CHECK(cublasLtDestroy(g_cublaslt));
-    CUDA_CHECK(cudaFree(g_cublaslt_workspace));
 }
 
 static bool is_fp8(cudaDataType_t t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
@@ -1270,18 +1300,191 @@ static MatmulPlan matmul_plan_make(const MatmulKey* key, const MatmulOperand* a,
     CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
     CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                       &CUBLASLT_WORKSPACE_BYTES, sizeof(size_t)));
-    cublasLtMatmulHeuristicResult_t result;
+    cublasLtMatmulHeuristicResult_t results[MATMUL_CANDIDATES];
     int n_results = 0;
     CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(g_cublaslt, p.desc, p.layout_a, p.layout_b, p.layout_c, p.layout_d,
-                                                pref, 1, &result, &n_results));
+                                                pref, MATMUL_CANDIDATES, results, &n_results));
     CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(pref));
     if (n_results == 0) {
         fprintf(stderr, "cuBLASLt has no algorithm for a %dx%dx%d matmul (trans %d%d, types %d %d -> %d)\n", m, n, k,
                 key->trans_a, key->trans_b, (int)key->a_type, (int)key->b_type, (int)key->d_type);
         exit(1);
     }
-    p.algo = result.algo;
+    p.n_candidates = n_results;
+    for (int i = 0; i < n_results; i++) p.candidates[i] = results[i].algo;
+    p.algo = p.candidates[0];
+    p.checked = false;
+    p.n_same = p.n_timed = 0;
+    memset(p.ms_sum, 0, sizeof(p.ms_sum));
+    memset(p.n_samples, 0, sizeof(p.n_samples));
+    p.chosen = -1;
+    p.us_first = p.us_chosen = 0.0f;
     return p;
+}
+
+// A 64-bit fingerprint of n 4-byte words (every result's size is, rows being multiples of 8): the
+// sum, mod 2^64, of each word mixed with its index (splitmix64's finalizer). Integer sums commute,
+// so the atomics leave it the same every run; two results that differ anywhere differ here but
+// with probability about 2^-64.
+__device__ unsigned long long g_fingerprint;
+
+__global__ void fingerprint_kernel(const uint32_t* words, size_t n) {
+    unsigned long long h = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        unsigned long long z = ((unsigned long long)i << 32 | words[i]) + 0x9e3779b97f4a7c15ull;
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        h += z ^ (z >> 31);
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) h += __shfl_xor_sync(0xffffffffu, h, offset);
+    if (threadIdx.x % 32 == 0) atomicAdd(&g_fingerprint, h);
+}
+
+static unsigned long long fingerprint(const void* p, size_t bytes, cudaStream_t s) {
+    const unsigned long long zero = 0;
+    CUDA_CHECK(cudaMemcpyToSymbolAsync(g_fingerprint, &zero, sizeof(zero), 0, cudaMemcpyHostToDevice, s));
+    fingerprint_kernel<<<264, 256, 0, s>>>((const uint32_t*)p, bytes / 4);
+    CUDA_CHECK(cudaGetLastError());
+    unsigned long long h;
+    CUDA_CHECK(cudaMemcpyFromSymbolAsync(&h, g_fingerprint, sizeof(h), 0, cudaMemcpyDeviceToHost, s));
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    return h;
+}
+
+// Everything one cublasLtMatmul call takes but the algorithm.
+typedef struct {
+    const MatmulPlan* plan;
+    const float* alpha;
+    const void *a, *b;
+    const float* beta;
+    const void *c, *d;
+    cudaStream_t stream;
+} MatmulCall;
+
+static cublasStatus_t matmul_run(const MatmulCall* call, const cublasLtMatmulAlgo_t* algo) {
+    const MatmulPlan* p = call->plan;
+    return cublasLtMatmul(g_cublaslt, p->desc, call->alpha, call->a, p->layout_a, call->b, p->layout_b, call->beta,
+                          call->c, p->layout_c, (void*)call->d, p->layout_d, algo, g_cublaslt_workspace,
+                          CUBLASLT_WORKSPACE_BYTES, call->stream);
+}
+
+// Tuning's first part (above): runs every candidate once on this call's operands and keeps in
+// plan->same those whose result has candidate 0's bits. D is written many times; where it is also
+// C (an accumulating call) its bytes are kept on the host and put back before each run and at the
+// end, so the call that follows sees what it would have seen without tuning.
+static void matmul_check_candidates(MatmulPlan* plan, const MatmulCall* call, size_t d_bytes) {
+    void* saved = NULL;
+    if (call->c == call->d && *call->beta != 0.0f) {
+        saved = malloc(d_bytes);
+        if (!saved) {
+            fprintf(stderr, "matmul: no host memory (%zu bytes) to tune a %dx%dx%d product\n", d_bytes, plan->key.m,
+                    plan->key.n, plan->key.k);
+            exit(1);
+        }
+        CUDA_CHECK(cudaMemcpyAsync(saved, call->d, d_bytes, cudaMemcpyDeviceToHost, call->stream));
+    }
+    unsigned long long reference = 0;
+    plan->n_same = 0;
+    for (int i = 0; i < plan->n_candidates; i++) {
+        if (saved) CUDA_CHECK(cudaMemcpyAsync((void*)call->d, saved, d_bytes, cudaMemcpyHostToDevice, call->stream));
+        cublasStatus_t status = matmul_run(call, &plan->candidates[i]);
+        if (i == 0) CUBLAS_CHECK(status);  // the heuristic's first must run: it is what untuned calls take
+        if (status != CUBLAS_STATUS_SUCCESS) continue;
+        unsigned long long h = fingerprint(call->d, d_bytes, call->stream);
+        if (i == 0) reference = h;
+        if (h == reference) plan->same[plan->n_same++] = i;
+    }
+    if (saved) {
+        CUDA_CHECK(cudaMemcpyAsync((void*)call->d, saved, d_bytes, cudaMemcpyHostToDevice, call->stream));
+        CUDA_CHECK(cudaStreamSynchronize(call->stream));
+        free(saved);
+    }
+    plan->checked = true;
+}
+
+// Tuning's second part: this call runs the plan's next candidate in turn, between two events.
+static void matmul_timed_run(MatmulPlan* plan, const MatmulCall* call) {
+    if (!g_samples) g_samples = (MatmulSample*)calloc(MATMUL_MAX_SAMPLES, sizeof(MatmulSample));
+    if (!g_samples || g_n_samples == MATMUL_MAX_SAMPLES) {
+        CUBLAS_CHECK(matmul_run(call, &plan->algo));
+        return;
+    }
+    MatmulSample* sample = &g_samples[g_n_samples++];
+    sample->plan = plan;
+    sample->candidate = plan->same[plan->n_timed++ % plan->n_same];
+    CUDA_CHECK(cudaEventCreate(&sample->start));
+    CUDA_CHECK(cudaEventCreate(&sample->stop));
+    CUDA_CHECK(cudaEventRecord(sample->start, call->stream));
+    CUBLAS_CHECK(matmul_run(call, &plan->candidates[sample->candidate]));
+    CUDA_CHECK(cudaEventRecord(sample->stop, call->stream));
+}
+
+// Closes tuning: waits for the timed calls, and gives every tuned plan its fastest candidate by
+// mean time if that beats candidate 0 by the margin (a candidate never timed is not taken).
+// Plans made later take the heuristic's first.
+static void matmul_tune_finish(void) {
+    for (int i = 0; i < g_n_samples; i++) {
+        MatmulSample* sample = &g_samples[i];
+        CUDA_CHECK(cudaEventSynchronize(sample->stop));
+        float ms;
+        CUDA_CHECK(cudaEventElapsedTime(&ms, sample->start, sample->stop));
+        sample->plan->ms_sum[sample->candidate] += ms;
+        sample->plan->n_samples[sample->candidate]++;
+        CUDA_CHECK(cudaEventDestroy(sample->start));
+        CUDA_CHECK(cudaEventDestroy(sample->stop));
+    }
+    free(g_samples);
+    g_samples = NULL;
+    g_n_samples = 0;
+    for (int i = 0; i < g_n_plans; i++) {
+        MatmulPlan* p = &g_plans[i];
+        if (!p->checked || p->n_samples[0] == 0) continue;
+        p->chosen = 0;
+        p->us_first = p->us_chosen = (float)(1000.0 * p->ms_sum[0] / p->n_samples[0]);
+        for (int c = 1; c < p->n_candidates; c++) {
+            if (p->n_samples[c] == 0) continue;
+            float us = (float)(1000.0 * p->ms_sum[c] / p->n_samples[c]);
+            if (us < p->us_chosen && us < p->us_first * (1.0f - MATMUL_TUNE_MARGIN)) {
+                p->chosen = c;
+                p->us_chosen = us;
+            }
+        }
+        p->algo = p->candidates[p->chosen];
+    }
+    g_matmul_tune = MATMUL_TUNE_OFF;
+}
+
+static void matmul_free(void) {
+    matmul_tune_finish();  // a run shorter than its warm-up leaves timed calls behind
+    for (int i = 0; i < g_n_plans; i++) {
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(g_plans[i].layout_a));
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(g_plans[i].layout_b));
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(g_plans[i].layout_c));
+        CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(g_plans[i].layout_d));
+        CUBLAS_CHECK(cublasLtMatmulDescDestroy(g_plans[i].desc));
+    }
+    g_n_plans = 0;
+    CUBLAS_CHECK(cublasLtDestroy(g_cublaslt));
+    CUDA_CHECK(cudaFree(g_cublaslt_workspace));
+}
+
+// One line on what tuning chose: the shapes timed, those that run another candidate than the
+// heuristic's first, and one call of each of those in the steps that timed them, before and after.
+static void matmul_print_tuning(void) {
+    int timed = 0, moved = 0;
+    double us_first = 0.0, us_chosen = 0.0;
+    for (int i = 0; i < g_n_plans; i++) {
+        const MatmulPlan* p = &g_plans[i];
+        if (p->chosen < 0) continue;
+        timed++;
+        if (p->chosen == 0) continue;
+        moved++;
+        us_first += p->us_first;
+        us_chosen += p->us_chosen;
+    }
+    printf("matmul tuning: %d cuBLASLt shapes timed in the warm-up steps; %d run a candidate at least %.0f%% faster "
+           "than the heuristic's first, with the same bits (one call of each: %.0f -> %.0f us)\n", timed, moved,
+           100 * MATMUL_TUNE_MARGIN, us_first, us_chosen);
 }
 
 static MatmulPlan* matmul_plan(const MatmulKey* key, const MatmulOperand* a, const MatmulOperand* b,
@@ -1330,9 +1533,18 @@ static void matmul(MatmulOperand d, float alpha, MatmulOperand a, MatmulOperand 
     // Without a C, D is passed as C (unread with beta 0), except for an FP8 D, whose C layout is
     // bf16: cuBLASLt refuses C == D with different layouts, and takes a null C there.
     const void* c_ptr = c ? c : is_fp8(d.type) ? NULL : d.ptr;
-    CUBLAS_CHECK(cublasLtMatmul(g_cublaslt, plan->desc, &alpha, a.ptr, plan->layout_a, b.ptr, plan->layout_b,
-                                &beta_used, c_ptr, plan->layout_c, d.ptr, plan->layout_d, &plan->algo,
-                                g_cublaslt_workspace, CUBLASLT_WORKSPACE_BYTES, stream));
+    const MatmulCall call = {plan, &alpha, a.ptr, b.ptr, &beta_used, c_ptr, d.ptr, stream};
+    cudaStreamCaptureStatus capture;
+    CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    if (g_matmul_tune != MATMUL_TUNE_OFF && capture == cudaStreamCaptureStatusNone) {
+        if (!plan->checked)
+            matmul_check_candidates(plan, &call, (size_t)m * n * (d.type == CUDA_R_32F ? 4 : is_fp8(d.type) ? 1 : 2));
+        if (g_matmul_tune == MATMUL_TUNE_TIME) {
+            matmul_timed_run(plan, &call);
+            return;
+        }
+    }
+    CUBLAS_CHECK(matmul_run(&call, &plan->algo));
 }
 
 // y[N, O] = x[N, I] W[O, I]^T (+ residual[N, O] when residual is not NULL).

@@ -1173,6 +1173,84 @@ static int test_kernel_matmuls(void) {
     return TEST_RESULT;
 }
 
+// Tuning (g_matmul_tune) may only change speed: at a trainer's shapes, where cuBLASLt offers
+// candidates that differ, every form gives the same bytes untuned, on each candidate that tuning
+// takes in turn, and tuned. The calls that accumulate in place (y += x W^T over the residual,
+// dW +=) are the first of their shapes to tune, so a check of the candidates that failed to put D
+// back would show. The tuned forward is also held against the CPU on its first 64 rows.
+typedef struct {
+    bf16 *y_inplace, *y, *dx;
+    float* dW;
+} LinearOutputs;
+
+static void linear_forms(LinearOutputs* o, const bf16* x, const bf16* W, const bf16* res, const bf16* dy,
+                         const float* dW0, int N, int I, int O) {
+    CUDA_CHECK(cudaMemcpy(o->y_inplace, res, (size_t)N * O * 2, cudaMemcpyDeviceToDevice));
+    CUDA_CHECK(cudaMemcpy(o->dW, dW0, (size_t)O * I * 4, cudaMemcpyDeviceToDevice));
+    linear_forward(o->y_inplace, x, W, o->y_inplace, N, I, O, 0);  // the residual added in place
+    linear_forward(o->y, x, W, NULL, N, I, O, 0);
+    linear_backward_input(o->dx, dy, W, N, I, O, 0);
+    linear_backward_weight(o->dW, dy, x, N, I, O, true, 0);
+}
+
+static int test_kernel_matmul_tuning(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    matmul_init();
+    const int N = 4096, I = 768, O = 1280;  // the default config's QKV projection at a quarter batch
+    double *x = random_array((size_t)N * I, 1.0), *W = random_array((size_t)O * I, 0.05);
+    double *res = random_array((size_t)N * O, 1.0), *dy = random_array((size_t)N * O, 1.0);
+    double* dW0 = random_array((size_t)O * I, 1.0);
+    bf16 *d_x = to_device_bf16(x, (size_t)N * I), *d_W = to_device_bf16(W, (size_t)O * I);
+    bf16 *d_res = to_device_bf16(res, (size_t)N * O), *d_dy = to_device_bf16(dy, (size_t)N * O);
+    float* d_dW0 = to_device_f32(dW0, (size_t)O * I);
+    const size_t y_bytes = (size_t)N * O * 2, dx_bytes = (size_t)N * I * 2, dW_bytes = (size_t)O * I * 4;
+    LinearOutputs out[2];  // untuned, then each call after
+    for (LinearOutputs& o : out) {
+        o.y_inplace = (bf16*)device_alloc_poisoned(y_bytes);
+        o.y = (bf16*)device_alloc_poisoned(y_bytes);
+        o.dx = (bf16*)device_alloc_poisoned(dx_bytes);
+        o.dW = (float*)device_alloc_poisoned(dW_bytes);
+    }
+    g_matmul_tune = MATMUL_TUNE_OFF;
+    linear_forms(&out[0], d_x, d_W, d_res, d_dy, d_dW0, N, I, O);
+    g_matmul_tune = MATMUL_TUNE_CHECK;
+    for (int call = 0; call <= MATMUL_CANDIDATES + 1; call++) {  // checking, timing each candidate in turn, tuned
+        if (call == 1) g_matmul_tune = MATMUL_TUNE_TIME;
+        if (call == MATMUL_CANDIDATES + 1) matmul_tune_finish();
+        linear_forms(&out[1], d_x, d_W, d_res, d_dy, d_dW0, N, I, O);
+        EXPECT(device_bytes_equal(out[1].y_inplace, out[0].y_inplace, y_bytes), "call %d: y += x W^T differs", call);
+        EXPECT(device_bytes_equal(out[1].y, out[0].y, y_bytes), "call %d: y = x W^T differs", call);
+        EXPECT(device_bytes_equal(out[1].dx, out[0].dx, dx_bytes), "call %d: dx differs", call);
+        EXPECT(device_bytes_equal(out[1].dW, out[0].dW, dW_bytes), "call %d: dW += differs", call);
+    }
+    EXPECT(g_matmul_tune == MATMUL_TUNE_OFF, "tuning still open after matmul_tune_finish");
+    int moved = 0;
+    for (int i = 0; i < g_n_plans; i++) {
+        const MatmulPlan* p = &g_plans[i];
+        EXPECT(p->checked && p->n_same >= 1 && p->chosen >= 0 && p->us_first > 0.0f,
+               "plan %d: checked %d, %d candidates with the same bits, chosen %d, candidate 0 at %.1f us", i,
+               (int)p->checked, p->n_same, p->chosen, p->us_first);
+        moved += p->chosen > 0;
+    }
+    const int rows = 64;
+    double *y = (double*)malloc((size_t)rows * O * 8), *gy = from_device_bf16(out[1].y_inplace, (size_t)rows * O);
+    ref_linear_forward(y, x, W, rows, I, O);
+    for (size_t i = 0; i < (size_t)rows * O; i++) y[i] += res[i];
+    CHECK_CLOSE("tuned y += x W^T, first 64 rows", gy, y, (size_t)rows * O, 4e-3);
+    printf("    %d shapes tuned, %d run another candidate than the heuristic's first\n", g_n_plans, moved);
+    double* all[] = {x, W, res, dy, dW0, y, gy};
+    for (double* a : all) free(a);
+    void* dev[] = {d_x, d_W, d_res, d_dy, d_dW0};
+    for (void* d : dev) CUDA_CHECK(cudaFree(d));
+    for (LinearOutputs& o : out) {
+        void* outs[] = {o.y_inplace, o.y, o.dx, o.dW};
+        for (void* d : outs) CUDA_CHECK(cudaFree(d));
+    }
+    matmul_free();
+    return TEST_RESULT;
+}
+
 // FP8 through the same matmul wrapper: operands whose values are exact in E4M3 / E5M2 (so only
 // the product's accumulation and the output's rounding differ from fp64), per-tensor scales as
 // device pointers, a bf16 result (also with an alpha, which multiplies with the scales), and an
@@ -2008,8 +2086,8 @@ static int test_cuda_graph_matches_eager(void) {
                      variants[v][0], dir, modes[k], variants[v][0], v);
             EXPECT(system(cmd) == 0, "run failed: %s", cmd);
         }
-        snprintf(cmd, sizeof(cmd), "grep -q 'cuda graph: step 3 captured' %s/%s_graph1.txt && "
-                 "grep -q 'cuda graph: step 8 captured' %s/%s_split3.txt", dir, modes[k], dir, modes[k]);
+        snprintf(cmd, sizeof(cmd), "grep -q 'cuda graph: step 5 captured' %s/%s_graph1.txt && "
+                 "grep -q 'cuda graph: step 10 captured' %s/%s_split3.txt", dir, modes[k], dir, modes[k]);
         EXPECT(system(cmd) == 0, "%s: the graph runs did not capture after their warm-up (%s)", modes[k], cmd);
         snprintf(path, sizeof(path), "%s/%s_eager/log.jsonl", dir, modes[k]);
         for (int v = 1; v < 3; v++) {
@@ -2319,6 +2397,7 @@ static const TestCase model_tests[] = {
     {"gpu_kernel_cross_entropy", test_kernel_cross_entropy},
     {"gpu_kernel_cross_entropy_matches_two_pass", test_kernel_cross_entropy_matches_two_pass},
     {"gpu_kernel_matmuls", test_kernel_matmuls},
+    {"gpu_kernel_matmul_tuning", test_kernel_matmul_tuning},
     {"gpu_kernel_matmul_fp8", test_kernel_matmul_fp8},
     {"gpu_kernel_gate_up_swiglu", test_kernel_gate_up_swiglu},
     {"gpu_kernel_down_swiglu_backward", test_kernel_down_swiglu_backward},

@@ -2363,6 +2363,7 @@ typedef struct {
     int fp8_log_scales;      // 1: every logged step also logs the scales
     int optimizer;           // OptimizerKind
     int cuda_graph;          // 1 (default): each step replays one captured CUDA graph (StepGraph), where it can
+    int matmul_tune;         // 1 (default): each cuBLASLt shape runs its fastest candidate with the same bits
 } Options;
 
 // OPT_BOOL: 0 or 1. OPT_CHOICE: one of the spec's words; the value (an int) is the word's index.
@@ -2457,6 +2458,9 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--cuda-graph", OPT_BOOL, &o->cuda_graph,
          "1: capture a step's launches once as a CUDA graph and replay it (modes it cannot capture say so and run "
          "eagerly); 0: launch every kernel of every step"},
+        {"--matmul-tune", OPT_BOOL, &o->matmul_tune,
+         "1: in the warm-up steps, time cuBLASLt's candidate algorithms in turn at each shape and keep the fastest "
+         "whose result has the same bits as its first choice; 0: take its first choice"},
     };
     int n = (int)(sizeof(all) / sizeof(all[0]));
     if (specs) memcpy(specs, all, sizeof(all));
@@ -2509,6 +2513,7 @@ static void options_default(Options* o) {
     o->fp8_fast_accum = 0;
     o->fp8_log_scales = 0;
     o->cuda_graph = 1;  // 0.5-1% a step (doc/perf.md, "CUDA graphs")
+    o->matmul_tune = 1;
 }
 
 // An OPT_CHOICE's words as a reader would list them: 'a', 'b' or 'c'.
@@ -2941,10 +2946,11 @@ static void resume_from(GPT* m, const char* dir, TrainerState* state) {
 //   - nothing in the step reads the device on the host, waits for it, or allocates (the learning
 //     rate and bias corrections are computed on the device, cuBLASLt's workspace is allocated once);
 //   - everything made on first use is made before: the first CUDA_GRAPH_WARMUP steps of a run are
-//     eager, so that cuBLASLt's plans, the attention's TMA maps and kernel attributes exist.
+//     eager, so that cuBLASLt's plans, the attention's TMA maps and kernel attributes exist, and
+//     so that --matmul-tune can time cuBLASLt's candidates in them.
 // A checkpoint's snapshot is waited for inside the graph (an external event wait node, which waits
 // for the event's latest record at each replay).
-#define CUDA_GRAPH_WARMUP 2
+#define CUDA_GRAPH_WARMUP 4  // 1 to check cuBLASLt's candidates, 3 to time them (kernels.cuh, "The choice")
 
 typedef struct {
     cudaGraphExec_t exec;                  // NULL: not captured yet
@@ -3086,6 +3092,7 @@ static void trainer_open_model(Trainer* t) {
     if (o->recompute == RECOMPUTE_AUTO) trainer_choose_recompute(t);
     gpt_build(m);
     m->deterministic = o->deterministic != 0;
+    g_matmul_tune = o->matmul_tune ? MATMUL_TUNE_CHECK : MATMUL_TUNE_OFF;
     gpt_init(m, o->seed);
     if (o->init_from) load_init_from(m, o->init_from);
     t->bench_rng = o->seed * 0x9E3779B97F4A7C15ull + 1;
@@ -3239,11 +3246,19 @@ static void step_graph_replay(Trainer* t, const Batch* batch) {
 
 // One optimizer step: every micro-batch's forward and backward (gradients accumulate), then the
 // optimizer, then the read-back of the step's scalars; with --cuda-graph 1 after the warm-up,
-// one graph launch does the compute. Only enqueues work: nothing here waits for the GPU.
+// one graph launch does the compute. Only enqueues work: nothing here waits for the GPU, but
+// once, at the warm-up's end, for the matmul tuning's timings.
 static void train_step(Trainer* t) {
     GPT* m = &t->model;
     int slot = t->step % STEPS_IN_FLIGHT;
     bool replay = t->graphs_on && t->step - t->start_step >= CUDA_GRAPH_WARMUP;
+    if (g_matmul_tune != MATMUL_TUNE_OFF) {  // step 0 checks cuBLASLt's candidates, the warm-up's others time them
+        if (t->step - t->start_step == 1) g_matmul_tune = MATMUL_TUNE_TIME;
+        if (t->step - t->start_step == CUDA_GRAPH_WARMUP) {
+            matmul_tune_finish();
+            matmul_print_tuning();
+        }
+    }
     CUDA_CHECK(cudaEventRecord(t->step_start[slot], m->stream));
     for (int micro = 0; micro < t->accum; micro++) {
         Batch batch = upload_batch(&t->up, m, next_window(t));
@@ -3436,14 +3451,14 @@ static void print_bench_result(const Trainer* t) {
     printf("{\"bench\": \"train_gpt\", \"device\": \"%s\", \"gpus\": %d, \"zero\": %d, \"B\": %d, \"T\": %d, "
            "\"d_model\": %d, \"layers\": %d, \"heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"ffn\": %d, "
            "\"recompute\": \"%s\", \"recompute_layers\": %d, \"fp8\": \"%s\", \"fp8_head\": %d, "
-           "\"fp8_fast_accum\": %d, \"optimizer\": \"%s\", \"ms_per_step\": %.3f, \"tokens_per_s\": %.1f, "
-           "\"tokens_per_s_per_gpu\": %.1f, "
+           "\"fp8_fast_accum\": %d, \"optimizer\": \"%s\", \"matmul_tune\": %d, \"ms_per_step\": %.3f, "
+           "\"tokens_per_s\": %.1f, \"tokens_per_s_per_gpu\": %.1f, "
            "\"mfu\": %.4f, \"flops_per_token\": %.6g, \"peak_mem_gib\": %.3f, \"first_step_s\": %.2f, "
            "\"final_loss\": %.4f}\n",
            t->prop.name, world, t->model.dp.zero, t->model.B, t->model.T, c->d_model, c->n_layer, c->n_head,
            c->n_kv_head, c->head_dim, c->ffn_dim, RECOMPUTE_NAMES[t->o.recompute], t->model.recompute_layers,
            t->o.fp8 ? FP8_SCALING_NAMES[t->o.fp8_scaling] : "off", t->o.fp8_head, t->o.fp8_fast_accum,
-           OPTIMIZER_NAMES[t->o.optimizer], ms, tok_s, tok_s / world,
+           OPTIMIZER_NAMES[t->o.optimizer], t->o.matmul_tune, ms, tok_s, tok_s / world,
            tok_s / world * flops / (t->o.peak_tflops * 1e12), flops, gib(gpt_bytes_total(&t->model)),
            t->t_first_step, t->last_loss);
 }

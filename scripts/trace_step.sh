@@ -7,7 +7,7 @@
 # are warm, clocks are what the card's power limit allows (doc/perf.md, "The step's timeline").
 # On the GPU machine, from the repository root: OUT (default /tmp/trace) receives trace.csv (one
 # line a kernel) and train.log. ARGS: more flags for train_gpt (e.g. ARGS="--fp8 1"); STEPS: timed
-# steps of --bench (default 8; the first 3 steps, eager warm-up and the graph's capture, are left out).
+# steps of --bench (default 8; the first 5 steps, eager warm-up and the graph's capture, are left out).
 set -uo pipefail
 OUT=${OUT:-/tmp/trace}; mkdir -p "$OUT"
 make -j16 train_gpt libsteptrace.so > "$OUT/build.log" 2>&1 || { echo "build failed: $OUT/build.log"; exit 1; }
@@ -47,7 +47,7 @@ def short(name):
         return 'cuBLASLt ' + re.sub(r'^.*::', '', base)[:48]
     return base[:56]
 starts = [i for i, r in enumerate(rows) if 'embedding_forward' in r[2]]
-steps = list(zip(starts[:-1], starts[1:]))[3:]
+steps = list(zip(starts[:-1], starts[1:]))[5:]
 if not steps:
     sys.exit('no whole step after the warm-up among %d kernels: raise STEPS' % len(rows))
 n = len(steps)
