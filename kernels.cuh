@@ -9,8 +9,8 @@
  * since the QK norm's backward reads the dQ that attention's backward leaves; its PTX wrappers are
  * in lib/ptx.cuh), SwiGLU, the chunked cross-entropy; then the optimizer (the learning-rate
  * schedule; the fused AdamW update; 8-bit AdamW's quantization map and its fused update), the
- * cuBLASLt wrapper, then Muon (momentum and Newton-Schulz), whose iteration multiplies through that
- * wrapper.
+ * cuBLASLt wrapper (with its tuning: which of cuBLASLt's algorithms each shape runs), then Muon
+ * (momentum and Newton-Schulz), whose iteration multiplies through that wrapper.
  * Each forward kernel is followed by its backward, whose comment states the derivative it computes.
  *
  * Conventions a reader must know:
@@ -1185,8 +1185,8 @@ static void q8_quantize(uint8_t* codes, float* absmax, const float* x, size_t n,
 // matmul_tune_finish() closes tuning: a shape takes the candidate with the least mean time if it
 // beats the heuristic's first by MATMUL_TUNE_MARGIN. A kernel's time is not all it costs: the card
 // runs at its power limit, so a faster kernel that draws more power slows the others. Taking every
-// small win made the 1b step 0.3-0.6% slower; the margin keeps the clear ones (the default
-// config's head and QKV forward products, 12-16% faster in the step).
+// win, however small, left the 1b step up to 0.7% slower; the margin keeps the clear ones (the
+// default config's head and QKV forward products, 12-16% faster in the step).
 //
 // Two products do not come here: the BF16 gate/up forward and the BF16 down input gradient, whose
 // SwiGLU and SwiGLU backward our own Hopper GEMM computes in its epilogue (lib/matmul_hopper.cuh;
@@ -1322,8 +1322,9 @@ static MatmulPlan matmul_plan_make(const MatmulKey* key, const MatmulOperand* a,
     return p;
 }
 
-// A 64-bit fingerprint of n 4-byte words (every result's size is, rows being multiples of 8): the
-// sum, mod 2^64, of each word mixed with its index (splitmix64's finalizer). Integer sums commute,
+// A 64-bit fingerprint of n 4-byte words (a result's size is a multiple of 4 bytes: its rows are
+// multiples of 8 elements): the sum, mod 2^64, of each word mixed with its index (splitmix64's
+// finalizer). Integer sums commute,
 // so the atomics leave it the same every run; two results that differ anywhere differ here but
 // with probability about 2^-64.
 __device__ unsigned long long g_fingerprint;
