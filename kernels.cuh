@@ -1221,9 +1221,8 @@ typedef struct {
     cublasLtMatmulAlgo_t algo;                           // what a call runs, but while tuning times candidates
     cublasLtMatmulAlgo_t candidates[MATMUL_CANDIDATES];  // the heuristic's, best first
     int n_candidates;
-    bool checked;                  // tuning ran every candidate once and kept those with candidate 0's bits:
-    int same[MATMUL_CANDIDATES];   // their indices (same[0] = 0)
-    int n_same;
+    int same[MATMUL_CANDIDATES];   // the candidates with candidate 0's bits (same[0] = 0), n_same of them;
+    int n_same;                    // 0 until tuning has run each once on a call's operands
     int n_timed;                   // calls timed so far; candidate same[n_timed % n_same] runs next
     double ms_sum[MATMUL_CANDIDATES];  // per candidate: the timed calls' total, and their count
     int n_samples[MATMUL_CANDIDATES];
@@ -1248,7 +1247,7 @@ static int g_n_plans;
 typedef enum { MATMUL_TUNE_OFF, MATMUL_TUNE_CHECK, MATMUL_TUNE_TIME } MatmulTunePhase;  // above
 static MatmulTunePhase g_matmul_tune;  // OFF: calls run the heuristic's first, or what tuning chose
 #define MATMUL_TUNE_MARGIN 0.03f       // how much faster than the heuristic's first a candidate must be
-static MatmulSample* g_samples;
+static MatmulSample g_samples[MATMUL_MAX_SAMPLES];
 static int g_n_samples;
 
 static void matmul_init(void) {
@@ -1313,7 +1312,6 @@ static MatmulPlan matmul_plan_make(const MatmulKey* key, const MatmulOperand* a,
     p.n_candidates = n_results;
     for (int i = 0; i < n_results; i++) p.candidates[i] = results[i].algo;
     p.algo = p.candidates[0];
-    p.checked = false;
     p.n_same = p.n_timed = 0;
     memset(p.ms_sum, 0, sizeof(p.ms_sum));
     memset(p.n_samples, 0, sizeof(p.n_samples));
@@ -1400,13 +1398,11 @@ static void matmul_check_candidates(MatmulPlan* plan, const MatmulCall* call, si
         CUDA_CHECK(cudaStreamSynchronize(call->stream));
         free(saved);
     }
-    plan->checked = true;
 }
 
 // Tuning's second part: this call runs the plan's next candidate in turn, between two events.
 static void matmul_timed_run(MatmulPlan* plan, const MatmulCall* call) {
-    if (!g_samples) g_samples = (MatmulSample*)calloc(MATMUL_MAX_SAMPLES, sizeof(MatmulSample));
-    if (!g_samples || g_n_samples == MATMUL_MAX_SAMPLES) {
+    if (g_n_samples == MATMUL_MAX_SAMPLES) {
         CUBLAS_CHECK(matmul_run(call, &plan->algo));
         return;
     }
@@ -1434,12 +1430,10 @@ static void matmul_tune_finish(void) {
         CUDA_CHECK(cudaEventDestroy(sample->start));
         CUDA_CHECK(cudaEventDestroy(sample->stop));
     }
-    free(g_samples);
-    g_samples = NULL;
     g_n_samples = 0;
     for (int i = 0; i < g_n_plans; i++) {
         MatmulPlan* p = &g_plans[i];
-        if (!p->checked || p->n_samples[0] == 0) continue;
+        if (p->n_samples[0] == 0) continue;  // never timed
         p->chosen = 0;
         p->us_first = p->us_chosen = (float)(1000.0 * p->ms_sum[0] / p->n_samples[0]);
         for (int c = 1; c < p->n_candidates; c++) {
@@ -1535,10 +1529,10 @@ static void matmul(MatmulOperand d, float alpha, MatmulOperand a, MatmulOperand 
     // bf16: cuBLASLt refuses C == D with different layouts, and takes a null C there.
     const void* c_ptr = c ? c : is_fp8(d.type) ? NULL : d.ptr;
     const MatmulCall call = {plan, &alpha, a.ptr, b.ptr, &beta_used, c_ptr, d.ptr, stream};
-    cudaStreamCaptureStatus capture;
-    CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (g_matmul_tune != MATMUL_TUNE_OFF) CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
     if (g_matmul_tune != MATMUL_TUNE_OFF && capture == cudaStreamCaptureStatusNone) {
-        if (!plan->checked)
+        if (plan->n_same == 0)
             matmul_check_candidates(plan, &call, (size_t)m * n * (d.type == CUDA_R_32F ? 4 : is_fp8(d.type) ? 1 : 2));
         if (g_matmul_tune == MATMUL_TUNE_TIME) {
             matmul_timed_run(plan, &call);
