@@ -7,10 +7,11 @@
  * sum) and initialization; then the kernels in the order of a training step: embedding, RMSNorm,
  * the per-head QK norm with rotary embedding, attention (in lib/attention.cuh, included at the top,
  * since the QK norm's backward reads the dQ that attention's backward leaves; its PTX wrappers are
- * in lib/ptx.cuh), SwiGLU, the chunked cross-entropy; then the optimizer (the learning-rate
- * schedule; the fused AdamW update; 8-bit AdamW's quantization map and its fused update), the
- * cuBLASLt wrapper (with its tuning: which of cuBLASLt's algorithms each shape runs), then Muon
- * (momentum and Newton-Schulz), whose iteration multiplies through that wrapper.
+ * in lib/ptx.cuh), SwiGLU, the chunked cross-entropy and the BF16 head's loss from what its fused
+ * product leaves; then the optimizer (the learning-rate schedule; the fused AdamW update; 8-bit
+ * AdamW's quantization map and its fused update), the cuBLASLt wrapper (with its tuning: which of
+ * cuBLASLt's algorithms each shape runs), then Muon (momentum and Newton-Schulz), whose iteration
+ * multiplies through that wrapper.
  * Each forward kernel is followed by its backward, whose comment states the derivative it computes.
  *
  * Conventions a reader must know:
@@ -820,6 +821,136 @@ static void cross_entropy(bf16* logits, float* losses, const int* targets, int r
     const int n_cached = min(V / 8, cross_entropy_cache_bytes() / (int)sizeof(bf16x8));
     cross_entropy_kernel<<<rows, CE_THREADS, n_cached * sizeof(bf16x8), s>>>(logits, losses, targets, V, n_cached,
                                                                             d_loss);
+    LAUNCH_CHECK();
+}
+
+// ----------------------------------------------------------------------------------------------
+// The output head's loss without a pass over its logits (the BF16 head; train_gpt.cu's head_and_loss).
+// The cross-entropy above reads the R x V logits a matmul wrote and writes dL/dlogits over them: a
+// read and a write of 412 MB a chunk at the default config. Here the head's forward product
+// (lib/matmul_hopper.cuh, hopper_logits_exp) writes in place of the logits z the exponentials
+//   P[r][j] = exp(z[r][j] - c_r)
+// for a shift c_r known before it runs: the target's own logit, x_r . E[t_r] (head_shift_kernel).
+// Its epilogue also sums them per tile, all but the target's, whose exponent z[r][t] - c_r (about 0)
+// it keeps. With O_r = the others' sum and S_r = exp(z[r][t] - c_r) + O_r = exp(lse_r - c_r):
+//   loss_r       = lse_r - z[r][t] = log S_r - (z[r][t] - c_r)
+//   dL/dz[r][j]  = d_loss (P[r][j] / S_r - [j == t_r])
+// head_loss_kernel writes -O_r over the target's entry of P; call that P'. Then every entry of
+// dL/dz_r is s_r P'[r][j] with s_r = d_loss / S_r (at the target: d_loss (p_t - 1) = -d_loss O_r / S_r),
+// and the backward's two products take s without a pass over P':
+//   dx = dL/dz E   = diag(s) (P' E)       s scales the R x C product (scale_rows)
+//   dE += dL/dz^T x = P'^T (diag(s) x)    s scales the R x C input (x_scaled, head_loss_kernel)
+// The target's entry is written, not subtracted later: for a confident prediction p_t - 1 is a small
+// difference of near-equal numbers, and only the others' sum gives it to full precision.
+// Why the target's logit as the shift: it is one of the row's terms, so S_r >= ~1 however far below
+// the max every logit lies; and z - c_r exceeds a bound only when the token's loss does (loss >= max
+// z - z[t]). The epilogue clamps the exponent at HOP_EXP_MAX (64: a loss past 64 nats, a model
+// betting e^-64 against the target) and marks the row; head_loss_kernel remakes such a row from x and
+// E itself, shifted by its own max (head_row_exact): slow, and exact, for a row that should never come.
+
+// c[r] = x[r] . E[targets[r]] in fp32 (one warp a row, lanes over 8-wide vectors in a fixed order),
+// and the row's overflow mark cleared for the product's epilogue.
+__global__ void head_shift_kernel(float* shift, int* overflow, const bf16* x, const bf16* E, const int* targets, int R,
+                                  int C) {
+    const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (r >= R) return;
+    const bf16 *xr = x + (size_t)r * C, *er = E + (size_t)targets[r] * C;
+    float dot = 0.0f;
+    for (int c = 8 * lane; c < C; c += 8 * 32) {
+        const bf16x8 a = load8(xr + c), b = load8(er + c);
+        for (int k = 0; k < 8; k++) dot = fmaf(__bfloat162float(a.v[k]), __bfloat162float(b.v[k]), dot);
+    }
+    dot = warp_sum(dot);
+    if (lane == 0) shift[r] = dot, overflow[r] = 0;
+}
+
+// One logit, x . e over C (a multiple of 8), in a fixed order.
+__device__ __forceinline__ float head_dot(const bf16* x, const bf16* e, int C) {
+    float dot = 0.0f;
+    for (int c = 0; c < C; c += 8) {
+        const bf16x8 a = load8(x + c), b = load8(e + c);
+        for (int k = 0; k < 8; k++) dot = fmaf(__bfloat162float(a.v[k]), __bfloat162float(b.v[k]), dot);
+    }
+    return dot;
+}
+
+// A row the epilogue marked (some z - c past HOP_EXP_MAX), remade by the whole block from x_r and E:
+// its logits (each thread every blockDim.x-th), their max m, then probs_r = exp(z - m) and, with the
+// shift now m, the target's exponent and the others' sum. Twice the row's V x C products, by one
+// block: only a row whose loss passes 64 nats comes here.
+__device__ void head_row_exact(bf16* probs_r, float* target_z, float* others, const bf16* x_r, const bf16* E,
+                               int target, int V, int C) {
+    float m = -FLT_MAX;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, head_dot(x_r, E + (size_t)j * C, C));
+    m = block_max(m);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < V; j += blockDim.x) {
+        const float z = head_dot(x_r, E + (size_t)j * C, C) - m, p = __expf(z);
+        probs_r[j] = __float2bfloat16(p);
+        if (j == target) *target_z = z;  // the one thread that owns j writes it (shared memory)
+        else sum += p;
+    }
+    *others = block_sum(sum);  // block_sum's barriers also publish *target_z
+}
+
+// One row r of a chunk (a block of HEAD_THREADS): the others' sum O from the epilogue's partials (in
+// a fixed order), or the row remade; then loss, the row's scale s = d_loss / S (scale[r], for dx),
+// x_scaled[r] = s x[r] (for dE), and -O over the target's entry of probs.
+#define HEAD_THREADS 256
+__global__ void __launch_bounds__(HEAD_THREADS)
+    head_loss_kernel(float* losses, float* scale, bf16* x_scaled, bf16* probs, const float* partials,
+                     const float* target_z, const int* overflow, const bf16* x, const bf16* E, const int* targets,
+                     int n_tiles, int V, int C, float d_loss) {
+    __shared__ float z_t;
+    const int r = blockIdx.x, target = targets[r];
+    const bf16* x_r = x + (size_t)r * C;
+    float others = 0.0f;
+    for (int k = threadIdx.x; k < n_tiles; k += blockDim.x) others += partials[(size_t)r * n_tiles + k];
+    others = block_sum(others);
+    if (threadIdx.x == 0) z_t = target_z[r];
+    if (overflow[r]) head_row_exact(probs + (size_t)r * V, &z_t, &others, x_r, E, target, V, C);
+    __syncthreads();
+    const float S = expf(z_t) + others, s = d_loss / S;
+    if (threadIdx.x == 0) {
+        losses[r] = logf(S) - z_t;
+        scale[r] = s;
+        probs[(size_t)r * V + target] = __float2bfloat16(-others);
+    }
+    for (int c = 8 * threadIdx.x; c < C; c += 8 * blockDim.x) {
+        bf16x8 v = load8(x_r + c);
+        for (int k = 0; k < 8; k++) v.v[k] = __float2bfloat16(s * __bfloat162float(v.v[k]));
+        store8(x_scaled + (size_t)r * C + c, v);
+    }
+}
+
+// out[r][c] = bf16(scale[r] in[r][c]) over R x C (C a multiple of 8): the head's input gradient.
+__global__ void scale_rows_kernel(bf16* out, const float* in, const float* scale, int R, int C) {
+    const size_t i = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) * 8;
+    if (i >= (size_t)R * C) return;
+    const float s = scale[i / C];
+    const float4 a = *reinterpret_cast<const float4*>(in + i), b = *reinterpret_cast<const float4*>(in + i + 4);
+    const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    bf16x8 o;
+    for (int k = 0; k < 8; k++) o.v[k] = __float2bfloat16(s * v[k]);
+    store8(out + i, o);
+}
+
+static void head_shift(float* shift, int* overflow, const bf16* x, const bf16* E, const int* targets, int R, int C,
+                       cudaStream_t s) {
+    head_shift_kernel<<<ceil_div(R, 8), 256, 0, s>>>(shift, overflow, x, E, targets, R, C);
+    LAUNCH_CHECK();
+}
+
+static void head_loss(float* losses, float* scale, bf16* x_scaled, bf16* probs, const float* partials,
+                      const float* target_z, const int* overflow, const bf16* x, const bf16* E, const int* targets,
+                      int R, int V, int C, int n_tiles, float d_loss, cudaStream_t s) {
+    head_loss_kernel<<<R, HEAD_THREADS, 0, s>>>(losses, scale, x_scaled, probs, partials, target_z, overflow, x, E,
+                                                targets, n_tiles, V, C, d_loss);
+    LAUNCH_CHECK();
+}
+
+static void scale_rows(bf16* out, const float* in, const float* scale, int R, int C, cudaStream_t s) {
+    scale_rows_kernel<<<ceil_div((size_t)R * C / 8, 256), 256, 0, s>>>(out, in, scale, R, C);
     LAUNCH_CHECK();
 }
 

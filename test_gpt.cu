@@ -1131,6 +1131,168 @@ static int test_kernel_cross_entropy_matches_two_pass(void) {
     return TEST_RESULT;
 }
 
+// The BF16 output head as the trainer runs it (head_and_loss, through head_chunk_fused: the shift,
+// our GEMM with the softmax's exponentials in its epilogue, head_loss, then dE and dx by cuBLASLt)
+// against the fp64 cross-entropy of the fp64 logits of the same bf16 x and E: losses, dL/dx
+// (d_xnorm) and dE, all poisoned first. V = 1000 (4 tiles of 256 columns, the last 232 wide), d_model
+// 200 (K not a multiple of 64), 300 rows in chunks of 256 and 44; then V = 9000, d_model 64, 600 rows
+// in chunks of 512 and 88 (144 tiles a chunk: more than an H100's SMs). Three rows are made to
+// order: row 5 a loss of about 100 nats (some logit 64 past the target's: the epilogue marks the row
+// and head_loss_kernel remakes it), row 9 a confident one (p_t ~ 1 - 5e-4, where dL/dz_t is the
+// others' sum, and is checked row by row). A second run must repeat every bit, and the forward alone
+// (validation's) the losses' bits.
+static int test_kernel_head_fused(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    const struct {
+        int V, C, B, T, chunk;
+    } shapes[] = {{1000, 200, 2, 150, 256}, {9000, 64, 1, 600, 512}};
+    matmul_init();
+    for (auto& sh : shapes) {
+        const int V = sh.V, C = sh.C;
+        ModelConfig c = {V, C, 1, 2, 1, 64, 64, sh.T, 1e4f, 1e-6f};
+        GPT m;
+        gpt_create(&m, &c, sh.B, sh.T, 0, sh.chunk, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
+        const int N = m.N;
+        Activations* a = &m.act;
+        EXPECT(head_fused(&m), "V %d, C %d: the fused head refused", V, C);
+        Uploader up;
+        uploader_create(&up, N, V);
+        uint16_t* window = random_window(sh.B, sh.T, V);
+        int* targets = (int*)malloc(N * sizeof(int));
+        for (int n = 0; n < N; n++) targets[n] = window[(n / sh.T) * (sh.T + 1) + n % sh.T + 1];
+        double *x = random_array((size_t)N * C, 1.0), *E = random_array((size_t)V * C, 0.15);
+        upload_bf16(P(&m, P_EMBED, 0), E, (size_t)V * C);  // rounds E to what the GPU holds
+        const double target_dot5 = -100.0, target_dot9 = 15.0;  // x_r . E[t_r] of the two made rows
+        for (int r : {5, 9}) {
+            const double* e = E + (size_t)targets[r] * C;
+            double norm2 = 0.0;
+            for (int k = 0; k < C; k++) norm2 += e[k] * e[k];
+            for (int k = 0; k < C; k++) x[(size_t)r * C + k] = (r == 5 ? target_dot5 : target_dot9) / norm2 * e[k];
+        }
+        upload_bf16(a->xnorm_final, x, (size_t)N * C);
+        double* z = (double*)malloc((size_t)N * V * 8);
+        ref_linear_forward(z, x, E, N, C, V);
+        double z_max5 = -INFINITY;
+        for (int v = 0; v < V; v++) z_max5 = fmax(z_max5, z[(size_t)5 * V + v]);
+        EXPECT(z_max5 - z[(size_t)5 * V + targets[5]] > HOP_EXP_MAX + 16, "row 5's logits span %.1f past its target's: "
+               "the test no longer runs the remade row", z_max5 - z[(size_t)5 * V + targets[5]]);
+        const double d_loss = 1.0 / (3.0 * N);
+        double *losses = (double*)malloc(N * 8), *dz = (double*)malloc((size_t)N * V * 8);
+        ref_cross_entropy(losses, dz, z, targets, N, V, d_loss);
+        double *dx = (double*)malloc((size_t)N * C * 8), *dE = (double*)calloc((size_t)V * C, 8);
+        ref_linear_backward(dx, dE, dz, x, E, N, C, V);
+
+        Batch b = upload_batch(&up, &m, window);
+        float* d_loss_sum = (float*)device_alloc_poisoned(4);
+        const size_t n_bytes[3] = {(size_t)N * 4, (size_t)N * C * 2, (size_t)V * C * 4};
+        const void* outputs[3] = {a->losses, a->d_xnorm, G(&m, P_EMBED, 0)};
+        void* bits[2][3];
+        for (int run = 0; run < 2; run++) {
+            for (int k = 0; k < 3; k++) CUDA_CHECK(cudaMemset((void*)outputs[k], 0xFF, n_bytes[k]));  // NaN
+            head_and_loss(&m, &b, (float)d_loss, true, d_loss_sum, false);
+            CUDA_CHECK(cudaStreamSynchronize(m.stream));
+            const int error = mm_error_take();
+            EXPECT(error == MM_OK, "V %d, C %d: %s", V, C, mm_error_text(error));
+            for (int k = 0; k < 3; k++) {
+                bits[run][k] = malloc(n_bytes[k]);
+                CUDA_CHECK(cudaMemcpy(bits[run][k], outputs[k], n_bytes[k], cudaMemcpyDeviceToHost));
+            }
+        }
+        for (int k = 0; k < 3; k++)
+            EXPECT(!memcmp(bits[0][k], bits[1][k], n_bytes[k]), "V %d, C %d: a second run differs (output %d)", V, C,
+                   k);
+        double *gl = from_device_f32(a->losses, N), *gdx = from_device_bf16(a->d_xnorm, (size_t)N * C);
+        double* gdE = from_device_f32(G(&m, P_EMBED, 0), (size_t)V * C);
+        char name[96];
+        // the losses from fp32 sums of exponentials (fast-math, ~1e-6 each); dx and dE carry bf16
+        // roundings of P' and of x_scaled or dx (2^-9 relative each)
+        snprintf(name, sizeof(name), "head V %d, C %d: losses", V, C);
+        CHECK_CLOSE(name, gl, losses, N, 1e-4);
+        EXPECT(fabs(gl[5] - losses[5]) < 1e-4 * losses[5], "V %d, C %d: the remade row's loss %.6f, not %.6f", V, C,
+               gl[5], losses[5]);
+        snprintf(name, sizeof(name), "head V %d, C %d: dx", V, C);
+        CHECK_CLOSE(name, gdx, dx, (size_t)N * C, 1e-2);
+        snprintf(name, sizeof(name), "head V %d, C %d: dE", V, C);
+        CHECK_CLOSE(name, gdE, dE, (size_t)V * C, 1e-2);
+        for (int r : {5, 9}) {
+            snprintf(name, sizeof(name), "head V %d, C %d: row %d of dx", V, C, r);
+            CHECK_CLOSE(name, gdx + (size_t)r * C, dx + (size_t)r * C, C, 1e-2);
+        }
+        CUDA_CHECK(cudaMemset(a->losses, 0xFF, n_bytes[0]));
+        head_and_loss(&m, &b, (float)d_loss, false, d_loss_sum, false);  // validation's forward alone
+        CUDA_CHECK(cudaStreamSynchronize(m.stream));
+        float* eval_losses = (float*)malloc(n_bytes[0]);
+        CUDA_CHECK(cudaMemcpy(eval_losses, a->losses, n_bytes[0], cudaMemcpyDeviceToHost));
+        EXPECT(!memcmp(eval_losses, bits[1][0], n_bytes[0]), "V %d, C %d: the forward alone's losses differ", V, C);
+        free(eval_losses);
+        free(window); free(targets); free(x); free(E); free(z); free(losses); free(dz); free(dx); free(dE);
+        free(gl); free(gdx); free(gdE);
+        for (int run = 0; run < 2; run++)
+            for (int k = 0; k < 3; k++) free(bits[run][k]);
+        CUDA_CHECK(cudaFree(d_loss_sum));
+        uploader_free(&up);
+        gpt_free(&m);
+    }
+    return TEST_RESULT;
+}
+
+// The fused BF16 head against the three passes it replaces (cuBLASLt's logits, cross_entropy, the
+// backward's products on dlogits), at the default config's chunk: 4096 rows, V 50304, d_model 768,
+// random x and E with logits of standard deviation about 3. Losses, dx and dE must agree within
+// the two paths' bf16 roundings (the old one rounds the logits before the softmax, the new one
+// does not); each path's time for the chunk, forward and backward, is printed (the median of 9).
+static int test_kernel_head_fused_matches_three_passes(void) {
+    REQUIRE_GPU();
+    int failed = 0;
+    const int V = 50304, C = 768, T = 1024, B = 4;
+    ModelConfig c = {V, C, 1, 6, 2, 128, 2048, T, 1e4f, 1e-6f};
+    GPT m;
+    matmul_init();
+    gpt_create(&m, &c, B, T, 0, B * T, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
+    const int N = m.N;
+    Activations* a = &m.act;
+    Uploader up;
+    uploader_create(&up, N, V);
+    uint16_t* window = random_window(B, T, V);
+    double *x = random_array((size_t)N * C, 1.0), *E = random_array((size_t)V * C, 0.11);
+    upload_bf16(a->xnorm_final, x, (size_t)N * C);
+    upload_bf16(P(&m, P_EMBED, 0), E, (size_t)V * C);
+    Batch b = upload_batch(&up, &m, window);
+    const float d_loss = 1.0f / N;
+    float* d_loss_sum = (float*)device_alloc_poisoned(4);
+    auto fused = [&] { head_and_loss(&m, &b, d_loss, true, d_loss_sum, false); };
+    auto three_passes = [&] {
+        layer_forward(&m, P_EMBED, 0, N, a->logits, a->xnorm_final, NULL);
+        cross_entropy(a->logits, a->losses, b.targets, N, V, d_loss, m.stream);
+        layer_backward(&m, P_EMBED, 0, N, a->d_xnorm, a->logits, a->xnorm_final, false);
+    };
+    double* got[2][3];  // each path's losses, dx, dE
+    float ms[2];
+    for (int path = 0; path < 2; path++) {
+        auto run = [&] { path ? fused() : three_passes(); };
+        run();
+        CUDA_CHECK(cudaStreamSynchronize(m.stream));
+        got[path][0] = from_device_f32(a->losses, N);
+        got[path][1] = from_device_bf16(a->d_xnorm, (size_t)N * C);
+        got[path][2] = from_device_f32(G(&m, P_EMBED, 0), (size_t)V * C);
+        ms[path] = time_median_ms(run, 2, 9);
+    }
+    const int error = mm_error_take();
+    EXPECT(error == MM_OK, "%s", mm_error_text(error));
+    CHECK_CLOSE("4096 x 50304 losses, fused against three passes", got[1][0], got[0][0], N, 1e-3);
+    CHECK_CLOSE("4096 x 50304 dx, fused against three passes", got[1][1], got[0][1], (size_t)N * C, 2e-2);
+    CHECK_CLOSE("4096 x 50304 dE, fused against three passes", got[1][2], got[0][2], (size_t)V * C, 2e-2);
+    printf("    4096 x 50304 x 768, forward and backward: three passes %.3f ms, fused %.3f ms\n", ms[0], ms[1]);
+    for (int path = 0; path < 2; path++)
+        for (int k = 0; k < 3; k++) free(got[path][k]);
+    free(window); free(x); free(E);
+    CUDA_CHECK(cudaFree(d_loss_sum));
+    uploader_free(&up);
+    gpt_free(&m);
+    return TEST_RESULT;
+}
+
 // The three matmul forms on shapes that are not multiples of any tile.
 static int test_kernel_matmuls(void) {
     REQUIRE_GPU();
@@ -1670,6 +1832,7 @@ static int test_model_matches_reference(void) {
             EXPECT(gate_up_fused(&m, l), "layer %d's gate/up is not fused", l);
             EXPECT(down_swiglu_fused(&m, l), "layer %d's down backward is not fused", l);
         }
+        EXPECT(head_fused(&m), "the head is not fused");
         Uploader up;
         uploader_create(&up, m.N, c->vocab_size);
         double* p = random_params(c, &m.table, 0.08);
@@ -2396,6 +2559,8 @@ static const TestCase model_tests[] = {
     {"gpu_kernel_swiglu", test_kernel_swiglu},
     {"gpu_kernel_cross_entropy", test_kernel_cross_entropy},
     {"gpu_kernel_cross_entropy_matches_two_pass", test_kernel_cross_entropy_matches_two_pass},
+    {"gpu_kernel_head_fused", test_kernel_head_fused},
+    {"gpu_kernel_head_fused_matches_three_passes", test_kernel_head_fused_matches_three_passes},
     {"gpu_kernel_matmuls", test_kernel_matmuls},
     {"gpu_kernel_matmul_tuning", test_kernel_matmul_tuning},
     {"gpu_kernel_matmul_fp8", test_kernel_matmul_fp8},

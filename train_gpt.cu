@@ -353,6 +353,15 @@ typedef struct {
     bf16* d_gate_up;                  // [N, 2F]          } one region: the MLP's backward is done
     bf16* d_attn_out;                 // [N, Hq D]        } before the attention's begins
     bf16* d_qkv;                      // [N, (Hq+2Hkv) D] }
+    // the BF16 head's scratch for one chunk of R rows (head_chunk_fused), in the same region: the
+    // head is done before the MLP's backward begins
+    float* head_shift;                // [R]     each row's target logit
+    float* head_target_z;             // [R]     the target's logit less the shift (the product's epilogue)
+    int* head_overflow;               // [R]     rows whose logits the epilogue could not take
+    float* head_scale;                // [R]     d_loss / the row's sum of exponentials
+    float* head_partials;             // [R, ceil(V / 256)]  the sums of exponentials per tile of the product
+    bf16* head_x_scaled;              // [R, C]  x scaled by head_scale, the weight gradient's operand
+    float* head_dx;                   // [R, C]  the input gradient's product before head_scale, fp32
     float* partials;                  // [REDUCE_BLOCKS] reduce_sum's partials (the loss, the gradient
                                       // norm, Muon's norms)
 } Activations;
@@ -567,6 +576,17 @@ static bool stores_d_mlp_act(const ModelConfig* c, int N, bool fp8) {
     return fp8 || hopper_swiglu_operands_problem(N, c->d_model, c->ffn_dim, {}) != NULL;
 }
 
+// The BF16 head's scratch for a chunk of R rows (Activations), carved from `region`.
+static void head_scratch_layout(Activations* a, Arena* region, size_t R, size_t C, size_t V) {
+    a->head_shift = (float*)arena_take(region, R * 4);
+    a->head_target_z = (float*)arena_take(region, R * 4);
+    a->head_overflow = (int*)arena_take(region, R * 4);
+    a->head_scale = (float*)arena_take(region, R * 4);
+    a->head_partials = (float*)arena_take(region, R * ceil_div(V, HOP_BN) * 4);
+    a->head_x_scaled = (bf16*)arena_take(region, R * C * 2);
+    a->head_dx = (float*)arena_take(region, R * C * 4);
+}
+
 // Lays out (or, with a->base == NULL, just measures) the activations and scratch; layers
 // 0 .. recompute_layers-1 share one qkv_rot, layers 0 .. norm_layers-1 (norm_layers >=
 // recompute_layers) one set of the norms' and SwiGLU's outputs; d_mlp_act only where it is stored.
@@ -616,10 +636,15 @@ static void activations_layout(Activations* a, Arena* kept, Arena* scratch, cons
     a->d_xnorm = (bf16*)arena_take(scratch, N * C * 2);
     a->d_mlp_act = d_mlp_act ? (bf16*)arena_take(scratch, N * F * 2) : NULL;
     size_t attn_region = (N * A * 2 + 255) / 256 * 256 + N * Q * 2;
-    char* shared = (char*)arena_take(scratch, attn_region > N * 2 * F * 2 ? attn_region : N * 2 * F * 2);
+    Arena head = {NULL, 0, 0};
+    head_scratch_layout(a, &head, loss_chunk, C, c->vocab_size);  // measures
+    size_t region = std::max({attn_region, N * 2 * F * 2, head.used});
+    char* shared = (char*)arena_take(scratch, region);
     a->d_gate_up = (bf16*)shared;
     a->d_attn_out = (bf16*)shared;
     a->d_qkv = shared ? (bf16*)(shared + (N * A * 2 + 255) / 256 * 256) : NULL;
+    head = {shared, 0, region};
+    head_scratch_layout(a, &head, loss_chunk, C, c->vocab_size);
     a->partials = (float*)arena_take(scratch, REDUCE_BLOCKS * 4);
 }
 
@@ -1558,11 +1583,45 @@ static void forward_layers(GPT* m, const Batch* batch) {
                     c->norm_eps, m->stream);
 }
 
+// The BF16 head takes our GEMM with the softmax's exponentials in its epilogue, wherever
+// hopper_logits_problem accepts the operands (every valid config: config_check asks for d_model
+// and V multiples of 8, and the arenas align to 256 bytes); FP8's head (--fp8-head) keeps cuBLASLt's
+// FP8 products and the cross-entropy kernel.
+static bool head_fused(const GPT* m) {
+    return !fp8_product(m, P_EMBED) && !hopper_logits_problem(m->act.logits, m->act.xnorm_final, P(m, P_EMBED, 0),
+                                                              m->loss_chunk, m->cfg.d_model, m->cfg.vocab_size);
+}
+
+// One chunk of `rows` rows of the BF16 head, x [rows, C] (kernels.cuh, "The output head's loss
+// without a pass over its logits", has the math): the shift (each row's target logit); probs = exp(z -
+// shift) by the product itself, never the logits; the losses, each row's scale s and x_scaled = s x,
+// and probs turned into P' (the target's entry); then, with `backward`, the two products that take
+// the scale where it costs nothing: dE (+)= P'^T x_scaled, and dx = s P'E, summed in fp32 (head_dx)
+// and rounded once as it is scaled. The softmax's gradient dL/dz = s P' is never written out.
+static void head_chunk_fused(GPT* m, const bf16* x, const int* targets, float* losses, bf16* dx, int rows,
+                             float d_loss, bool backward, bool accumulate_dE) {
+    Activations* a = &m->act;
+    int C = m->cfg.d_model, V = m->cfg.vocab_size;
+    const bf16* E = P(m, P_EMBED, 0);
+    head_shift(a->head_shift, a->head_overflow, x, E, targets, rows, C, m->stream);
+    const HopperLogits logits = {a->head_shift, targets, a->head_partials, a->head_target_z, a->head_overflow};
+    hopper_logits_exp(a->logits, logits, x, E, rows, C, V, m->stream);
+    head_loss(losses, a->head_scale, a->head_x_scaled, a->logits, a->head_partials, a->head_target_z,
+              a->head_overflow, x, E, targets, rows, V, C, ceil_div(V, HOP_BN), d_loss, m->stream);
+    if (!backward) return;
+    linear_backward_weight(G(m, P_EMBED, 0), a->logits, a->head_x_scaled, rows, C, V, accumulate_dE, m->stream);
+    // column-major D[m = C, n = rows] = E (stored [C, V]) P'^T (stored [V, rows]), as linear_backward_input's
+    matmul(mm_f32(a->head_dx), 1.0f, mm_bf16(E), mm_bf16(a->logits), NULL, 0.0f, C, rows, V, false, false, m->stream);
+    scale_rows(dx, a->head_dx, a->head_scale, rows, C, m->stream);
+}
+
 // The output head and the loss, R rows at a time, so that only an R x V chunk of logits exists.
 // Per chunk: logits = xnorm_final E^T; the cross-entropy kernel turns them into per-token losses
 // and, in place, into dL/dlogits (scaled by d_loss); with `backward`, the chunk's gradient flows
 // on at once: d_xnorm = dlogits E and dE += dlogits^T xnorm_final. Both are the products of a
 // matrix, E [V, C], over the chunk's rows (layer_forward, layer_backward; in FP8 with --fp8-head).
+// That is the FP8 head's way. The BF16 head (head_fused) computes the same from one pass over
+// the chunk, the forward product's own writes: head_chunk_fused, above.
 // Adds the losses' sum to *loss_sum (or sets it, when accumulate is false). The first chunk writes
 // dE as grads_accumulate says; the later ones add to it.
 static void head_and_loss(GPT* m, const Batch* batch, float d_loss, bool backward, float* loss_sum, bool accumulate) {
@@ -1572,11 +1631,15 @@ static void head_and_loss(GPT* m, const Batch* batch, float d_loss, bool backwar
     for (int r0 = 0; r0 < N; r0 += m->loss_chunk) {
         int rows = N - r0 < m->loss_chunk ? N - r0 : m->loss_chunk;
         const bf16* x = a->xnorm_final + (size_t)r0 * C;
+        bool accumulate_dE = r0 > 0 || grads_accumulate(m);
+        if (head_fused(m)) {
+            head_chunk_fused(m, x, batch->targets + r0, a->losses + r0, a->d_xnorm + (size_t)r0 * C, rows, d_loss,
+                             backward, accumulate_dE);
+            continue;
+        }
         layer_forward(m, P_EMBED, 0, rows, a->logits, x, NULL);
         cross_entropy(a->logits, a->losses + r0, batch->targets + r0, rows, V, d_loss, m->stream);
-        if (backward)
-            layer_backward(m, P_EMBED, 0, rows, a->d_xnorm + (size_t)r0 * C, a->logits, x,
-                           r0 > 0 || grads_accumulate(m));
+        if (backward) layer_backward(m, P_EMBED, 0, rows, a->d_xnorm + (size_t)r0 * C, a->logits, x, accumulate_dE);
     }
     reduce_sum(loss_sum, a->losses, N, false, accumulate, a->partials, m->stream);
 }

@@ -5,13 +5,15 @@
  * grid; its epilogue, a template parameter, stores through shared memory and TMA, with the next
  * kernel's work fused in where that pays.
  *
- * How it fits: the trainer runs three instantiations of it, all at the bottom: the gate/up forward
+ * How it fits: the trainer runs four instantiations of it, all at the bottom: the gate/up forward
  * with SwiGLU in its epilogue (hopper_forward_swiglu: gate_up and act = silu(gate) * up in one
  * launch, 1.27x cuBLASLt plus swiglu_forward at the default config, 1.14x at 1b; doc/matmul.md), and
  * its mirror in the backward, the down matrix's input gradient with SwiGLU's backward in its
  * epilogue (hopper_backward_swiglu: d_gate_up from d_mlp_act = dy W_down, which is never stored),
  * in a layer that recomputes also remaking the forward's act from the gate and up it reads anyway;
- * every other matmul of the trainer stays with cuBLASLt through kernels.cuh's matmul(). The kernel
+ * and the output head's forward with the softmax's exponentials in its epilogue (hopper_logits_exp:
+ * the logits are never stored, kernels.cuh's head_loss_kernel makes loss and gradient from what it
+ * leaves); every other matmul of the trainer stays with cuBLASLt through kernels.cuh's matmul(). The kernel
  * is the matmul ladder's (dev/matmul.cu): its versions 3 to 9 are this kernel's launch
  * configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and
  * splits K), 6 adds the residual or applies SwiGLU or its backward, 7 (the ladder's only) stores as
@@ -72,6 +74,9 @@
  *     a flag: the flag's registers made the consumers spill.
  *   residual (the ladder's only: it ties cuBLASLt's beta = 1, doc/matmul.md): y = acc + residual,
  *     rounded once to bf16.
+ *   The softmax's exponentials, in the output head's forward z = x E^T (hopper_store_logits_exp):
+ *     exp(z - shift) of each row's own shift (its target's logit) stored in place of z, and their
+ *     sums per row over the tile's columns (the target's left out) written as partials.
  *   What these epilogues read (the residual; gate and up) comes through the ring, not from the
  *   consumers' own loads: after a tile's k-blocks the producer loads the tile's chunks of it, one
  *   stage a chunk of 64 columns ([128 rows][64] boxes: the residual's, or gate's into the stage's A
@@ -230,9 +235,10 @@ static __device__ __forceinline__ bool hopper_wait(uint32_t bar, uint32_t parity
 // shared memory and stores it by TMA; version 6 does the same with the next kernel's work fused in:
 // the residual added (y = x W^T + residual), or SwiGLU (gate_up and act = silu(gate) * up), or, in
 // the down matrix's input gradient, SwiGLU's backward (d_gate_up from d_mlp_act = dy W and gate_up),
-// with or without the forward's act remade from the same gate and up (a recomputing layer's);
-// version 7 is version 5's on a stream-K walk, where a piece of a tile hands its partial to the
-// tile's owner.
+// with or without the forward's act remade from the same gate and up (a recomputing layer's), or,
+// in the output head's forward, the softmax's exponentials (exp(logit - a row's shift) and their
+// partial row sums) in place of the logits; version 7 is version 5's on a stream-K walk, where a
+// piece of a tile hands its partial to the tile's owner.
 enum HopperEpilogue {
     HOP_EPI_REGISTERS,
     HOP_EPI_TMA,
@@ -240,6 +246,7 @@ enum HopperEpilogue {
     HOP_EPI_SWIGLU,
     HOP_EPI_SWIGLU_BWD,
     HOP_EPI_SWIGLU_BWD_ACT,
+    HOP_EPI_LOGITS_EXP,
     HOP_EPI_STREAM_K
 };
 
@@ -326,10 +333,24 @@ static __device__ __forceinline__ bool hopper_sk_fixup(float (&acc)[HOP_BN / 8][
 // gate half in[0] and up half in[1] (row stride 2F), whose entries match d_mlp_act's. There C's map
 // is d_gate_up's gate half [M][F] and c_up its up half; with act remade (EPI_SWIGLU_BWD_ACT), act is
 // its map, as in the forward.
+// The output head's (EPI_LOGITS_EXP; M = R rows of a chunk, N = V): row r's shift (its target's
+// logit) and target are read; its exponentials' sum over tile column n (the target's own left
+// out) goes to partials[r * ceil(V / 256) + n], the target's z = logit - shift to target_z[r], and
+// overflow[r] is set to 1 if some z of the row passes HOP_EXP_MAX (kernels.cuh, head_loss_kernel).
+struct HopperLogits {
+    const float* shift;
+    const int* targets;
+    float *partials, *target_z;
+    int* overflow;
+};
 struct HopperFusion {
     CUtensorMap b_up, c_up, act, in[2];
     const float *a_scale_inv, *b_scale_inv;  // version 8 (FP8 operands): stored -> real, each a device float
+    HopperLogits logits;
 };
+// The largest exponent the head's epilogue takes: exp(64) = 6e27, so that a row's sum of up to
+// Qwen3's 151936 of them, and the input gradient's products over them, stay far inside fp32.
+constexpr float HOP_EXP_MAX = 64.0f;
 
 // How many [128 rows][64 columns] boxes an epilogue reads per chunk of 64 columns (each chunk one
 // stage of the ring): the residual, or gate and up; the other epilogues read nothing.
@@ -424,6 +445,61 @@ static __device__ __forceinline__ bool hopper_take_inputs(uint32_t (&in)[N_IN][8
 
 static __device__ __forceinline__ float hopper_bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
 static __device__ __forceinline__ float hopper_bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
+
+// The output head's epilogue (EPI_LOGITS_EXP), by all 128 threads of consumer cw: for its rows r of
+// logits z[r][c] = acc - shift[r] (the tile's columns n0 .. n0+255, rows row0 .. row0+63) it stores
+// exp(z) in bf16, in place of the logits, and sums exp(z) over the tile's columns but the target's,
+// whose z it keeps instead: the softmax's denominator in partial sums, with the row's largest term
+// removed before it is added (kernels.cuh, head_loss_kernel, takes it from here). A z past
+// HOP_EXP_MAX is clamped there, and its row marked for head_loss_kernel to remake; a NaN passes
+// through. A row's columns are spread over the 4 threads of a quad (lib/ptx.cuh), whose sums are
+// added by two shuffles: each partial is one fixed order of fp32 adds.
+template <typename T>
+static __device__ __forceinline__ void hopper_store_logits_exp(const float (&acc)[HOP_BN / 8][4],
+                                                               const CUtensorMap* tm_c, const HopperLogits& lg,
+                                                               unsigned char* bufs, int cw, int* chunks, int row0,
+                                                               int n0, int M, int N) {
+    constexpr int COLS = 64, J_PER_CHUNK = COLS / 8;  // bf16: a chunk's columns, and its d[j]
+    const int tid = threadIdx.x & 127, r = row0 + hopper_row_of(tid), pair = 2 * hopper_pair_of(tid);
+    float shift[2], sum[2] = {0.f, 0.f};
+    int target[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // rows r and r + 8
+        const bool in = r + 8 * h < M;
+        shift[h] = in ? lg.shift[r + 8 * h] : 0.f;
+        target[h] = in ? lg.targets[r + 8 * h] : -1;
+    }
+#pragma unroll
+    for (int q = 0; q < HOP_BN / COLS; ++q) {
+        const int col0 = n0 + q * COLS;
+        if (col0 >= N) break;
+        uint32_t p[J_PER_CHUNK][2];
+#pragma unroll
+        for (int jj = 0; jj < J_PER_CHUNK; ++jj)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float e[2];
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    const int col = col0 + 8 * jj + pair + k;
+                    const float z = acc[q * J_PER_CHUNK + jj][2 * h + k] - shift[h];
+                    e[k] = __expf(z > HOP_EXP_MAX ? HOP_EXP_MAX : z);  // (a NaN fails the test, and stays)
+                    if (col == target[h]) lg.target_z[r + 8 * h] = z;
+                    else if (col < N) sum[h] += e[k];
+                    if (z > HOP_EXP_MAX && col < N) lg.overflow[r + 8 * h] = 1;
+                }
+                p[jj][h] = attn_pack_bf16(e[0], e[1]);
+            }
+        hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, 0, false, [&](int jj, int h) { return p[jj][h]; });
+    }
+    const int tiles_n = (N + HOP_BN - 1) / HOP_BN;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+        sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+        if (pair == 0 && r + 8 * h < M) lg.partials[(size_t)(r + 8 * h) * tiles_n + n0 / HOP_BN] = sum[h];
+    }
+}
 
 // Versions 5 and 6's epilogue, run by all 128 threads of consumer cw: its 64 x 256 accumulator
 // (rows row0 .. row0+63, columns from n0; splits > 1: split `batch`'s partial) in chunks of 128
@@ -523,6 +599,8 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[HOP_B
             hopper_stage_store<T>(bufs, cw, chunks, &fuse.c_up, f0, row0, 0, false,
                                   [&](int jj, int h) { return d_up[jj][h]; });
         }
+    } else if constexpr (EPI == HOP_EPI_LOGITS_EXP) {
+        hopper_store_logits_exp<T>(acc, tm_c, fuse.logits, bufs, cw, chunks, row0, n0, M, N);
     } else {
 #pragma unroll
         for (int q = 0; q < HOP_BN / COLS; ++q) {
@@ -578,6 +656,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     static_assert(!SWIGLU || (A_K && B_K), "SwiGLU fuses into the forward, whose operands are K-major");
     static_assert((EPI != HOP_EPI_SWIGLU_BWD && EPI != HOP_EPI_SWIGLU_BWD_ACT) || (A_K && !B_K && sizeof(OutT) == 2),
                   "SwiGLU's backward fuses into an input gradient: dy K-major, W N-major, bf16 out");
+    static_assert(EPI != HOP_EPI_LOGITS_EXP || (A_K && B_K && sizeof(OutT) == 2),
+                  "the softmax's exponentials fuse into the head's forward: x and E K-major, bf16 out");
     constexpr bool MULTICAST = CLUSTER == 2;  // version 9: B's tile shared by a cluster of two blocks
     constexpr uint16_t BOTH_BLOCKS = (1 << CLUSTER) - 1;  // a multicast's cta_mask: every block of the cluster
     static_assert(CLUSTER == 1 || (MULTICAST && TMA_STORE && !STREAM_K),
@@ -962,6 +1042,44 @@ static void hopper_backward_swiglu(bf16* d_gate_up, bf16* act, const bf16* dy, c
     const auto launch = act ? hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD_ACT, bf16, bf16, CLUSTER>
                             : hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD, bf16, bf16, CLUSTER>;
     launch(tm_dy, tm_w, tm_d_gate, fuse, d_gate_up, M, F, K, grid, HOP_GROUP_M, 1, s, HopperStreamK{});
+}
+
+// What the head's fused forward needs of its operands, or NULL when they are fine: TMA's row strides
+// and bases are multiples of 16 bytes, so d_model C (x's and E's rows) and the vocabulary V (the
+// exponentials' rows) are multiples of 8 (config_check asks for both), and every operand is
+// 16-byte aligned. R may be any number of rows.
+static const char* hopper_logits_problem(const bf16* probs, const bf16* x, const bf16* E, int R, int C, int V) {
+    if (R < 1 || C < 1 || V < 1) return "empty matrices";
+    if (C % 8) return "d_model must be a multiple of 8";
+    if (V % 8) return "the vocabulary must be a multiple of 8";
+    for (const bf16* p : {probs, x, E})
+        if ((uintptr_t)p % 16) return "every operand must be 16-byte aligned";
+    return NULL;
+}
+
+// The output head's forward with the softmax's exponentials fused (the trainer's BF16 head): for a
+// chunk of R rows x [R, C] and the tied embedding E [V, C], the logits z = x E^T are never stored;
+// probs[R, V] = exp(z - shift[r]) in bf16 is, with each row's sums over tiles of 256 columns but its
+// target's, the target's z, and the overflow marks (HopperLogits); kernels.cuh's head_loss_kernel
+// makes the loss and dL/dlogits from them. For operands that hopper_logits_problem accepts (else it
+// exits with that line). One split of K, so the result repeats bit for bit.
+static void hopper_logits_exp(bf16* probs, const HopperLogits& logits, const bf16* x, const bf16* E, int R, int C,
+                              int V, cudaStream_t s) {
+    if (const char* problem = hopper_logits_problem(probs, x, E, R, C, V)) {
+        fprintf(stderr, "hopper_logits_exp: %s (R %d, C %d, V %d)\n", problem, R, C, V);
+        exit(1);
+    }
+    HopperFusion fuse = {};
+    fuse.logits = logits;
+    // The walk's group is every tile row of the chunk: each column tile of E (256 x C) is loaded
+    // once, for all of the chunk's rows, whose x stays in L2 (6 MiB at the default config); in
+    // groups of 8 tile rows E (74 MiB, more than the L2) went through L2 once a group. In one call
+    // alternating with groups of 8 (default config): 53.75 and 54.00 ms a step against 54.21, 54.09.
+    const int tiles_m = ceil_div(R, HOP_BM);
+    hopper_launch<true, true, bf16, HOP_EPI_LOGITS_EXP>(
+        tma_tensor_map(x, C, C, R, 1, HOP_BM), tma_tensor_map(E, C, C, V, 1, HOP_BN),
+        tma_tensor_map(probs, V, V, R, 1, 64), fuse, probs, R, V, C,
+        hopper_grid<1>(tiles_m, ceil_div(V, HOP_BN)), tiles_m, 1, s);
 }
 
 #endif

@@ -34,7 +34,8 @@ demangled = dict(zip(names, out)) if len(out) == len(names) else {}
 enum = re.search(r'enum HopperEpilogue \{([^}]*)\}', open('lib/matmul_hopper.cuh').read()).group(1)
 EPILOGUES = [e.strip() for e in enum.split(',') if e.strip()]
 OURS = {'HOP_EPI_SWIGLU': 'our GEMM: gate/up + SwiGLU', 'HOP_EPI_SWIGLU_BWD': 'our GEMM: down dx + SwiGLU bwd',
-        'HOP_EPI_SWIGLU_BWD_ACT': 'our GEMM: down dx + SwiGLU bwd + act'}
+        'HOP_EPI_SWIGLU_BWD_ACT': 'our GEMM: down dx + SwiGLU bwd + act',
+        'HOP_EPI_LOGITS_EXP': 'our GEMM: head logits + exp'}
 @functools.lru_cache(maxsize=None)
 def short(name):
     d = demangled.get(name, name)
