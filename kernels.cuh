@@ -848,30 +848,25 @@ static void cross_entropy(bf16* logits, float* losses, const int* targets, int r
 // betting e^-64 against the target) and marks the row; head_loss_kernel remakes such a row from x and
 // E itself, shifted by its own max (head_row_exact): slow, and exact, for a row that should never come.
 
-// c[r] = x[r] . E[targets[r]] in fp32 (one warp a row, lanes over 8-wide vectors in a fixed order),
-// and the row's overflow mark cleared for the product's epilogue.
-__global__ void head_shift_kernel(float* shift, int* overflow, const bf16* x, const bf16* E, const int* targets, int R,
-                                  int C) {
-    const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (r >= R) return;
-    const bf16 *xr = x + (size_t)r * C, *er = E + (size_t)targets[r] * C;
+// Part of a logit x . e (C a multiple of 8): the 8-wide vectors at c0, c0 + step, ... below C, in
+// that order.
+__device__ __forceinline__ float head_dot(const bf16* x, const bf16* e, int c0, int C, int step) {
     float dot = 0.0f;
-    for (int c = 8 * lane; c < C; c += 8 * 32) {
-        const bf16x8 a = load8(xr + c), b = load8(er + c);
-        for (int k = 0; k < 8; k++) dot = fmaf(__bfloat162float(a.v[k]), __bfloat162float(b.v[k]), dot);
-    }
-    dot = warp_sum(dot);
-    if (lane == 0) shift[r] = dot, overflow[r] = 0;
-}
-
-// One logit, x . e over C (a multiple of 8), in a fixed order.
-__device__ __forceinline__ float head_dot(const bf16* x, const bf16* e, int C) {
-    float dot = 0.0f;
-    for (int c = 0; c < C; c += 8) {
+    for (int c = c0; c < C; c += step) {
         const bf16x8 a = load8(x + c), b = load8(e + c);
         for (int k = 0; k < 8; k++) dot = fmaf(__bfloat162float(a.v[k]), __bfloat162float(b.v[k]), dot);
     }
     return dot;
+}
+
+// c[r] = x[r] . E[targets[r]] in fp32 (one warp a row, each lane every 32nd vector, then summed
+// across the warp), and the row's overflow mark cleared for the product's epilogue.
+__global__ void head_shift_kernel(float* shift, int* overflow, const bf16* x, const bf16* E, const int* targets, int R,
+                                  int C) {
+    const int r = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (r >= R) return;
+    const float dot = warp_sum(head_dot(x + (size_t)r * C, E + (size_t)targets[r] * C, 8 * lane, C, 8 * 32));
+    if (lane == 0) shift[r] = dot, overflow[r] = 0;
 }
 
 // A row the epilogue marked (some z - c past HOP_EXP_MAX), remade by the whole block from x_r and E:
@@ -881,11 +876,11 @@ __device__ __forceinline__ float head_dot(const bf16* x, const bf16* e, int C) {
 __device__ void head_row_exact(bf16* probs_r, float* target_z, float* others, const bf16* x_r, const bf16* E,
                                int target, int V, int C) {
     float m = -FLT_MAX;
-    for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, head_dot(x_r, E + (size_t)j * C, C));
+    for (int j = threadIdx.x; j < V; j += blockDim.x) m = fmaxf(m, head_dot(x_r, E + (size_t)j * C, 0, C, 8));
     m = block_max(m);
     float sum = 0.0f;
     for (int j = threadIdx.x; j < V; j += blockDim.x) {
-        const float z = head_dot(x_r, E + (size_t)j * C, C) - m, p = __expf(z);
+        const float z = head_dot(x_r, E + (size_t)j * C, 0, C, 8) - m, p = __expf(z);
         probs_r[j] = __float2bfloat16(p);
         if (j == target) *target_z = z;  // the one thread that owns j writes it (shared memory)
         else sum += p;

@@ -483,7 +483,7 @@ static __device__ __forceinline__ void hopper_store_logits_exp(const float (&acc
                 for (int k = 0; k < 2; ++k) {
                     const int col = col0 + 8 * jj + pair + k;
                     const float z = acc[q * J_PER_CHUNK + jj][2 * h + k] - shift[h];
-                    e[k] = __expf(z > HOP_EXP_MAX ? HOP_EXP_MAX : z);  // (a NaN fails the test, and stays)
+                    e[k] = __expf(z > HOP_EXP_MAX ? HOP_EXP_MAX : z);  // a NaN is not > HOP_EXP_MAX: it passes on
                     if (col == target[h]) lg.target_z[r + 8 * h] = z;
                     else if (col < N) sum[h] += e[k];
                     if (z > HOP_EXP_MAX && col < N) lg.overflow[r + 8 * h] = 1;
