@@ -1136,11 +1136,12 @@ static int test_kernel_cross_entropy_matches_two_pass(void) {
 // against the fp64 cross-entropy of the fp64 logits of the same bf16 x and E: losses, dL/dx
 // (d_xnorm) and dE, all poisoned first. V = 1000 (4 tiles of 256 columns, the last 232 wide), d_model
 // 200 (K not a multiple of 64), 300 rows in chunks of 256 and 44; then V = 9000, d_model 64, 600 rows
-// in chunks of 512 and 88 (144 tiles a chunk: more than an H100's SMs). Three rows are made to
-// order: row 5 a loss of about 100 nats (some logit 64 past the target's: the epilogue marks the row
-// and head_loss_kernel remakes it), row 9 a confident one (p_t ~ 1 - 5e-4, where dL/dz_t is the
-// others' sum, and is checked row by row). A second run must repeat every bit, and the forward alone
-// (validation's) the losses' bits.
+// in chunks of 512 and 88 (144 tiles a chunk: more than an H100's SMs). Two rows are made to order,
+// x along E[target]: row 5 with a target logit of -100, a loss of about 100 nats (some logit 64 past
+// the target's: the epilogue marks the row and head_loss_kernel remakes it), and row 9 with one of
+// +15, a confident prediction (p_t about 1 - 5e-4 at V 1000, where dL/dz_t is the others' sum);
+// both rows' dx are checked on their own too. A second run must repeat every bit, and the forward
+// alone (validation's) the losses' bits.
 static int test_kernel_head_fused(void) {
     REQUIRE_GPU();
     int failed = 0;
