@@ -34,7 +34,9 @@
 #include <math.h>
 #include <float.h>
 #include <string.h>
+#include <type_traits>  // linear_backward_input's output types
 #include "lib/cuda_check.h"
+#include "lib/util.h"  // xmalloc
 #include "lib/attention.cuh"  // attention, below in the step's order; the QK norm's backward reads its dQ
 
 // ----------------------------------------------------------------------------------------------
@@ -1356,7 +1358,8 @@ typedef struct {
     float us_first, us_chosen;  // mean time of a call with candidate 0 and with the chosen one
 } MatmulPlan;
 
-// One timed call while tuning is open: which plan and candidate, between which events.
+// One timed call while tuning is open: which plan and candidate, between which events (made with
+// the slot's first use, and kept for the slot's next: matmul_free destroys them).
 typedef struct {
     MatmulPlan* plan;
     int candidate;
@@ -1448,9 +1451,8 @@ static MatmulPlan matmul_plan_make(const MatmulKey* key, const MatmulOperand* a,
 
 // A 64-bit fingerprint of n 4-byte words (a result's size is a multiple of 4 bytes: its rows are
 // multiples of 8 elements): the sum, mod 2^64, of each word mixed with its index (splitmix64's
-// finalizer). Integer sums commute,
-// so the atomics leave it the same every run; two results that differ anywhere differ here but
-// with probability about 2^-64.
+// finalizer). Integer sums commute, so the atomics leave it the same every run; two results that
+// differ anywhere differ here but with probability about 2^-64.
 __device__ unsigned long long g_fingerprint;
 
 __global__ void fingerprint_kernel(const uint32_t* words, size_t n) {
@@ -1500,12 +1502,7 @@ static cublasStatus_t matmul_run(const MatmulCall* call, const cublasLtMatmulAlg
 static void matmul_check_candidates(MatmulPlan* plan, const MatmulCall* call, size_t d_bytes) {
     void* saved = NULL;
     if (call->c == call->d && *call->beta != 0.0f) {
-        saved = malloc(d_bytes);
-        if (!saved) {
-            fprintf(stderr, "matmul: no host memory (%zu bytes) to tune a %dx%dx%d product\n", d_bytes, plan->key.m,
-                    plan->key.n, plan->key.k);
-            exit(1);
-        }
+        saved = xmalloc(d_bytes);
         CUDA_CHECK(cudaMemcpyAsync(saved, call->d, d_bytes, cudaMemcpyDeviceToHost, call->stream));
     }
     unsigned long long reference = 0;
@@ -1535,8 +1532,10 @@ static void matmul_timed_run(MatmulPlan* plan, const MatmulCall* call) {
     MatmulSample* sample = &g_samples[g_n_samples++];
     sample->plan = plan;
     sample->candidate = plan->same[plan->n_timed++ % plan->n_same];
-    CUDA_CHECK(cudaEventCreate(&sample->start));
-    CUDA_CHECK(cudaEventCreate(&sample->stop));
+    if (!sample->start) {
+        CUDA_CHECK(cudaEventCreate(&sample->start));
+        CUDA_CHECK(cudaEventCreate(&sample->stop));
+    }
     CUDA_CHECK(cudaEventRecord(sample->start, call->stream));
     CUBLAS_CHECK(matmul_run(call, &plan->candidates[sample->candidate]));
     CUDA_CHECK(cudaEventRecord(sample->stop, call->stream));
@@ -1553,8 +1552,6 @@ static void matmul_tune_finish(void) {
         CUDA_CHECK(cudaEventElapsedTime(&ms, sample->start, sample->stop));
         sample->plan->ms_sum[sample->candidate] += ms;
         sample->plan->n_samples[sample->candidate]++;
-        CUDA_CHECK(cudaEventDestroy(sample->start));
-        CUDA_CHECK(cudaEventDestroy(sample->stop));
     }
     g_n_samples = 0;
     for (int i = 0; i < g_n_plans; i++) {
@@ -1577,6 +1574,11 @@ static void matmul_tune_finish(void) {
 
 static void matmul_free(void) {
     matmul_tune_finish();  // a run shorter than its warm-up leaves timed calls behind
+    for (int i = 0; i < MATMUL_MAX_SAMPLES && g_samples[i].start; i++) {
+        CUDA_CHECK(cudaEventDestroy(g_samples[i].start));
+        CUDA_CHECK(cudaEventDestroy(g_samples[i].stop));
+        g_samples[i].start = g_samples[i].stop = NULL;
+    }
     for (int i = 0; i < g_n_plans; i++) {
         CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(g_plans[i].layout_a));
         CUBLAS_CHECK(cublasLtMatrixLayoutDestroy(g_plans[i].layout_b));
@@ -1675,9 +1677,13 @@ static void linear_forward(bf16* y, const bf16* x, const bf16* W, const bf16* re
     matmul(mm_bf16(y), 1.0f, mm_bf16(W), mm_bf16(x), residual, 1.0f, O, N, I, true, false, s);
 }
 
-// dx[N, I] = dy[N, O] W[O, I].   Column-major: D[m=I, n=N] = W(stored [I, O]) dy^T(stored [O, N]).
-static void linear_backward_input(bf16* dx, const bf16* dy, const bf16* W, int N, int I, int O, cudaStream_t s) {
-    matmul(mm_bf16(dx), 1.0f, mm_bf16(W), mm_bf16(dy), NULL, 0.0f, I, N, O, false, false, s);
+// dx[N, I] = dy[N, O] W[O, I], dx bf16 or fp32 (OutT).
+// Column-major: D[m=I, n=N] = W(stored [I, O]) dy^T(stored [O, N]).
+template <typename OutT>
+static void linear_backward_input(OutT* dx, const bf16* dy, const bf16* W, int N, int I, int O, cudaStream_t s) {
+    static_assert(std::is_same_v<OutT, bf16> || std::is_same_v<OutT, float>, "dx is bf16 or fp32");
+    const MatmulOperand d = std::is_same_v<OutT, float> ? mm_f32((float*)dx) : mm_bf16((bf16*)dx);
+    matmul(d, 1.0f, mm_bf16(W), mm_bf16(dy), NULL, 0.0f, I, N, O, false, false, s);
 }
 
 // dW[O, I] = dy[N, O]^T x[N, I], or += with accumulate (then dW is also C, beta 1).

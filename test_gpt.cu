@@ -349,6 +349,33 @@ static int test_learning_rate_schedules(void) {
     return TEST_RESULT;
 }
 
+// What the head's fused forward (hopper_logits_exp) refuses, through the check it shares with the
+// SwiGLU products: x [R, C], E [V, C] and probs [R, V] want C and V multiples of 8 and 16-byte
+// aligned operands; any R goes.
+static int test_hopper_logits_requirements(void) {
+    int failed = 0;
+    alignas(16) static bf16 buf[64];
+    bf16 *p = buf, *odd = buf + 1;
+    struct {
+        const bf16* x;
+        int R, C, V;
+        bool ok;
+        const char* what;
+    } cases[] = {
+        {p, 1, 8, 8, true, "the smallest shape"},
+        {p, 4097, 768, 50304, true, "rows no multiple of 8 or of a tile"},
+        {p, 0, 8, 8, false, "no rows"},
+        {p, 16, 12, 8, false, "d_model 12: x's and E's rows do not start on 16 bytes"},
+        {p, 16, 8, 50257, false, "V 50257: the exponentials' rows do not start on 16 bytes"},
+        {odd, 16, 8, 8, false, "x not 16-byte aligned"},
+    };
+    for (auto& tc : cases) {
+        const char* problem = hopper_logits_problem(p, tc.x, p, tc.R, tc.C, tc.V);
+        EXPECT((problem == NULL) == tc.ok, "%s: %s", tc.what, problem ? problem : "accepted");
+    }
+    return TEST_RESULT;
+}
+
 // What our Hopper GEMM's fused gate/up forward and down backward accept (lib/matmul_hopper.cuh):
 // the trainer takes those paths exactly where hopper_swiglu_problem and
 // hopper_swiglu_backward_problem say NULL, and cuBLASLt's otherwise.
@@ -2547,6 +2574,7 @@ static const TestCase model_tests[] = {
     {"hf_names_cover_every_parameter", test_hf_names_cover_every_parameter},
     {"learning_rate_schedules", test_learning_rate_schedules},
     {"hopper_swiglu_requirements", test_hopper_swiglu_requirements},
+    {"hopper_logits_requirements", test_hopper_logits_requirements},
     {"flops_per_token", test_flops_per_token},
     {"recompute_auto_choice", test_recompute_auto_choice},
     {"reference_gradients_match_finite_differences", test_reference_gradients_match_finite_differences},

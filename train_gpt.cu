@@ -573,7 +573,7 @@ static void* arena_take(Arena* a, size_t bytes) {
 // down input gradient's epilogue (down_swiglu_fused) and never stores it, wherever the shapes allow
 // (the arenas align every operand to 256 bytes); FP8's products, and shapes it refuses, store it.
 static bool stores_d_mlp_act(const ModelConfig* c, int N, bool fp8) {
-    return fp8 || hopper_swiglu_operands_problem(N, c->d_model, c->ffn_dim, {}) != NULL;
+    return fp8 || hopper_operands_problem(N, c->d_model, c->ffn_dim, {}) != NULL;
 }
 
 // The BF16 head's scratch for a chunk of R rows (Activations), carved from `region`.
@@ -1610,8 +1610,7 @@ static void head_chunk_fused(GPT* m, const bf16* x, const int* targets, float* l
               a->head_overflow, x, E, targets, rows, V, C, ceil_div(V, HOP_BN), d_loss, m->stream);
     if (!backward) return;
     linear_backward_weight(G(m, P_EMBED, 0), a->logits, a->head_x_scaled, rows, C, V, accumulate_dE, m->stream);
-    // column-major D[m = C, n = rows] = E (stored [C, V]) P'^T (stored [V, rows]), as linear_backward_input's
-    matmul(mm_f32(a->head_dx), 1.0f, mm_bf16(E), mm_bf16(a->logits), NULL, 0.0f, C, rows, V, false, false, m->stream);
+    linear_backward_input(a->head_dx, a->logits, E, rows, C, V, m->stream);  // fp32: scaled, then rounded
     scale_rows(dx, a->head_dx, a->head_scale, rows, C, m->stream);
 }
 
@@ -1628,11 +1627,12 @@ static void head_and_loss(GPT* m, const Batch* batch, float d_loss, bool backwar
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
     int N = m->N, C = c->d_model, V = c->vocab_size;
+    bool fused = head_fused(m);
     for (int r0 = 0; r0 < N; r0 += m->loss_chunk) {
         int rows = N - r0 < m->loss_chunk ? N - r0 : m->loss_chunk;
         const bf16* x = a->xnorm_final + (size_t)r0 * C;
         bool accumulate_dE = r0 > 0 || grads_accumulate(m);
-        if (head_fused(m)) {
+        if (fused) {
             head_chunk_fused(m, x, batch->targets + r0, a->losses + r0, a->d_xnorm + (size_t)r0 * C, rows, d_loss,
                              backward, accumulate_dE);
             continue;

@@ -219,8 +219,8 @@ static void hopper_backward_swiglu_form(bf16* d_gate_up, bf16*, bf16* act, const
 }
 
 static const Impl IMPLS[] = {
-    {0, "cuBLASLt", cublaslt_forward, linear_backward_input, cublaslt_backward_weight, linear_forward,
-     cublaslt_forward_swiglu, cublaslt_backward_swiglu, linear_backward_input, cublaslt_fp8, true, 3, 10},
+    {0, "cuBLASLt", cublaslt_forward, linear_backward_input<bf16>, cublaslt_backward_weight, linear_forward,
+     cublaslt_forward_swiglu, cublaslt_backward_swiglu, linear_backward_input<bf16>, cublaslt_fp8, true, 3, 10},
     {1, "naive", mm_forward<NaiveMatmul>, mm_backward_input<NaiveMatmul>, mm_backward_weight<NaiveMatmul>, NULL, NULL,
      NULL, NULL, NULL, false, 0, 0},
     {2, "mma.sync", mm_forward<MmaMatmul>, mm_backward_input<MmaMatmul>, mm_backward_weight<MmaMatmul>, NULL, NULL,

@@ -13,8 +13,8 @@
  * in a layer that recomputes also remaking the forward's act from the gate and up it reads anyway;
  * and the output head's forward with the softmax's exponentials in its epilogue (hopper_logits_exp:
  * the logits are never stored, kernels.cuh's head_loss_kernel makes loss and gradient from what it
- * leaves); every other matmul of the trainer stays with cuBLASLt through kernels.cuh's matmul(). The kernel
- * is the matmul ladder's (dev/matmul.cu): its versions 3 to 9 are this kernel's launch
+ * leaves); every other matmul of the trainer stays with cuBLASLt through kernels.cuh's matmul().
+ * The kernel is the matmul ladder's (dev/matmul.cu): its versions 3 to 9 are this kernel's launch
  * configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and
  * splits K), 6 adds the residual or applies SwiGLU or its backward, 7 (the ladder's only) stores as
  * 5 on a stream-K walk (HopperStreamK, below), 8 (the ladder's only) is 5 on FP8 operands (below),
@@ -449,8 +449,8 @@ static __device__ __forceinline__ float hopper_bf16_hi(uint32_t w) { return __ui
 // The output head's epilogue (EPI_LOGITS_EXP), by all 128 threads of consumer cw: for its rows r of
 // logits z[r][c] = acc - shift[r] (the tile's columns n0 .. n0+255, rows row0 .. row0+63) it stores
 // exp(z) in bf16, in place of the logits, and sums exp(z) over the tile's columns but the target's,
-// whose z it keeps instead: the softmax's denominator in partial sums, with the row's largest term
-// removed before it is added (kernels.cuh, head_loss_kernel, takes it from here). A z past
+// whose z it keeps instead: the softmax's denominator in partial sums, the target's term left out
+// (kernels.cuh's head_loss_kernel adds it back, and writes the others' sum over it). A z past
 // HOP_EXP_MAX is clamped there, and its row marked for head_loss_kernel to remake; a NaN passes
 // through. A row's columns are spread over the 4 threads of a quad (lib/ptx.cuh), whose sums are
 // added by two shuffles: each partial is one fixed order of fp32 adds.
@@ -953,16 +953,17 @@ static int hopper_grid(int tiles_m, int tiles_n) {
     return 2 * std::min((tiles_m + 1) / 2 * tiles_n, hopper_cluster_slots());
 }
 
-// What the fused SwiGLU products need of their operands, or NULL when they are fine: TMA's row
+// What the trainer's fused products need of their operands, or NULL when they are fine: TMA's row
 // strides and base addresses are multiples of 16 bytes, so the product's inner width K (d_model in
-// both: the gate/up forward's I, the down input gradient's O) and the features F are multiples of 8
-// (the up halves start F elements in), and every operand is 16-byte aligned. The rows N may be any
-// number: TMA zero-fills and clips the edge tiles. The one place these are checked, through the two
-// below: the trainer takes a fused path only where they say NULL, and the ladder skips what they refuse.
-static const char* hopper_swiglu_operands_problem(int N, int K, int F, std::initializer_list<const bf16*> operands) {
+// all three: the gate/up forward's I, the down input gradient's O, the head's C) and the output's
+// width F (SwiGLU's features, where the up halves start F elements in; the head's vocabulary V) are
+// multiples of 8, and every operand is 16-byte aligned. The rows N may be any number: TMA
+// zero-fills and clips the edge tiles. The one place these are checked, through the three below:
+// the trainer takes a fused path only where they say NULL, and the ladder skips what they refuse.
+static const char* hopper_operands_problem(int N, int K, int F, std::initializer_list<const bf16*> operands) {
     if (N < 1 || K < 1 || F < 1) return "empty matrices";
     if (K % 8) return "the product's inner width (d_model) must be a multiple of 8";
-    if (F % 8) return "the features F must be a multiple of 8";
+    if (F % 8) return "the output's width (the features F, or the vocabulary) must be a multiple of 8";
     for (const bf16* p : operands)  // (NULL: an output not asked for)
         if ((uintptr_t)p % 16) return "every operand must be 16-byte aligned";
     return NULL;
@@ -972,14 +973,14 @@ static const char* hopper_swiglu_operands_problem(int N, int K, int F, std::init
 static const char* hopper_swiglu_problem(const bf16* gate_up, const bf16* act, const bf16* x, const bf16* W, int N,
                                          int I, int O) {
     if (O % 2) return "O must be even: F gate rows, then F up rows";
-    return hopper_swiglu_operands_problem(N, I, O / 2, {gate_up, act, x, W});
+    return hopper_operands_problem(N, I, O / 2, {gate_up, act, x, W});
 }
 
 // The down input gradient's (hopper_backward_swiglu): dy [N, O], W [O, I] with I = F, gate_up and
 // d_gate_up [N, 2F], act [N, F] or NULL (nothing remade).
 static const char* hopper_swiglu_backward_problem(const bf16* d_gate_up, const bf16* act, const bf16* dy,
                                                   const bf16* W, const bf16* gate_up, int N, int I, int O) {
-    return hopper_swiglu_operands_problem(N, O, I, {d_gate_up, act, dy, W, gate_up});
+    return hopper_operands_problem(N, O, I, {d_gate_up, act, dy, W, gate_up});
 }
 
 // The gate/up forward with SwiGLU fused (the ladder's version 6, the trainer's BF16 gate/up
@@ -1044,17 +1045,9 @@ static void hopper_backward_swiglu(bf16* d_gate_up, bf16* act, const bf16* dy, c
     launch(tm_dy, tm_w, tm_d_gate, fuse, d_gate_up, M, F, K, grid, HOP_GROUP_M, 1, s, HopperStreamK{});
 }
 
-// What the head's fused forward needs of its operands, or NULL when they are fine: TMA's row strides
-// and bases are multiples of 16 bytes, so d_model C (x's and E's rows) and the vocabulary V (the
-// exponentials' rows) are multiples of 8 (config_check asks for both), and every operand is
-// 16-byte aligned. R may be any number of rows.
+// The head's fused forward's (hopper_logits_exp): x [R, C], E [V, C], probs [R, V].
 static const char* hopper_logits_problem(const bf16* probs, const bf16* x, const bf16* E, int R, int C, int V) {
-    if (R < 1 || C < 1 || V < 1) return "empty matrices";
-    if (C % 8) return "d_model must be a multiple of 8";
-    if (V % 8) return "the vocabulary must be a multiple of 8";
-    for (const bf16* p : {probs, x, E})
-        if ((uintptr_t)p % 16) return "every operand must be 16-byte aligned";
-    return NULL;
+    return hopper_operands_problem(R, C, V, {probs, x, E});
 }
 
 // The output head's forward with the softmax's exponentials fused (the trainer's BF16 head): for a

@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
+#include "../lib/util.h"  // xaligned_alloc, xrealloc
 
 #define CUPTI_CHECK(call)                                                                       \
     do {                                                                                        \
@@ -33,15 +34,6 @@
 
 #define BUFFER_BYTES (8 << 20)  // CUPTI fills these with records and hands them back full
 
-// p, or the end of the run with one line where the host's memory ran out.
-static void* host_memory(void* p) {
-    if (!p) {
-        fprintf(stderr, "steptrace: out of host memory\n");
-        exit(1);
-    }
-    return p;
-}
-
 typedef struct {
     unsigned long long start, end;
     unsigned stream, smem_executed, smem_dynamic, blocks;
@@ -52,7 +44,7 @@ static KernelRecord* records;
 static size_t n_records, records_cap;
 
 static void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
-    *buffer = (uint8_t*)host_memory(aligned_alloc(8, BUFFER_BYTES));
+    *buffer = (uint8_t*)xaligned_alloc(8, BUFFER_BYTES);
     *size = BUFFER_BYTES;
     *max_records = 0;  // as many as fit
 }
@@ -66,7 +58,7 @@ static void CUPTIAPI buffer_completed(CUcontext context, uint32_t stream, uint8_
         const CUpti_ActivityKernel10* k = (const CUpti_ActivityKernel10*)record;
         if (n_records == records_cap) {
             records_cap = records_cap ? 2 * records_cap : 65536;
-            records = (KernelRecord*)host_memory(realloc(records, records_cap * sizeof(KernelRecord)));
+            records = (KernelRecord*)xrealloc(records, records_cap * sizeof(KernelRecord));
         }
         records[n_records++] = (KernelRecord){k->start, k->end, k->streamId, k->sharedMemoryExecuted,
                                               (unsigned)k->dynamicSharedMemory,
