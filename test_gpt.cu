@@ -906,9 +906,11 @@ static int test_kernel_attention(void) {
     REQUIRE_GPU();
     int failed = 0;
     // B, T, Hq, Hkv, D: GQA, MQA, MHA, both head dims, T of 1, odd and past a tile
-    // the last shape takes the head_dim 64 forward's long-sequence kernel (T > 1024)
+    // the sixth shape takes the head_dim 64 forward's long-sequence kernel (T > 1024); the last has
+    // enough (b, KV head)s for the backward's block order to make groups (63 a group: their Q and dO
+    // fill 16 MiB), the last of them partial
     int shapes[][5] = {{2, 77, 6, 2, 128}, {1, 300, 4, 1, 64}, {2, 64, 4, 4, 64}, {1, 1, 2, 1, 128}, {1, 257, 2, 2, 128},
-                       {1, 1100, 4, 2, 64}};
+                       {1, 1100, 4, 2, 64}, {33, 257, 4, 2, 128}};
     for (auto& s : shapes) {
         int B = s[0], T = s[1], Hq = s[2], Hkv = s[3], D = s[4], N = B * T, Q = (Hq + 2 * Hkv) * D;
         size_t nq = (size_t)N * Q, no = (size_t)N * Hq * D;
