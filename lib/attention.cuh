@@ -57,7 +57,8 @@ static constexpr float ATTN_LN2 = 0.69314718056f;    // ln(2) = 1 / log2(e)
 // MN-major one advances 16 rows (2048 bytes) per step. TMA writes tiles in exactly this layout.
 //
 // Measured on an H100 SXM (B*T = 16K tokens, causal FLOPs counted once), D = 128, T = 512 / 1024 /
-// 2048 / 4096: forward 266 / 389 / 492 / 537 TFLOP/s, backward 211 / 304 / 386 / 416 (2026-11-24).
+// 2048 / 4096: forward 269 / 398 / 474 / 526 TFLOP/s, backward 215 / 319 / 408 / 457 (2026-11-24,
+// the backward's block order in groups; doc/attention.md).
 // First the helpers (shared-memory addresses, exp2, bf16 packing, the softmax step, row stores,
 // delta), which the versions in dev/ share, then the kernels and their launchers.
 
