@@ -733,13 +733,13 @@ static void ws_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* 
 // (b, KV head)'s last KV tile first, which adds from the top down needed, its longest block came
 // last: Nsight Compute counted the SMs idle for 13% of medium's launch, and 23% of the default
 // config's.) The group keeps L2's reuse: every KV tile of a head reads the same Q and dO tiles, so
-// a group's Q and dO (ws_backward_launch sizes it: 16 MiB) are read while the group runs; with all
+// a group's Q and dO (ATTN_BWD_GROUP_MIB of them) are read while the group runs; with all
 // heads one group, the KV tiles of a head ran too far apart and the backward lost 30% at T = 1024.
 // A block waits only on blocks of lower number, dispatched before it. Walking the query tiles from
 // the last one down, KV tiles n - 1 and n reach tile m at the same step of their walks; KV tile n
 // mostly starts some blocks after n - 1 and trails it without waiting, and where the two start
 // together (a group in the first wave) it waits about one add a step. (From the diagonal up, KV
-// tile n would reach each tile 2 G steps before n - 1 and wait for it.)
+// tile n would reach each tile (BN / BM) G steps before n - 1 and wait for it.)
 // Shared memory: K, V [128][D]; Q, dO [2][BM][D]; dS^T [2][BM/64 panels][128 keys][64]; dQ staging
 // BM*D fp32; lse2, delta [2][BM]; 7 mbarriers: 193 KiB at D = 128 (BM = 64) and 194 KiB at D = 64
 // (BM = 128). One block per SM.
@@ -964,6 +964,10 @@ static size_t attention_backward_scratch_bytes(int B, int T, int Hq, int D) {
     return rows * (2 + D) * sizeof(float) + rows / 64 * sizeof(int);
 }
 
+// The Q and dO a group of the backward's block order reads, MiB: 8 and 24 lost to 16 in the ladder
+// (doc/attention.md, "The backward's block order").
+constexpr double ATTN_BWD_GROUP_MIB = 16.0;
+
 template <int D, int BM, bool DET>
 static void ws_backward_launch(bf16* dq, bf16* dk, bf16* dv, float* scratch, const bf16* dout, const bf16* out,
                                const float* lse, const bf16* q, const bf16* k, const bf16* v, int stride, int dstride,
@@ -989,9 +993,9 @@ static void ws_backward_launch(bf16* dq, bf16* dk, bf16* dv, float* scratch, con
     const CUtensorMap tdo = tma_tensor_map(dout, Hq * D, Hq * D, T, B, BM);
     const float scale = 1.f / sqrtf((float)D);
     // the (b, KV head)s of a group of the block order: as many as have their G query heads' Q and
-    // dO in 16 MiB (ws_backward_kernel, "The order of the work")
+    // dO in ATTN_BWD_GROUP_MIB (ws_backward_kernel, "The order of the work")
     const double q_do_bytes = 4.0 * (Hq / Hkv) * T * D;
-    const int group = (int)fmin((double)B * Hkv, fmax(1.0, 16.0 * 1048576.0 / q_do_bytes));
+    const int group = (int)fmin((double)B * Hkv, fmax(1.0, ATTN_BWD_GROUP_MIB * 1048576.0 / q_do_bytes));
     kernel<<<ceil_div(T, 128) * B * Hkv, 384, smem, stream>>>(tq, tk, tv, tdo, dk, dv, dq_acc, dq_sem, lse2, delta,
                                                                    dstride, T, Tp, Hq, Hkv, group, scale,
                                                                    scale * ATTN_LOG2E);
