@@ -1406,7 +1406,7 @@ static void matmul_set_scales(cublasLtMatmulDesc_t desc, const MatmulOperand* a,
 // cuBLASLt chooses among its FP8 kernels by which of them are set.
 static MatmulPlan matmul_plan_make(const MatmulKey* key, const MatmulOperand* a, const MatmulOperand* b,
                                    const MatmulOperand* d) {
-    MatmulPlan p;
+    MatmulPlan p = {};  // untuned: no candidate checked or timed yet
     p.key = *key;
     const int m = key->m, n = key->n, k = key->k;
     cublasOperation_t op_a = key->trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, op_b = key->trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -1441,11 +1441,7 @@ static MatmulPlan matmul_plan_make(const MatmulKey* key, const MatmulOperand* a,
     p.n_candidates = n_results;
     for (int i = 0; i < n_results; i++) p.candidates[i] = results[i].algo;
     p.algo = p.candidates[0];
-    p.n_same = p.n_timed = 0;
-    memset(p.ms_sum, 0, sizeof(p.ms_sum));
-    memset(p.n_samples, 0, sizeof(p.n_samples));
     p.chosen = -1;
-    p.us_first = p.us_chosen = 0.0f;
     return p;
 }
 

@@ -1177,7 +1177,6 @@ static int test_kernel_head_fused(void) {
     const struct {
         int V, C, B, T, chunk;
     } shapes[] = {{1000, 200, 2, 150, 256}, {9000, 64, 1, 600, 512}};
-    matmul_init();
     for (auto& sh : shapes) {
         const int V = sh.V, C = sh.C;
         ModelConfig c = {V, C, 1, 2, 1, 64, 64, sh.T, 1e4f, 1e-6f};
@@ -1278,7 +1277,6 @@ static int test_kernel_head_fused_matches_three_passes(void) {
     const int V = 50304, C = 768, T = 1024, B = 4;
     ModelConfig c = {V, C, 1, 6, 2, 128, 2048, T, 1e4f, 1e-6f};
     GPT m;
-    matmul_init();
     gpt_create(&m, &c, B, T, 0, B * T, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
     const int N = m.N;
     Activations* a = &m.act;

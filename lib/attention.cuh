@@ -401,6 +401,22 @@ static CUtensorMap tma_tensor_map(const bf16* base, int cols, int stride, int T,
 }
 
 // ----------------------------------------------------------------------------------------------
+// The order of the work, forward and backward alike: `heads` heads of `tiles` tiles each (the
+// forward's query tiles, the backward's KV tiles), walked in groups of `group` heads (the last
+// group may hold fewer), each group tile by tile and, within a tile, head by head. The launcher
+// sizes a group so that what its heads share (the forward's K and V, the backward's Q and dO)
+// stays in L2 while the group's tiles are in flight: as many heads as fit in `mib` MiB, at least one.
+static int attn_group_heads(double mib, double bytes_per_head, int heads) {
+    return (int)fmin((double)heads, fmax(1.0, mib * 1048576.0 / bytes_per_head));
+}
+
+// Item w of that walk: its tile (0 .. tiles-1) and its head.
+static __device__ __forceinline__ void attn_group_walk(int w, int tiles, int heads, int group, int* tile, int* head) {
+    const int g0 = w / (tiles * group) * group, in_group = min(group, heads - g0), j = w - g0 * tiles;
+    *tile = j / in_group;
+    *head = g0 + j % in_group;
+}
+
 // The forward's work queue: a ticket counter per kernel instantiation. Item i < gridDim.x is block
 // i's first; the others go to whichever block asks next. Every block asks until it draws an item
 // past the end, so exactly `items` tickets are drawn in a launch, and the block that draws the last
@@ -468,18 +484,18 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
     const int BH = B * Hq, q_tiles = (T + BM - 1) / BM, items = q_tiles * BH;
-    // Work items: (query tile, b*Hq + h) pairs, ordered in groups of group_heads heads (chosen by the
-    // launcher so that a group's K and V stay in L2 while its tiles are in flight); inside a group the
+    // Work items: (query tile, b*Hq + h) pairs, ordered in groups of group_heads heads (attn_group_walk;
+    // chosen by the launcher so that a group's K and V stay in L2 while its tiles are in flight); inside a group the
     // longest rows (the last query tiles) come first. Block i starts with item i, then takes the next
     // unclaimed one from a ticket counter (ws_next_item), so blocks that drew short items take more.
     struct Item { int b, h, m0, n_tiles; };
     auto item_of = [&](int w) {
         Item it;
-        const int g = w / (q_tiles * group_heads), wg_ = w % (q_tiles * group_heads);
-        const int heads = min(group_heads, BH - g * group_heads), bh = g * group_heads + wg_ % heads;
+        int tile, bh;
+        attn_group_walk(w, q_tiles, BH, group_heads, &tile, &bh);
         it.b = bh / Hq;
         it.h = bh % Hq;
-        it.m0 = (q_tiles - 1 - wg_ / heads) * BM;
+        it.m0 = (q_tiles - 1 - tile) * BM;
         it.n_tiles = (min(T, it.m0 + BM) + BN - 1) / BN;
         return it;
     };
@@ -691,8 +707,7 @@ static void ws_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* 
     const CUtensorMap tk = tma_tensor_map(k, Hkv * D, stride, T, B, BN);
     const CUtensorMap tv = tma_tensor_map(v, Hkv * D, stride, T, B, BN);
     const int items = ceil_div(T, BM) * B * Hq, grid = PERSIST && items > sms ? sms : items;
-    const double kv_bytes_per_head = 4.0 * T * D / (Hq / Hkv);
-    const int group_heads = (int)fmin((double)B * Hq, fmax(1.0, L2_MIB * 1048576.0 / kv_bytes_per_head));
+    const int group_heads = attn_group_heads(L2_MIB, 4.0 * T * D / (Hq / Hkv), B * Hq);  // K and V a head
     kernel<<<grid, 128 * (NC + 1), smem, stream>>>(tq, tk, tv, out, lse, codes, codes_scale, B, T, Hq, Hkv,
                                                    group_heads, ATTN_LOG2E / sqrtf((float)D));
     CUDA_CHECK(cudaGetLastError());
@@ -767,9 +782,8 @@ __global__ void __launch_bounds__(384, 1)
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wg = warp >> 2;
     const int G = Hq / Hkv, N = (T + BN - 1) / BN, M = (T + BM - 1) / BM;
-    // block -> (KV tile n, bkv = b * Hkv + hk): groups of `group` (b, KV head)s, each group KV tile first
-    const int heads = (int)gridDim.x / N, g0 = (int)blockIdx.x / (group * N) * group, gs = min(group, heads - g0);
-    const int j = (int)blockIdx.x - g0 * N, n = j / gs, bkv = g0 + j % gs;
+    int n, bkv;  // the block's KV tile and (b * Hkv + hk): groups of `group` (b, KV head)s, KV tile first
+    attn_group_walk((int)blockIdx.x, N, (int)gridDim.x / N, group, &n, &bkv);
     const int b = bkv / Hkv, hk = bkv % Hkv, n0 = n * BN;
     const int iters = G * (M - n0 / BM);  // iteration it: query tile M - 1 - it / G of query head hk * G + it % G
 
@@ -992,10 +1006,9 @@ static void ws_backward_launch(bf16* dq, bf16* dk, bf16* dv, float* scratch, con
     const CUtensorMap tv = tma_tensor_map(v, Hkv * D, stride, T, B, 128);
     const CUtensorMap tdo = tma_tensor_map(dout, Hq * D, Hq * D, T, B, BM);
     const float scale = 1.f / sqrtf((float)D);
-    // the (b, KV head)s of a group of the block order: as many as have their G query heads' Q and
-    // dO in ATTN_BWD_GROUP_MIB (ws_backward_kernel, "The order of the work")
-    const double q_do_bytes = 4.0 * (Hq / Hkv) * T * D;
-    const int group = (int)fmin((double)B * Hkv, fmax(1.0, ATTN_BWD_GROUP_MIB * 1048576.0 / q_do_bytes));
+    // a group of the block order: the (b, KV head)s whose G query heads' Q and dO fit in
+    // ATTN_BWD_GROUP_MIB (ws_backward_kernel, "The order of the work")
+    const int group = attn_group_heads(ATTN_BWD_GROUP_MIB, 4.0 * (Hq / Hkv) * T * D, B * Hkv);
     kernel<<<ceil_div(T, 128) * B * Hkv, 384, smem, stream>>>(tq, tk, tv, tdo, dk, dv, dq_acc, dq_sem, lse2, delta,
                                                                    dstride, T, Tp, Hq, Hkv, group, scale,
                                                                    scale * ATTN_LOG2E);
