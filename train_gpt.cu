@@ -359,7 +359,7 @@ typedef struct {
     float* head_target_z;             // [R]     the target's logit less the shift (the product's epilogue)
     int* head_overflow;               // [R]     rows whose logits the epilogue could not take
     float* head_scale;                // [R]     d_loss / the row's sum of exponentials
-    float* head_partials;             // [R, ceil(V / 256)]  the sums of exponentials per tile of the product
+    float* head_partials;             // [R, hopper_logits_tiles(V)]  the sums of exponentials per tile of the product
     bf16* head_x_scaled;              // [R, C]  x scaled by head_scale, the weight gradient's operand
     float* head_dx;                   // [R, C]  the input gradient's product before head_scale, fp32
     float* partials;                  // [REDUCE_BLOCKS] reduce_sum's partials (the loss, the gradient
@@ -582,7 +582,7 @@ static void head_scratch_layout(Activations* a, Arena* region, size_t R, size_t 
     a->head_target_z = (float*)arena_take(region, R * 4);
     a->head_overflow = (int*)arena_take(region, R * 4);
     a->head_scale = (float*)arena_take(region, R * 4);
-    a->head_partials = (float*)arena_take(region, R * ceil_div(V, HOP_BN) * 4);
+    a->head_partials = (float*)arena_take(region, R * hopper_logits_tiles((int)V) * 4);
     a->head_x_scaled = (bf16*)arena_take(region, R * C * 2);
     a->head_dx = (float*)arena_take(region, R * C * 4);
 }
@@ -1607,7 +1607,7 @@ static void head_chunk_fused(GPT* m, const bf16* x, const int* targets, float* l
     const HopperLogits logits = {a->head_shift, targets, a->head_partials, a->head_target_z, a->head_overflow};
     hopper_logits_exp(a->logits, logits, x, E, rows, C, V, m->stream);
     head_loss(losses, a->head_scale, a->head_x_scaled, a->logits, a->head_partials, a->head_target_z,
-              a->head_overflow, x, E, targets, rows, V, C, ceil_div(V, HOP_BN), d_loss, m->stream);
+              a->head_overflow, x, E, targets, rows, V, C, hopper_logits_tiles(V), d_loss, m->stream);
     if (!backward) return;
     linear_backward_weight(G(m, P_EMBED, 0), a->logits, a->head_x_scaled, rows, C, V, accumulate_dE, m->stream);
     linear_backward_input(a->head_dx, a->logits, E, rows, C, V, m->stream);  // fp32: scaled, then rounded

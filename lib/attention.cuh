@@ -1010,8 +1010,8 @@ static void ws_backward_launch(bf16* dq, bf16* dk, bf16* dv, float* scratch, con
     // ATTN_BWD_GROUP_MIB (ws_backward_kernel, "The order of the work")
     const int group = attn_group_heads(ATTN_BWD_GROUP_MIB, 4.0 * (Hq / Hkv) * T * D, B * Hkv);
     kernel<<<ceil_div(T, 128) * B * Hkv, 384, smem, stream>>>(tq, tk, tv, tdo, dk, dv, dq_acc, dq_sem, lse2, delta,
-                                                                   dstride, T, Tp, Hq, Hkv, group, scale,
-                                                                   scale * ATTN_LOG2E);
+                                                              dstride, T, Tp, Hq, Hkv, group, scale,
+                                                              scale * ATTN_LOG2E);
     CUDA_CHECK(cudaGetLastError());
     if (!dq) return;  // dQ stays in the accumulators (attn_dq_tile_load)
     ws_dq_convert_kernel<D, BM><<<dim3(Tp / BM, B * Hq), 256, 0, stream>>>(dq, dq_acc, dstride, T, Tp, Hq, scale);

@@ -335,8 +335,9 @@ static __device__ __forceinline__ bool hopper_sk_fixup(float (&acc)[HOP_BN / 8][
 // its map, as in the forward.
 // The output head's (EPI_LOGITS_EXP; M = R rows of a chunk, N = V): row r's shift (its target's
 // logit) and target are read; its exponentials' sum over tile column n (the target's own left
-// out) goes to partials[r * ceil(V / 256) + n], the target's z = logit - shift to target_z[r], and
-// overflow[r] is set to 1 if some z of the row passes HOP_EXP_MAX (kernels.cuh, head_loss_kernel).
+// out) goes to partials[r * hopper_logits_tiles(V) + n], the target's z = logit - shift to
+// target_z[r], and overflow[r] is set to 1 if some z of the row passes HOP_EXP_MAX (kernels.cuh,
+// head_loss_kernel).
 struct HopperLogits {
     const float* shift;
     const int* targets;
@@ -351,6 +352,8 @@ struct HopperFusion {
 // The largest exponent the head's epilogue takes: exp(64) = 6e27, so that a row's sum of up to
 // Qwen3's 151936 of them, and the input gradient's products over them, stay far inside fp32.
 constexpr float HOP_EXP_MAX = 64.0f;
+// The partial sums a row of the head's product leaves: one per tile of HOP_BN columns of V.
+static __host__ __device__ __forceinline__ int hopper_logits_tiles(int V) { return (V + HOP_BN - 1) / HOP_BN; }
 
 // How many [128 rows][64 columns] boxes an epilogue reads per chunk of 64 columns (each chunk one
 // stage of the ring): the residual, or gate and up; the other epilogues read nothing.
@@ -454,7 +457,6 @@ static __device__ __forceinline__ float hopper_bf16_hi(uint32_t w) { return __ui
 // HOP_EXP_MAX is clamped there, and its row marked for head_loss_kernel to remake; a NaN passes
 // through. A row's columns are spread over the 4 threads of a quad (lib/ptx.cuh), whose sums are
 // added by two shuffles: each partial is one fixed order of fp32 adds.
-template <typename T>
 static __device__ __forceinline__ void hopper_store_logits_exp(const float (&acc)[HOP_BN / 8][4],
                                                                const CUtensorMap* tm_c, const HopperLogits& lg,
                                                                unsigned char* bufs, int cw, int* chunks, int row0,
@@ -490,9 +492,9 @@ static __device__ __forceinline__ void hopper_store_logits_exp(const float (&acc
                 }
                 p[jj][h] = attn_pack_bf16(e[0], e[1]);
             }
-        hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, 0, false, [&](int jj, int h) { return p[jj][h]; });
+        hopper_stage_store<bf16>(bufs, cw, chunks, tm_c, col0, row0, 0, false, [&](int jj, int h) { return p[jj][h]; });
     }
-    const int tiles_n = (N + HOP_BN - 1) / HOP_BN;
+    const int tiles_n = hopper_logits_tiles(N);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
@@ -600,7 +602,7 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[HOP_B
                                   [&](int jj, int h) { return d_up[jj][h]; });
         }
     } else if constexpr (EPI == HOP_EPI_LOGITS_EXP) {
-        hopper_store_logits_exp<T>(acc, tm_c, fuse.logits, bufs, cw, chunks, row0, n0, M, N);
+        hopper_store_logits_exp(acc, tm_c, fuse.logits, bufs, cw, chunks, row0, n0, M, N);
     } else {
 #pragma unroll
         for (int q = 0; q < HOP_BN / COLS; ++q) {
@@ -1072,7 +1074,7 @@ static void hopper_logits_exp(bf16* probs, const HopperLogits& logits, const bf1
     hopper_launch<true, true, bf16, HOP_EPI_LOGITS_EXP>(
         tma_tensor_map(x, C, C, R, 1, HOP_BM), tma_tensor_map(E, C, C, V, 1, HOP_BN),
         tma_tensor_map(probs, V, V, R, 1, 64), fuse, probs, R, V, C,
-        hopper_grid<1>(tiles_m, ceil_div(V, HOP_BN)), tiles_m, 1, s);
+        hopper_grid<1>(tiles_m, hopper_logits_tiles(V)), tiles_m, 1, s);
 }
 
 #endif
