@@ -18,7 +18,8 @@
  *   5  version 4 whose epilogue stages C in shared memory and stores it by TMA (fp32 dW added in
  *      L2 by a TMA reduction), the stores running on under the next tile's products; where there
  *      are fewer tiles than half the SMs, K is split and the fp32 partials summed in a fixed order
- *      by a second kernel.
+ *      by a second kernel; where tiles 128 x 192 fill the SMs' waves clearly better than 128 x 256
+ *      (96 tiles become 128: default gate_up's dW, the head's dx), it takes those.
  *   6  version 5's kernel with the next kernel's work fused into its epilogue, where the trainer
  *      runs one after the product: the residual added (attn_out, down: y = x W^T + residual, as
  *      cuBLASLt's beta = 1), SwiGLU (gate_up: a tile takes 128 gate and the same 128 up features,
@@ -28,8 +29,8 @@
  *      trainer's third instance, "dx+swiglu_bwd+act"). It has only these fused forms (its plain
  *      ones would be version 5's), timed against cuBLASLt plus the trainer's separate steps, in a
  *      table of their own.
- *   7  version 5 with stream-K where its units would leave more than a tenth of the last wave's SMs
- *      idle (96 tiles on 132 SMs): every block an equal share of all the tiles' k-blocks, a range
+ *   7  version 5 (256 wide) with stream-K where its units would leave more than a tenth of the last
+ *      wave's SMs idle (96 tiles on 132 SMs): every block an equal share of all the tiles' k-blocks, a range
  *      that may start and end inside a tile; a tile's pieces are summed by the block that owns its
  *      first one, in range order, so the bits depend on the shape and the SM count only.
  *   8  version 5 on FP8 operands, the products the trainer's --fp8 1 runs through cuBLASLt (forms

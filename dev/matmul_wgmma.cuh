@@ -8,15 +8,15 @@
  *      tile rows, so that the operands of the tiles in flight stay in L2 and the loads of a block's
  *      next tile overlap the epilogue of this one;
  *   5  version 4 with the epilogue through shared memory and TMA stores, which the consumers hand
- *      off and leave running under the next tile's products, and with K split where there are
- *      fewer tiles than SMs (below);
+ *      off and leave running under the next tile's products, with K split where there are fewer
+ *      tiles than SMs, and with tiles 192 wide where 256 would leave a wave's SMs idle (below);
  *   6  version 5 with the next kernel's work in the epilogue: the residual added
  *      (hopper_forward_residual, here: it ties cuBLASLt, so the trainer does not run it), SwiGLU
  *      (hopper_forward_swiglu) and SwiGLU's backward in down's input gradient
  *      (hopper_backward_swiglu), both in lib/matmul_hopper.cuh, both run by the trainer;
  *   7  version 5 with stream-K (the walk and its fix-up: HopperStreamK, lib/matmul_hopper.cuh) where
  *      version 5's units would leave more than a tenth of the last wave's SMs idle
- *      (hopper_stream_k_blocks, below); the ladder's only;
+ *      (hopper_stream_k_blocks, below), elsewhere version 5's plan 256 wide; the ladder's only;
  *   8  version 5's plan (HopperMatmul<5>::gemm with FP8 element types and the operands' scale_inv
  *      pointers) on FP8 operands, both K-major; the kernel's FP8 path: lib/matmul_hopper.cuh;
  *   9  versions 5 and 6 in clusters of two blocks (the kernel's CLUSTER = 2): the blocks of a
@@ -160,23 +160,51 @@ static HopperStreamK hopper_stream_k_workspace(int grid) {
     return {reinterpret_cast<float4*>(partials), flags, ++epoch};
 }
 
+// Version 5's tile width: HOP_BN, or HOP_BN_NARROW where that plan (tiles and splits of K as
+// hopper_splits makes them) takes clearly less time, counted as waves of units x a unit's k-blocks
+// x the tile's width: a block's time per k-block grows with the width it multiplies. "Clearly":
+// under 0.9 of the wide plan's count, since a narrow tile moves more bytes through shared memory per
+// product (its 40 KiB stage feeds 3/4 of the wide one's products with 5/6 of its bytes). At the
+// trainer's shapes that picks 192 where 256 leaves a quarter of the SMs idle: 96 tiles of the
+// default config's gate_up dW and head dx, and down dW's 96 units (48 tiles, 2 splits), which become
+// 128 tiles and 132 units; and 1b's qkv dW, 192 tiles (1.45 waves), which become 264 (2 waves).
+static int hopper_tile_n(int tiles_m, int N, int k_blocks, int sms) {
+    auto cost = [&](int bn) {
+        const int tiles = tiles_m * ceil_div(N, bn), splits = hopper_splits(tiles, k_blocks, sms);
+        return (double)ceil_div(tiles * splits, sms) * ceil_div(k_blocks, splits) * bn;
+    };
+    return cost(HOP_BN_NARROW) < 0.9 * cost(HOP_BN) ? HOP_BN_NARROW : HOP_BN;
+}
+
 // VERSION 3: a block per tile, row-major order; 4: persistent, grouped walk; 5: 4 with the TMA
-// epilogue and split K; 6: 5 never split, the plain product whose accumulators version 6's fused
-// epilogues round (each output one fp32 sum in k order, as theirs), against which the ladder checks
-// the bits of SwiGLU's fused backward; 7: 5 with stream-K where its units fill the SMs badly; 9: 5
-// in clusters of two where it does not split K (a K-major B in boxes of 128 rows, one a block).
+// epilogue and split K, its tiles 192 wide where hopper_tile_n says; 6: 5 never split, the plain
+// product whose accumulators version 6's fused epilogues round (each output one fp32 sum in k order,
+// as theirs), against which the ladder checks the bits of SwiGLU's fused backward; 7: 5 with
+// stream-K where its units fill the SMs badly; 9: 5 in clusters of two where it does not split K (a
+// K-major B in boxes of 128 rows, one a block). All but version 5's narrow plan take tiles 256 wide.
 template <int VERSION>
 struct HopperMatmul {
     template <bool A_K, bool B_K, typename OutT, typename AT = bf16, typename BT = bf16>
     static void gemm(OutT* c, const AT* a, const BT* b, int M, int N, int K, cudaStream_t s,
                      const float* a_scale_inv = nullptr, const float* b_scale_inv = nullptr) {
+        if constexpr (VERSION == 5 && sizeof(AT) == 2) {  // (FP8 operands, version 8, stay 256 wide)
+            if (hopper_tile_n(ceil_div(M, HOP_BM), N, hopper_k_blocks<AT>(K), hopper_sms()) == HOP_BN_NARROW)
+                return plan<HOP_BN_NARROW, A_K, B_K>(c, a, b, M, N, K, s, a_scale_inv, b_scale_inv);
+        }
+        plan<HOP_BN, A_K, B_K>(c, a, b, M, N, K, s, a_scale_inv, b_scale_inv);
+    }
+
+    // The product in tiles BN wide.
+    template <int BN, bool A_K, bool B_K, typename OutT, typename AT, typename BT>
+    static void plan(OutT* c, const AT* a, const BT* b, int M, int N, int K, cudaStream_t s, const float* a_scale_inv,
+                     const float* b_scale_inv) {
         const int sms = hopper_sms(), k_blocks = hopper_k_blocks<AT>(K);
         // 2-D maps as 3-D ones of one batch: {row length, rows, 1}, boxes {128 bytes, box rows}
         const CUtensorMap tm_a = A_K ? hopper_operand_map(a, K, M, HOP_BM) : hopper_operand_map(a, M, K, 64);
-        const CUtensorMap tm_b = B_K ? hopper_operand_map(b, K, N, HOP_BN) : hopper_operand_map(b, N, K, 64);
+        const CUtensorMap tm_b = B_K ? hopper_operand_map(b, K, N, BN) : hopper_operand_map(b, N, K, 64);
         HopperFusion scales = {};  // version 8's: real = a_scale_inv b_scale_inv x the FP8 product
         scales.a_scale_inv = a_scale_inv, scales.b_scale_inv = b_scale_inv;
-        const int tiles_m = ceil_div(M, HOP_BM), tiles_n = ceil_div(N, HOP_BN), tiles = tiles_m * tiles_n;
+        const int tiles_m = ceil_div(M, HOP_BM), tiles_n = ceil_div(N, BN), tiles = tiles_m * tiles_n;
         if constexpr (VERSION < 5) {
             const int grid = VERSION == 4 ? hopper_grid<1>(tiles_m, tiles_n) : tiles;
             hopper_launch<A_K, B_K, OutT, HOP_EPI_REGISTERS>(tm_a, tm_b, CUtensorMap{}, HopperFusion{}, c, M, N, K,
@@ -202,13 +230,14 @@ struct HopperMatmul {
             }
         }
         if (splits == 1) {
-            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT>(tm_a, tm_b, hopper_c_map(c, M, N), scales, c, M, N, K,
-                                                               hopper_grid<1>(tiles_m, tiles_n), HOP_GROUP_M, 1, s);
+            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT, 1, BN>(tm_a, tm_b, hopper_c_map(c, M, N), scales, c, M,
+                                                                      N, K, hopper_grid<1>(tiles_m, tiles_n),
+                                                                      HOP_GROUP_M, 1, s);
             return;
         }
         float* ws = hopper_workspace((size_t)splits * M * N);
-        hopper_launch<A_K, B_K, float, HOP_EPI_TMA, AT, BT>(tm_a, tm_b, hopper_f32_map(ws, N, M, splits), scales, ws, M,
-                                                            N, K, tiles * splits, HOP_GROUP_M, splits, s);
+        hopper_launch<A_K, B_K, float, HOP_EPI_TMA, AT, BT, 1, BN>(tm_a, tm_b, hopper_f32_map(ws, N, M, splits), scales,
+                                                                   ws, M, N, K, tiles * splits, HOP_GROUP_M, splits, s);
         const long plane = (long)M * N;
         hopper_split_sum_kernel<<<(int)std::min<long>(ceil_div(plane / 4, 256L), 8L * sms), 256, 0, s>>>(c, ws, plane,
                                                                                                      splits);

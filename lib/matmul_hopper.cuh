@@ -18,12 +18,14 @@
  * configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and
  * splits K), 6 adds the residual or applies SwiGLU or its backward, 7 (the ladder's only) stores as
  * 5 on a stream-K walk (HopperStreamK, below), 8 (the ladder's only) is 5 on FP8 operands (below),
- * 9 (the ladder's only) is 5 and 6 in clusters of two blocks that share B's tile (below).
+ * 9 (the ladder's only) is 5 and 6 in clusters of two blocks that share B's tile (below); and
+ * version 5 takes tiles 192 wide where 256 would leave SMs idle (the template's BN, below).
  * train_gpt.cu includes this file after kernels.cuh, whose swiglu8 and swiglu_backward8 and
  * lib/attention.cuh helpers (the tensor-map cache, shared addresses, bf16 packing) it uses.
  *
  * Work split: a 128 x 256 output tile, k-blocks of 64, a 4-stage ring of A [128 x 64] and B
- * [256 x 64] tiles (4 x 48 KiB = 192 KiB of shared memory), 384 threads:
+ * [256 x 64] tiles (4 x 48 KiB = 192 KiB of shared memory), 384 threads (version 5's narrow tiles,
+ * BN = HOP_BN_NARROW: 128 x 192, B [192 x 64], 40 KiB a stage, everything else the same):
  *   warpgroup 0, the producer, shrinks to 40 registers; one thread waits for a free stage (its
  *     empty barrier), announces the bytes to come on the stage's full barrier and issues the TMA
  *     loads, k-block after k-block and tile after tile;
@@ -147,13 +149,19 @@ template <typename T>
 static int hopper_k_blocks(int K) { return (K + hop_bk<T> - 1) / hop_bk<T>; }
 constexpr int HOP_PANEL_BYTES = 64 * 64 * 2;         // one [64][64] bf16 panel
 constexpr int HOP_A_BYTES = HOP_BM * HOP_BK * 2;       // 16 KiB: 2 panels
-constexpr int HOP_B_BYTES = HOP_BN * HOP_BK * 2;       // 32 KiB: 4 panels
-constexpr int HOP_RING_BYTES = HOP_STAGES * (HOP_A_BYTES + HOP_B_BYTES);
+// A stage's B tile for tiles bn columns wide: 32 KiB (4 panels) at HOP_BN, 24 KiB (3) at the
+// narrow width HOP_BN_NARROW, which version 5 takes where 256 would leave a wave's SMs idle
+// (dev/matmul_wgmma.cuh, hopper_tile_n).
+constexpr int HOP_BN_NARROW = 192;
+static __host__ __device__ constexpr int hop_b_bytes(int bn) { return bn * HOP_BK * 2; }
+constexpr int HOP_B_BYTES = hop_b_bytes(HOP_BN);
+static __host__ __device__ constexpr int hopper_ring_bytes(int bn) { return HOP_STAGES * (HOP_A_BYTES + hop_b_bytes(bn)); }
 constexpr int HOP_OUT_BUF_BYTES = 64 * 128, HOP_OUT_BUFS = 2;               // version 5: a consumer's staging
 constexpr int HOP_OUT_BYTES = 2 * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES;         // 32 KiB for the two consumers
-// The ring, version 5's staging buffers, and the barriers: 192 KiB + 64 B, or 224 KiB + 64 B (of 227 KiB).
-constexpr int hopper_smem_bytes(bool tma_store) {
-    return HOP_RING_BYTES + (tma_store ? HOP_OUT_BYTES : 0) + 2 * HOP_STAGES * 8;
+// The ring, version 5's staging buffers, and the barriers: 192 KiB + 64 B, or 224 KiB + 64 B (of
+// 227 KiB); tiles 192 wide, 160 KiB + 64 B or 192 KiB + 64 B (a fifth stage would not fit).
+constexpr int hopper_smem_bytes(bool tma_store, int bn = HOP_BN) {
+    return hopper_ring_bytes(bn) + (tma_store ? HOP_OUT_BYTES : 0) + 2 * HOP_STAGES * 8;
 }
 constexpr int HOP_PROD_REGS = 40, HOP_CONS_REGS = 232;  // 128 * 40 + 256 * 232 = 64512 <= 65536
 constexpr int HOP_GROUP_M = 8;                          // versions 4 and 5: tile rows per group
@@ -503,7 +511,7 @@ static __device__ __forceinline__ void hopper_store_logits_exp(const float (&acc
     }
 }
 
-// Versions 5 and 6's epilogue, run by all 128 threads of consumer cw: its 64 x 256 accumulator
+// Versions 5 and 6's epilogue, run by all 128 threads of consumer cw: its 64 x BN accumulator
 // (rows row0 .. row0+63, columns from n0; splits > 1: split `batch`'s partial) in chunks of 128
 // bytes a row. EPI_TMA: C itself, bf16 or fp32 (added to C when add). EPI_RESIDUAL: bf16 acc +
 // residual. EPI_SWIGLU: the 256 columns are gate columns n0 .. n0+127 (d[0..15]) and the up columns
@@ -518,13 +526,14 @@ static __device__ __forceinline__ void hopper_store_logits_exp(const float (&acc
 // through the ring (hopper_take_inputs; ring use *t). Chunks wholly past M or N (SwiGLU: F) are
 // skipped, the same for the whole warpgroup (a chunk past M still takes its stage); TMA clips the
 // others. False when a wait for the ring timed out.
-template <int EPI, typename T>
-static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[HOP_BN / 8][4], const HopperRing& ring,
+template <int EPI, typename T, int BN>
+static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[BN / 8][4], const HopperRing& ring,
                                                         int* t, const CUtensorMap* tm_c, const HopperFusion& fuse,
                                                         unsigned char* bufs, int cw, int row0, int n0, int batch,
                                                         bool add, int M, int N, int* chunks) {
     constexpr int COLS = 128 / sizeof(T), J_PER_CHUNK = COLS / 8;  // a chunk's columns, and its d[j]
     static_assert(hopper_epi_inputs(EPI) == 0 || sizeof(T) == 2, "the ring's input chunks are 64 bf16 columns");
+    static_assert(BN == HOP_BN || EPI == HOP_EPI_TMA, "the fused epilogues take tiles HOP_BN wide");
     if (hopper_epi_inputs(EPI) == 0 && row0 >= M) return true;
     if constexpr (EPI == HOP_EPI_SWIGLU) {
 #pragma unroll
@@ -605,7 +614,7 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[HOP_B
         hopper_store_logits_exp(acc, tm_c, fuse.logits, bufs, cw, chunks, row0, n0, M, N);
     } else {
 #pragma unroll
-        for (int q = 0; q < HOP_BN / COLS; ++q) {
+        for (int q = 0; q < BN / COLS; ++q) {
             const int col0 = n0 + q * COLS;
             if (col0 >= N) break;
             if constexpr (EPI == HOP_EPI_RESIDUAL) {
@@ -640,7 +649,11 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[HOP_B
 // B tile is W's 128 gate rows of them and the 128 up rows (tm_b and fuse.b_up), two boxes a stage.
 // HOP_EPI_SWIGLU_BWD (and _ACT) is the plain input gradient's product (N = F), tile for tile.
 // HOP_EPI_STREAM_K (version 7, splits 1): version 5's epilogue on the stream-K walk of `sk`.
-template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1>
+// BN: the tile's width, HOP_BN; or HOP_BN_NARROW (version 5's plain bf16 products, from registers
+// or by TMA, where that fills the waves better): B's tile, the accumulator (96 registers a thread
+// instead of 128) and wgmma's n shrink with it, and a stage is 40 KiB.
+template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1,
+          int BN = HOP_BN>
 __global__ void __launch_bounds__(HOP_THREADS, 1)
     hopper_matmul_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                          const __grid_constant__ CUtensorMap tm_c, const __grid_constant__ HopperFusion fuse,
@@ -648,7 +661,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                          const __grid_constant__ HopperStreamK sk) {
     constexpr bool TMA_STORE = EPI != HOP_EPI_REGISTERS, SWIGLU = EPI == HOP_EPI_SWIGLU;
     constexpr bool STREAM_K = EPI == HOP_EPI_STREAM_K;
-    constexpr int TILE_N = SWIGLU ? HOP_BN / 2 : HOP_BN;  // the columns of C (SwiGLU: features) a tile covers
+    constexpr int TILE_N = SWIGLU ? HOP_BN / 2 : BN;  // the columns of C (SwiGLU: features) a tile covers
+    constexpr int B_BYTES = hop_b_bytes(BN), RING_BYTES = hopper_ring_bytes(BN);
     constexpr bool FP8 = sizeof(AT) == 1;                 // version 8
     constexpr int BK = hop_bk<AT>;
     static_assert(sizeof(AT) == sizeof(BT) && (!FP8 || std::is_same_v<BT, __nv_fp8_e4m3>),
@@ -665,10 +679,13 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     static_assert(CLUSTER == 1 || (MULTICAST && TMA_STORE && !STREAM_K),
                   "clusters of two, on the TMA epilogues' grid walk (one split of K)");
     constexpr int EPI_INPUTS = hopper_epi_inputs(EPI);  // boxes an epilogue chunk reads through the ring
+    static_assert(BN == HOP_BN || (BN == HOP_BN_NARROW && !FP8 && CLUSTER == 1 &&
+                                   (EPI == HOP_EPI_TMA || EPI == HOP_EPI_REGISTERS)),
+                  "tiles HOP_BN_NARROW wide: version 5's plain bf16 products, one block a cluster");
     extern __shared__ __align__(1024) unsigned char hopper_smem[];
     const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * HOP_A_BYTES;
-    unsigned char* out_bufs = hopper_smem + HOP_RING_BYTES;  // version 5: consumer c's are the c-th pair
-    const uint32_t full = a_tiles + HOP_RING_BYTES + (TMA_STORE ? HOP_OUT_BYTES : 0);  // 8 bytes a barrier
+    unsigned char* out_bufs = hopper_smem + RING_BYTES;  // version 5: consumer c's are the c-th pair
+    const uint32_t full = a_tiles + RING_BYTES + (TMA_STORE ? HOP_OUT_BYTES : 0);  // 8 bytes a barrier
     const uint32_t empty = full + 8 * HOP_STAGES;
     if (a_tiles % 1024 != 0) {  // the same for every thread: all leave
         if (threadIdx.x == 0) atomicExch(&mm_error, MM_MISALIGNED);
@@ -729,15 +746,15 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 const HopperUnit u = block_unit(unit);
                 // (a cluster's second tile past M loads no A, nor a K-major B its half wholly past N:
                 // what they would feed is never stored)
-                const int a_panels = max(0, min(2, (M - u.m0 + 63) / 64)), b_panels = min(4, (N - u.n0 + 63) / 64);
+                const int a_panels = max(0, min(2, (M - u.m0 + 63) / 64)), b_panels = min(BN / 64, (N - u.n0 + 63) / 64);
                 const int b_halves = MULTICAST && B_K && !SWIGLU && N - u.n0 <= HOP_BN / 2 ? 1 : 2;
                 const uint32_t bytes = (A_K ? (a_panels ? HOP_A_BYTES : 0) : a_panels * HOP_PANEL_BYTES) +
-                                       (B_K ? b_halves * (HOP_B_BYTES / 2) : b_panels * HOP_PANEL_BYTES);
+                                       (B_K ? b_halves * (B_BYTES / 2) : b_panels * HOP_PANEL_BYTES);
                 for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
                     const int st = t % HOP_STAGES;
                     const uint32_t bar = full + 8 * st;
                     if (!claim(t, bytes)) return;
-                    const uint32_t as = a_tiles + st * HOP_A_BYTES, bs = b_tiles + st * HOP_B_BYTES;
+                    const uint32_t as = a_tiles + st * HOP_A_BYTES, bs = b_tiles + st * B_BYTES;
                     const int k0 = kb * BK;
                     if constexpr (A_K) {
                         if (a_panels) tma_load_3d(as, &tm_a, k0, u.m0, 0, bar);  // box {64 k, 128 m}
@@ -761,7 +778,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                         tma_load_3d(bs, &tm_b, k0, u.n0, 0, bar);
                         tma_load_3d(bs + HOP_B_BYTES / 2, &fuse.b_up, k0, u.n0, 0, bar);
                     } else if constexpr (B_K) {
-                        tma_load_3d(bs, &tm_b, k0, u.n0, 0, bar);  // box {64 k, 256 n}
+                        tma_load_3d(bs, &tm_b, k0, u.n0, 0, bar);  // box {64 k, BN n}
                     } else {
                         for (int p = 0; p < b_panels; ++p)  // boxes {64 n, 64 k}
                             tma_load_3d(bs + p * HOP_PANEL_BYTES, &tm_b, u.n0 + 64 * p, k0, 0, bar);
@@ -785,7 +802,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     setmaxnreg_inc<HOP_CONS_REGS>();
     const int cw = wg - 1;
     const bool store_thread = TMA_STORE && (threadIdx.x & 127) == 0;  // issues the consumer's TMA stores
-    float acc[HOP_BN / 8][4];  // wgmma's accumulator layout (lib/ptx.cuh): d[j] holds columns 8j .. 8j+7
+    float acc[BN / 8][4];  // wgmma's accumulator layout (lib/ptx.cuh): d[j] holds columns 8j .. 8j+7
     // version 8: real = alpha x the product of the stored FP8 values, read once a launch (the scales are the device's)
     const float alpha = FP8 ? *fuse.a_scale_inv * *fuse.b_scale_inv : 1.0f;
     int t = 0;                // stages consumed so far (k-blocks, and version 6's input chunks)
@@ -795,7 +812,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     for (int unit = first; unit < last; unit += step) {
         const HopperUnit u = block_unit(unit);
 #pragma unroll
-        for (int j = 0; j < HOP_BN / 8; ++j)
+        for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
         for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
@@ -806,7 +823,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 return;
             }
             const uint32_t as = a_tiles + st * HOP_A_BYTES + cw * (A_K ? 64 * 128 : HOP_PANEL_BYTES);
-            const uint32_t bs = b_tiles + st * HOP_B_BYTES;
+            const uint32_t bs = b_tiles + st * B_BYTES;
             if constexpr (FP8) {
                 // Version 8: the tensor cores sum FP8 products in less than fp32 (the promotion in
                 // doc/matmul.md), so each k-block's 128 k are summed afresh, 128 columns at a time
@@ -837,7 +854,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
             for (int kk = 0; kk < HOP_BK / 16; ++kk) {
                 const uint64_t da = wg_desc(as + (A_K ? kk * 32 : kk * 16 * 128));
                 const uint64_t db = B_K ? wg_desc(bs + kk * 32) : wg_desc(bs + kk * 16 * 128, HOP_PANEL_BYTES);
-                wg_mma_ss<HOP_BN, 1, A_K ? 0 : 1, B_K ? 0 : 1>(acc, da, db);
+                wg_mma_ss<BN, 1, A_K ? 0 : 1, B_K ? 0 : 1>(acc, da, db);
             }
             wg_commit();
             wg_wait<1>();  // k-block kb-1's products are done: its stage can be refilled
@@ -860,7 +877,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
             }
         }
         if constexpr (TMA_STORE) {
-            if (!hopper_store_tma<STREAM_K ? HOP_EPI_TMA : EPI, OutT>(
+            if (!hopper_store_tma<STREAM_K ? HOP_EPI_TMA : EPI, OutT, BN>(
                     acc, ring, &t, &tm_c, fuse, out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw, u.m0 + 64 * cw,
                     u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M, N, &chunks)) {
                 if (store_thread) bulk_wait<false>();  // a wait for the ring timed out
@@ -871,7 +888,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
             // columns 8j + 2i and 8j + 2i + 1 of d[j] (lane = 4g + i).
             const int row = u.m0 + cw * 64 + (warp & 3) * 16 + (lane >> 2), col0 = u.n0 + 2 * (lane & 3);
 #pragma unroll
-            for (int j = 0; j < HOP_BN / 8; ++j) {
+            for (int j = 0; j < BN / 8; ++j) {
                 const int col = col0 + 8 * j;
                 if (col >= N) continue;
                 if (row < M) mm_store_pair(c, (long)row * N + col, acc[j][0], acc[j][1]);
@@ -899,8 +916,10 @@ static cudaLaunchConfig_t hopper_launch_config(int grid, int smem, int cluster, 
 }
 
 // One launch of the kernel, its shared memory allowed first (past the 48 KiB default); CLUSTER 2:
-// in clusters of two blocks (grid even), whose B tiles each load half of (version 9).
-template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1>
+// in clusters of two blocks (grid even), whose B tiles each load half of (version 9); BN: the
+// tiles' width (tm_b's K-major boxes BN rows).
+template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1,
+          int BN = HOP_BN>
 static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
                           const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
                           cudaStream_t s, const HopperStreamK& sk = {}) {
@@ -908,8 +927,8 @@ static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, cons
         fprintf(stderr, "hopper_launch: clusters of %d blocks take one split of K, not %d\n", CLUSTER, splits);
         exit(1);
     }
-    constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS);
-    auto kernel = hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT, CLUSTER>;
+    constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS, BN);
+    auto kernel = hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT, CLUSTER, BN>;
     attn_allow_smem(kernel, smem);
     cudaLaunchAttribute cluster;
     const cudaLaunchConfig_t config = hopper_launch_config(grid, smem, CLUSTER, s, &cluster);
