@@ -649,9 +649,9 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[BN / 
 // B tile is W's 128 gate rows of them and the 128 up rows (tm_b and fuse.b_up), two boxes a stage.
 // HOP_EPI_SWIGLU_BWD (and _ACT) is the plain input gradient's product (N = F), tile for tile.
 // HOP_EPI_STREAM_K (version 7, splits 1): version 5's epilogue on the stream-K walk of `sk`.
-// BN: the tile's width, HOP_BN; or HOP_BN_NARROW (version 5's plain bf16 products, from registers
-// or by TMA, where that fills the waves better): B's tile, the accumulator (96 registers a thread
-// instead of 128) and wgmma's n shrink with it, and a stage is 40 KiB.
+// BN: the tile's width, HOP_BN; or HOP_BN_NARROW (version 5's plain bf16 products, stored by TMA,
+// where that fills the waves better): B's tile, the accumulator (96 registers a thread instead of
+// 128) and wgmma's n shrink with it, and a stage is 40 KiB.
 template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1,
           int BN = HOP_BN>
 __global__ void __launch_bounds__(HOP_THREADS, 1)
@@ -679,8 +679,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     static_assert(CLUSTER == 1 || (MULTICAST && TMA_STORE && !STREAM_K),
                   "clusters of two, on the TMA epilogues' grid walk (one split of K)");
     constexpr int EPI_INPUTS = hopper_epi_inputs(EPI);  // boxes an epilogue chunk reads through the ring
-    static_assert(BN == HOP_BN || (BN == HOP_BN_NARROW && !FP8 && CLUSTER == 1 &&
-                                   (EPI == HOP_EPI_TMA || EPI == HOP_EPI_REGISTERS)),
+    static_assert(BN == HOP_BN || (BN == HOP_BN_NARROW && !FP8 && CLUSTER == 1 && EPI == HOP_EPI_TMA),
                   "tiles HOP_BN_NARROW wide: version 5's plain bf16 products, one block a cluster");
     extern __shared__ __align__(1024) unsigned char hopper_smem[];
     const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * HOP_A_BYTES;
