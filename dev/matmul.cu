@@ -30,8 +30,8 @@
  *      ones would be version 5's), timed against cuBLASLt plus the trainer's separate steps, in a
  *      table of their own.
  *   7  version 5 (256 wide) with stream-K where its units would leave more than a tenth of the last
- *      wave's SMs idle (96 tiles on 132 SMs): every block an equal share of all the tiles' k-blocks, a range
- *      that may start and end inside a tile; a tile's pieces are summed by the block that owns its
+ *      wave's SMs idle (96 tiles on 132 SMs): every block an equal share of all the tiles' k-blocks,
+ *      a range that may start and end inside a tile; a tile's pieces are summed by the block that owns its
  *      first one, in range order, so the bits depend on the shape and the SM count only.
  *   8  version 5 on FP8 operands, the products the trainer's --fp8 1 runs through cuBLASLt (forms
  *      "fwd fp8", "dx fp8", "dW fp8": the TN form, E4M3 x E4M3 forward, E5M2 dy x E4M3 backward):

@@ -155,7 +155,9 @@ constexpr int HOP_A_BYTES = HOP_BM * HOP_BK * 2;       // 16 KiB: 2 panels
 constexpr int HOP_BN_NARROW = 192;
 static __host__ __device__ constexpr int hop_b_bytes(int bn) { return bn * HOP_BK * 2; }
 constexpr int HOP_B_BYTES = hop_b_bytes(HOP_BN);
-static __host__ __device__ constexpr int hopper_ring_bytes(int bn) { return HOP_STAGES * (HOP_A_BYTES + hop_b_bytes(bn)); }
+static __host__ __device__ constexpr int hopper_ring_bytes(int bn) {
+    return HOP_STAGES * (HOP_A_BYTES + hop_b_bytes(bn));
+}
 constexpr int HOP_OUT_BUF_BYTES = 64 * 128, HOP_OUT_BUFS = 2;               // version 5: a consumer's staging
 constexpr int HOP_OUT_BYTES = 2 * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES;         // 32 KiB for the two consumers
 // The ring, version 5's staging buffers, and the barriers: 192 KiB + 64 B, or 224 KiB + 64 B (of
@@ -533,7 +535,6 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[BN / 
                                                         bool add, int M, int N, int* chunks) {
     constexpr int COLS = 128 / sizeof(T), J_PER_CHUNK = COLS / 8;  // a chunk's columns, and its d[j]
     static_assert(hopper_epi_inputs(EPI) == 0 || sizeof(T) == 2, "the ring's input chunks are 64 bf16 columns");
-    static_assert(BN == HOP_BN || EPI == HOP_EPI_TMA, "the fused epilogues take tiles HOP_BN wide");
     if (hopper_epi_inputs(EPI) == 0 && row0 >= M) return true;
     if constexpr (EPI == HOP_EPI_SWIGLU) {
 #pragma unroll
@@ -745,7 +746,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 const HopperUnit u = block_unit(unit);
                 // (a cluster's second tile past M loads no A, nor a K-major B its half wholly past N:
                 // what they would feed is never stored)
-                const int a_panels = max(0, min(2, (M - u.m0 + 63) / 64)), b_panels = min(BN / 64, (N - u.n0 + 63) / 64);
+                const int a_panels = max(0, min(2, (M - u.m0 + 63) / 64));
+                const int b_panels = min(BN / 64, (N - u.n0 + 63) / 64);
                 const int b_halves = MULTICAST && B_K && !SWIGLU && N - u.n0 <= HOP_BN / 2 ? 1 : 2;
                 const uint32_t bytes = (A_K ? (a_panels ? HOP_A_BYTES : 0) : a_panels * HOP_PANEL_BYTES) +
                                        (B_K ? b_halves * (B_BYTES / 2) : b_panels * HOP_PANEL_BYTES);
