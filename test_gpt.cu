@@ -1679,104 +1679,6 @@ static int test_kernel_down_swiglu_backward(void) {
     return TEST_RESULT;
 }
 
-// The trainer's attn_out backward in BF16 (attn_out_backward: dW_o by cuBLASLt, then our Hopper
-// GEMM for d_attn_out = dy W_o with the attention backward's rows in its epilogue) on shapes with a
-// partial last row tile and column tile, K not a multiple of 64, pad rows (T not a multiple of 128)
-// and none, D 128 and 64, one head and several sequences, and the medium config's (too large for
-// the CPU: there the products are checked against cuBLASLt's). Against the fp64 products (d_attn_out
-// to its bf16 rounding, 2^-8 relative at most: 4e-3 in relative L2, cuBLASLt's rounding too at the
-// large shape; dW_o to fp32 sums, 1e-4), and the rows against attn_delta_kernel run on the same bf16
-// dO and O: lse2 and the pad rows' values bit for bit, delta to fp32 rounding (sums of 64 or 128
-// products in another order: 1e-5; a wrong row, head or column gives errors of order 1). Every
-// output is poisoned with NaN first, and a second run must repeat the bits.
-static int test_kernel_attn_out_backward_rows(void) {
-    REQUIRE_GPU();
-    int failed = 0;
-    const struct {
-        ModelConfig c;
-        int B;
-    } shapes[] = {
-        {{64, 136, 1, 3, 1, 128, 64, 150, 1e4f, 1e-6f}, 2},  // N 300, K 136, Hq D 384 (a tile and a half); 106 pad rows
-        {{64, 72, 1, 6, 2, 64, 64, 128, 1e4f, 1e-6f}, 3},    // N 384, K 72, Hq D 384, D 64; no pad rows
-        {{64, 64, 1, 1, 1, 64, 64, 13, 1e4f, 1e-6f}, 1},     // N 13, one head of 64: one partial tile; 115 pad rows
-        {{64, 1024, 1, 16, 8, 128, 64, 1024, 1e4f, 1e-6f}, 16},  // medium's: N 16384, K 1024, Hq D 2048
-    };
-    for (auto& tc : shapes) {
-        const ModelConfig* c = &tc.c;
-        GPT m;
-        gpt_create(&m, c, tc.B, c->seq_len, 0, 4096, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
-        const int N = m.N, C = c->d_model, Hq = c->n_head, D = c->head_dim, A = Hq * D, T = c->seq_len;
-        const size_t n_out = (size_t)N * A, n_w = (size_t)C * A, n_heads = (size_t)tc.B * Hq * T;
-        const size_t n_rows = (size_t)tc.B * Hq * attn_bwd_padded_T(T);  // each of lse2 and delta
-        const bool on_cpu = (double)n_out * C < 1e9;                      // the fp64 reference's multiply-adds
-        Activations* a = &m.act;
-        EXPECT(attn_out_fused(&m, 0), "N %d, C %d, Hq %d, D %d: the fused path refused", N, C, Hq, D);
-        double *dy = random_array((size_t)N * C, 1.0), *W = random_array(n_w, 1.0), *out = random_array(n_out, 1.0);
-        double* lse = random_array(n_heads, 3.0);
-        upload_bf16(a->d_residual, dy, (size_t)N * C);
-        upload_bf16(P(&m, P_ATTN_OUT, 0), W, n_w);
-        upload_bf16(a->attn_out[0], out, n_out);
-        float* lse_d = to_device_f32(lse, n_heads);
-        CUDA_CHECK(cudaMemcpy(a->lse[0], lse_d, n_heads * 4, cudaMemcpyDeviceToDevice));
-        float* rows = attn_bwd_lse2(a->attn_scratch);  // lse2, then delta
-        EXPECT(attn_bwd_delta(a->attn_scratch, tc.B, T, Hq) == rows + n_rows, "the rows' layout moved");
-        const size_t sizes[2] = {n_out * 2, 2 * n_rows * 4};
-        void* outputs[2] = {a->d_attn_out, rows};
-        unsigned char* bits[2][2];
-        for (int run = 0; run < 2; run++) {
-            for (int k = 0; k < 2; k++) CUDA_CHECK(cudaMemset(outputs[k], 0xFF, sizes[k]));  // NaN
-            CUDA_CHECK(cudaMemset(G(&m, P_ATTN_OUT, 0), 0xFF, n_w * 4));                   // NaN: the first write sets dW
-            EXPECT(attn_out_backward(&m, 0, false), "N %d, Hq %d, D %d: the fused path did not run", N, Hq, D);
-            CUDA_CHECK(cudaStreamSynchronize(m.stream));
-            const int error = mm_error_take();
-            EXPECT(error == MM_OK, "N %d, Hq %d, D %d: %s", N, Hq, D, mm_error_text(error));
-            for (int k = 0; k < 2; k++) {
-                bits[run][k] = (unsigned char*)malloc(sizes[k]);
-                CUDA_CHECK(cudaMemcpy(bits[run][k], outputs[k], sizes[k], cudaMemcpyDeviceToHost));
-            }
-        }
-        for (int k = 0; k < 2; k++)
-            EXPECT(!memcmp(bits[0][k], bits[1][k], sizes[k]), "N %d, Hq %d, D %d: a second run differs (output %d)", N,
-                   Hq, D, k);
-        double *g_out = from_device_bf16(a->d_attn_out, n_out), *want_out, *dW = NULL;
-        if (on_cpu) {
-            want_out = (double*)malloc(n_out * 8), dW = (double*)calloc(n_w, 8);
-            ref_linear_backward(want_out, dW, dy, out, W, N, A, C);
-        } else {
-            bf16* d_want = (bf16*)device_alloc_poisoned(n_out * 2);
-            linear_backward_input(d_want, a->d_residual, P(&m, P_ATTN_OUT, 0), N, A, C, m.stream);
-            want_out = from_device_bf16(d_want, n_out);
-            CUDA_CHECK(cudaFree(d_want));
-        }
-        char name[96];
-        snprintf(name, sizeof(name), "d_attn_out N %d, C %d, Hq %d, D %d", N, C, Hq, D);
-        CHECK_CLOSE(name, g_out, want_out, n_out, 4e-3);
-        if (dW) {
-            double* g_dW = from_device_f32(G(&m, P_ATTN_OUT, 0), n_w);
-            snprintf(name, sizeof(name), "dW_o N %d, C %d, Hq %d, D %d", N, C, Hq, D);
-            CHECK_CLOSE(name, g_dW, dW, n_w, 1e-4);
-            free(g_dW);
-        }
-        const int Tp = attn_bwd_padded_T(T);
-        float* want = (float*)device_alloc_poisoned(2 * n_rows * 4);
-        attn_delta_launch(want + n_rows, want, a->lse[0], a->d_attn_out, a->attn_out[0], tc.B, T, Tp, Hq, D, m.stream);
-        EXPECT(device_bytes_equal(want, rows, n_rows * 4), "N %d, Hq %d, D %d: lse2 differs from attn_delta_kernel's",
-               N, Hq, D);
-        double *g_delta = from_device_f32(rows + n_rows, n_rows), *w_delta = from_device_f32(want + n_rows, n_rows);
-        snprintf(name, sizeof(name), "delta N %d, Hq %d, D %d", N, Hq, D);
-        CHECK_CLOSE(name, g_delta, w_delta, n_rows, 1e-5);
-        size_t pads_differ = 0;  // the pad rows: exactly attn_delta_kernel's zeros
-        for (size_t i = 0; i < n_rows; i++) pads_differ += i % Tp >= (size_t)T && g_delta[i] != w_delta[i];
-        EXPECT(pads_differ == 0, "N %d, Hq %d, D %d: %zu pad rows' delta are not 0", N, Hq, D, pads_differ);
-        free(dy); free(W); free(out); free(lse); free(want_out); free(dW); free(g_out); free(g_delta); free(w_delta);
-        for (int run = 0; run < 2; run++) free(bits[run][0]), free(bits[run][1]);
-        CUDA_CHECK(cudaFree(lse_d));
-        CUDA_CHECK(cudaFree(want));
-        gpt_free(&m);
-    }
-    return TEST_RESULT;
-}
-
 static int test_kernel_embedding_and_reductions(void) {
     REQUIRE_GPU();
     int failed = 0;
@@ -2693,7 +2595,6 @@ static const TestCase model_tests[] = {
     {"gpu_kernel_matmul_fp8", test_kernel_matmul_fp8},
     {"gpu_kernel_gate_up_swiglu", test_kernel_gate_up_swiglu},
     {"gpu_kernel_down_swiglu_backward", test_kernel_down_swiglu_backward},
-    {"gpu_kernel_attn_out_backward_rows", test_kernel_attn_out_backward_rows},
     {"gpu_kernel_embedding_and_reductions", test_kernel_embedding_and_reductions},
     {"gpu_kernel_adamw", test_kernel_adamw},
     {"gpu_model_matches_reference", test_model_matches_reference},

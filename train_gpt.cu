@@ -1507,38 +1507,6 @@ static void norm_matrix_backward(GPT* m, ParamKind kind, int l, const bf16* dy, 
         linear_backward_weight(G(m, kind, l), dy, xnorm, m->N, (int)t->cols, (int)t->rows, accumulate, m->stream);
 }
 
-// The attention output projection's backward in layer l, from dy = d_residual [N, C]: dW_o (+)=
-// dy^T attn_out and d_attn_out = dy W_o [N, Hq D]. In BF16 the input gradient is one kernel of our
-// own (lib/matmul_hopper.cuh) with the attention backward's first step in its epilogue: each row's
-// and head's delta = dO . O, from the very bf16 dO it stores and attn_out read beside it, and lse2
-// beside it, written into the attention scratch where attention_backward reads them; so
-// attn_delta_kernel's pass over dO and O is gone. True when it ran so (attention_backward's
-// rows_made). Where hopper_attn_out_problem refuses the operands, and in FP8, layer_backward runs
-// the two products, and attention_backward makes the rows itself.
-static bool attn_out_fused(const GPT* m, int l) {
-    const ParamTensor* t = param(&m->table, P_ATTN_OUT, l);
-    const Activations* a = &m->act;
-    return !fp8_product(m, P_ATTN_OUT) &&
-           !hopper_attn_out_problem(a->d_attn_out, a->d_residual, m->params + t->offset, a->attn_out[l], m->N,
-                                    (int)t->cols, (int)t->rows, m->T, m->cfg.head_dim);
-}
-
-static bool attn_out_backward(GPT* m, int l, bool accumulate) {
-    Activations* a = &m->act;
-    if (!attn_out_fused(m, l)) {
-        layer_backward(m, P_ATTN_OUT, l, m->N, a->d_attn_out, a->d_residual, a->attn_out[l], accumulate);
-        return false;
-    }
-    const ParamTensor* t = param(&m->table, P_ATTN_OUT, l);
-    int O = (int)t->rows, I = (int)t->cols, Hq = m->cfg.n_head;
-    linear_backward_weight(G(m, P_ATTN_OUT, l), a->d_residual, a->attn_out[l], m->N, I, O, accumulate, m->stream);
-    const HopperDelta rows = {a->lse[l], attn_bwd_delta(a->attn_scratch, m->B, m->T, Hq), attn_bwd_lse2(a->attn_scratch),
-                              m->T, attn_bwd_padded_T(m->T), m->cfg.head_dim};
-    hopper_backward_attn_out(a->d_attn_out, rows, a->d_residual, m->params + t->offset, a->attn_out[l], m->N, I, O,
-                             m->stream);
-    return true;
-}
-
 // At an optimizer step, before the update: (delayed) the step's amaxes join the history, which
 // gives the scales the new weights are cast with; the weights are about to change, stale until
 // cast (by the update itself, fp8_weights_by_adamw, or when next used: fp8_cast_weights).
@@ -1729,13 +1697,13 @@ static void backward(GPT* m, const Batch* batch) {
         norm_matrix_backward(m, P_GATE_UP, l, a->d_gate_up, acc, &norm_sums);
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
         if (recomputed(m, l)) qk_norm_rope(m, l);
-        bool rows_made = attn_out_backward(m, l, acc);
+        layer_backward(m, P_ATTN_OUT, l, N, a->d_attn_out, a->d_residual, a->attn_out[l], acc);
         // dk and dv into d_qkv; dq stays in the scratch's fp32 accumulators, whence the QK norm's
         // backward reads it (no bf16 copy written and read back)
         const bf16 *q = a->qkv_rot[l], *v = a->qkv[l] + (Hq + Hkv) * D;
         attention_backward(NULL, a->d_qkv + Hq * D, a->d_qkv + (Hq + Hkv) * D, a->attn_scratch, a->d_attn_out,
                            a->attn_out[l], a->lse[l], q, q + Hq * D, v, Q, Q, m->B, m->T, Hq, Hkv, D, m->stream,
-                           m->deterministic, rows_made);
+                           m->deterministic);
         qk_norm_rope_backward(a->d_qkv, G(m, P_Q_NORM, l), G(m, P_K_NORM, l), norm_partials(a, SLOT_QK_NORM),
                               a->qkv[l], a->rstd_qk[l], P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos, m->rope_sin,
                               attn_dq_acc(a->attn_scratch, m->B, m->T, Hq), N, m->T, Hq, Hkv, D, acc, &norm_sums,

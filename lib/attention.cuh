@@ -964,14 +964,6 @@ __global__ void __launch_bounds__(256)
     }
 }
 
-// The backward's per-row inputs in its scratch: lse2, then delta, [B*Hq][Tp] each, as
-// attn_delta_kernel writes them (or, in the trainer, the epilogue of the attention output
-// projection's input gradient: lib/matmul_hopper.cuh, hopper_backward_attn_out).
-static float* attn_bwd_lse2(float* scratch) { return scratch; }
-static float* attn_bwd_delta(float* scratch, int B, int T, int Hq) {
-    return scratch + (size_t)B * Hq * attn_bwd_padded_T(T);
-}
-
 // Where the dQ accumulators lie in the backward's scratch (after lse2 and delta): for
 // ws_backward_launch, and for attn_dq_tile_load once attention_backward has run with dq NULL.
 static float* attn_dq_acc(float* scratch, int B, int T, int Hq) {
@@ -993,13 +985,14 @@ constexpr double ATTN_BWD_GROUP_MIB = 16.0;
 template <int D, int BM, bool DET>
 static void ws_backward_launch(bf16* dq, bf16* dk, bf16* dv, float* scratch, const bf16* dout, const bf16* out,
                                const float* lse, const bf16* q, const bf16* k, const bf16* v, int stride, int dstride,
-                               int B, int T, int Hq, int Hkv, bool rows_made, cudaStream_t stream) {
+                               int B, int T, int Hq, int Hkv, cudaStream_t stream) {
     const int Tp = attn_bwd_padded_T(T);
     const size_t rows = (size_t)B * Hq * Tp;
-    float *lse2 = attn_bwd_lse2(scratch), *delta = attn_bwd_delta(scratch, B, T, Hq);
+    float* lse2 = scratch;
+    float* delta = lse2 + rows;
     float* dq_acc = attn_dq_acc(scratch, B, T, Hq);  // after delta
     int* dq_sem = reinterpret_cast<int*>(dq_acc + rows * D);
-    if (!rows_made) attn_delta_launch(delta, lse2, lse, dout, out, B, T, Tp, Hq, D, stream);
+    attn_delta_launch(delta, lse2, lse, dout, out, B, T, Tp, Hq, D, stream);
     if (DET) CUDA_CHECK(cudaMemsetAsync(dq_sem, 0, rows / BM * sizeof(int), stream));
     else CUDA_CHECK(cudaMemsetAsync(dq_acc, 0, rows * D * sizeof(float), stream));
 
@@ -1047,9 +1040,7 @@ static void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* 
     else ws_forward_launch<64, 128, 3>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream, codes, codes_scale);
 }
 
-// scratch: attention_backward_scratch_bytes(B, T, Hq, D) bytes, 16-byte aligned, contents ignored
-// (but with rows_made: its lse2 and delta rows, attn_bwd_lse2 and attn_bwd_delta, were written
-// already, from this out and lse, and out and lse are not read).
+// scratch: attention_backward_scratch_bytes(B, T, Hq, D) bytes, 16-byte aligned, contents ignored.
 // dq NULL: dQ is left in the scratch's fp32 accumulators, for attn_dq_tile_load to read (until the
 // scratch is used again), not converted into bf16 rows. deterministic = false adds the dQ partial
 // sums in whatever order they come (fp32 atomics in L2): results then vary in the last bits run to
@@ -1057,7 +1048,7 @@ static void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* 
 static void attention_backward(bf16* dq, bf16* dk, bf16* dv, float* scratch, const bf16* dout, const bf16* out,
                                const float* lse, const bf16* q, const bf16* k, const bf16* v, int qkv_stride,
                                int dqkv_stride, int B, int T, int Hq, int Hkv, int D, cudaStream_t stream,
-                               bool deterministic = true, bool rows_made = false) {
+                               bool deterministic = true) {
     const void* ptrs[] = {dq, dk, dv, dout, out, q, k, v, scratch};
     attn_check_args("attention_backward", ptrs, 9, qkv_stride, B, T, Hq, Hkv, D);
     if (dqkv_stride % 8 != 0 || dqkv_stride < Hq * D) {
@@ -1068,16 +1059,16 @@ static void attention_backward(bf16* dq, bf16* dk, bf16* dv, float* scratch, con
     constexpr int BM64 = attn_bwd_query_tile(64), BM128 = attn_bwd_query_tile(128);
     if (D == 64 && deterministic)
         ws_backward_launch<64, BM64, true>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B, T,
-                                           Hq, Hkv, rows_made, stream);
+                                           Hq, Hkv, stream);
     else if (D == 64)
         ws_backward_launch<64, BM64, false>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B, T,
-                                            Hq, Hkv, rows_made, stream);
+                                            Hq, Hkv, stream);
     else if (deterministic)
         ws_backward_launch<128, BM128, true>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B,
-                                             T, Hq, Hkv, rows_made, stream);
+                                             T, Hq, Hkv, stream);
     else
         ws_backward_launch<128, BM128, false>(dq, dk, dv, scratch, dout, out, lse, q, k, v, qkv_stride, dqkv_stride, B,
-                                              T, Hq, Hkv, rows_made, stream);
+                                              T, Hq, Hkv, stream);
 }
 
 #endif

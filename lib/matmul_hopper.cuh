@@ -257,7 +257,6 @@ enum HopperEpilogue {
     HOP_EPI_SWIGLU_BWD,
     HOP_EPI_SWIGLU_BWD_ACT,
     HOP_EPI_LOGITS_EXP,
-    HOP_EPI_ATTN_DELTA,
     HOP_EPI_STREAM_K
 };
 
@@ -355,21 +354,10 @@ struct HopperLogits {
     float *partials, *target_z;
     int* overflow;
 };
-// The attention backward's per-row inputs (EPI_ATTN_DELTA; M = B T rows, N = Hq D columns of the
-// attention output's gradient dO, D = 64 or 128): for row b T + t and head h, at (b Hq + h) Tp + t of
-// the backward's [B Hq][Tp] layout (lib/attention.cuh, attn_delta_kernel), delta = dO . O over the
-// head's D columns and lse2 = lse[(b Hq + h) T + t] log2 e; the pad rows T .. Tp-1 of each head get
-// delta 0 and lse2 +inf.
-struct HopperDelta {
-    const float* lse;
-    float *delta, *lse2;
-    int T, Tp, D;
-};
 struct HopperFusion {
     CUtensorMap b_up, c_up, act, in[2];
     const float *a_scale_inv, *b_scale_inv;  // version 8 (FP8 operands): stored -> real, each a device float
     HopperLogits logits;
-    HopperDelta delta;
 };
 // The largest exponent the head's epilogue takes: exp(64) = 6e27, so that a row's sum of up to
 // Qwen3's 151936 of them, and the input gradient's products over them, stay far inside fp32.
@@ -380,9 +368,7 @@ static __host__ __device__ __forceinline__ int hopper_logits_tiles(int V) { retu
 // How many [128 rows][64 columns] boxes an epilogue reads per chunk of 64 columns (each chunk one
 // stage of the ring): the residual, or gate and up; the other epilogues read nothing.
 static __host__ __device__ constexpr int hopper_epi_inputs(int epi) {
-    return epi == HOP_EPI_RESIDUAL || epi == HOP_EPI_ATTN_DELTA ? 1
-           : epi == HOP_EPI_SWIGLU_BWD || epi == HOP_EPI_SWIGLU_BWD_ACT ? 2
-                                                                         : 0;
+    return epi == HOP_EPI_RESIDUAL ? 1 : epi == HOP_EPI_SWIGLU_BWD || epi == HOP_EPI_SWIGLU_BWD_ACT ? 2 : 0;
 }
 
 // A consumer's view of the ring: the shared memory (stage s's A tile at a + s * HOP_A_BYTES, its B
@@ -527,30 +513,6 @@ static __device__ __forceinline__ void hopper_store_logits_exp(const float (&acc
     }
 }
 
-// The end of a head's columns in the attention output's gradient (EPI_ATTN_DELTA), by all 128
-// threads of a consumer: each thread's sums of dO O over its columns of the head, for its rows r and
-// r + 8, added over the row's quad (two shuffles, a fixed order), then written by the quad's first
-// thread as the head's delta and lse2 (HopperDelta), with the pad rows after a sequence's last.
-static __device__ __forceinline__ void hopper_put_delta(float (&dot)[2], const HopperDelta& hd, int row0, int head,
-                                                        int Hq, int M) {
-    const int tid = threadIdx.x & 127, r = row0 + hopper_row_of(tid);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], 1);
-        dot[h] += __shfl_xor_sync(0xffffffffu, dot[h], 2);
-        const int row = r + 8 * h;
-        if (hopper_pair_of(tid) == 0 && row < M) {
-            const int b = row / hd.T, t = row % hd.T;
-            const size_t bh = (size_t)b * Hq + head, at = bh * hd.Tp + t;
-            hd.delta[at] = dot[h];
-            hd.lse2[at] = hd.lse[bh * hd.T + t] * ATTN_LOG2E;
-            for (int pad = hd.T; t == hd.T - 1 && pad < hd.Tp; ++pad)
-                hd.delta[at + pad - t] = 0.f, hd.lse2[at + pad - t] = INFINITY;
-        }
-        dot[h] = 0.f;
-    }
-}
-
 // Versions 5 and 6's epilogue, run by all 128 threads of consumer cw: its 64 x BN accumulator
 // (rows row0 .. row0+63, columns from n0; splits > 1: split `batch`'s partial) in chunks of 128
 // bytes a row. EPI_TMA: C itself, bf16 or fp32 (added to C when add). EPI_RESIDUAL: bf16 acc +
@@ -652,31 +614,11 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[BN / 
     } else if constexpr (EPI == HOP_EPI_LOGITS_EXP) {
         hopper_store_logits_exp(acc, tm_c, fuse.logits, bufs, cw, chunks, row0, n0, M, N);
     } else {
-        float dot[2] = {0.f, 0.f};  // EPI_ATTN_DELTA: this thread's part of dO . O, rows r and r + 8
 #pragma unroll
         for (int q = 0; q < BN / COLS; ++q) {
             const int col0 = n0 + q * COLS;
             if (col0 >= N) break;
-            if constexpr (EPI == HOP_EPI_ATTN_DELTA) {
-                uint32_t out[1][8][2];
-                if (!hopper_take_inputs<1>(out, ring, t, cw, row0 < M)) return false;
-                if (row0 >= M) continue;
-                uint32_t d_out[J_PER_CHUNK][2];  // dO rounded to bf16, as stored and as attn_delta_kernel reads it
-#pragma unroll
-                for (int jj = 0; jj < J_PER_CHUNK; ++jj)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
-                        const uint32_t dw = attn_pack_bf16(d[2 * h], d[2 * h + 1]), ow = out[0][jj][h];
-                        d_out[jj][h] = dw;
-                        dot[h] = fmaf(hopper_bf16_lo(dw), hopper_bf16_lo(ow), dot[h]);
-                        dot[h] = fmaf(hopper_bf16_hi(dw), hopper_bf16_hi(ow), dot[h]);
-                    }
-                hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, false,
-                                      [&](int jj, int h) { return d_out[jj][h]; });
-                if ((col0 + COLS) % fuse.delta.D == 0)  // the head's last chunk (N is Hq D)
-                    hopper_put_delta(dot, fuse.delta, row0, col0 / fuse.delta.D, N / fuse.delta.D, M);
-            } else if constexpr (EPI == HOP_EPI_RESIDUAL) {
+            if constexpr (EPI == HOP_EPI_RESIDUAL) {
                 uint32_t residual[1][8][2];
                 if (!hopper_take_inputs<1>(residual, ring, t, cw, row0 < M)) return false;
                 if (row0 >= M) continue;
@@ -731,8 +673,6 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     static_assert(!SWIGLU || (A_K && B_K), "SwiGLU fuses into the forward, whose operands are K-major");
     static_assert((EPI != HOP_EPI_SWIGLU_BWD && EPI != HOP_EPI_SWIGLU_BWD_ACT) || (A_K && !B_K && sizeof(OutT) == 2),
                   "SwiGLU's backward fuses into an input gradient: dy K-major, W N-major, bf16 out");
-    static_assert(EPI != HOP_EPI_ATTN_DELTA || (A_K && !B_K && sizeof(OutT) == 2),
-                  "the attention backward's rows fuse into an input gradient: dy K-major, W N-major, bf16 out");
     static_assert(EPI != HOP_EPI_LOGITS_EXP || (A_K && B_K && sizeof(OutT) == 2),
                   "the softmax's exponentials fuse into the head's forward: x and E K-major, bf16 out");
     constexpr bool MULTICAST = CLUSTER == 2;  // version 9: B's tile shared by a cluster of two blocks
@@ -1125,41 +1065,6 @@ static void hopper_backward_swiglu(bf16* d_gate_up, bf16* act, const bf16* dy, c
     const auto launch = act ? hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD_ACT, bf16, bf16, CLUSTER>
                             : hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD, bf16, bf16, CLUSTER>;
     launch(tm_dy, tm_w, tm_d_gate, fuse, d_gate_up, M, F, K, grid, HOP_GROUP_M, 1, s, HopperStreamK{});
-}
-
-// The attention output projection's input gradient with the attention backward's rows
-// (hopper_backward_attn_out): dy [N, O], W [O, I], out and d_out [N, I] with I = Hq D, in
-// sequences of T rows. A tile's 256 columns must hold whole heads, and the rows whole sequences.
-static const char* hopper_attn_out_problem(const bf16* d_out, const bf16* dy, const bf16* W, const bf16* out, int N,
-                                           int I, int O, int T, int D) {
-    if (D != 64 && D != 128) return "the head size must be 64 or 128";
-    if (I % D || T < 1 || N % T) return "the rows must be whole sequences of whole heads";
-    return hopper_operands_problem(N, O, I, {d_out, dy, W, out});
-}
-
-// The attention output projection's input gradient with the attention backward's first step
-// fused (the trainer's BF16 attn_out backward): d_out[N, I] = dy[N, O] W[O, I], the gradient of the
-// attention output out [N, I] (I = Hq heads of D), stored as bf16; and, from those bf16 values and
-// out (read through the ring, as the residual form reads its input), each row's and head's delta =
-// dO . O with the lse2 beside it, in the backward's own layout (HopperDelta, lib/attention.cuh's
-// attn_bwd_lse2 and attn_bwd_delta), so that attention_backward (rows_made) reads neither dO nor O
-// for them: attn_delta_kernel's work, without its pass over both. For operands that
-// hopper_attn_out_problem accepts (else it exits with that line). One split of K, so the result
-// repeats bit for bit; delta's sums run in another order than attn_delta_kernel's.
-static void hopper_backward_attn_out(bf16* d_out, const HopperDelta& rows, const bf16* dy, const bf16* W,
-                                     const bf16* out, int N, int I, int O, cudaStream_t s) {
-    if (const char* problem = hopper_attn_out_problem(d_out, dy, W, out, N, I, O, rows.T, rows.D)) {
-        fprintf(stderr, "hopper_backward_attn_out: %s (N %d, I %d, O %d, T %d, D %d)\n", problem, N, I, O, rows.T,
-                rows.D);
-        exit(1);
-    }
-    const int M = N, K = O;  // the GEMM: d_out[M][I] = dy[M][K] W[K][I]
-    HopperFusion fuse = {};
-    fuse.delta = rows;
-    fuse.in[0] = tma_tensor_map(out, I, I, M, 1, HOP_BM);
-    hopper_launch<true, false, bf16, HOP_EPI_ATTN_DELTA>(
-        tma_tensor_map(dy, K, K, M, 1, HOP_BM), tma_tensor_map(W, I, I, K, 1, 64), tma_tensor_map(d_out, I, I, M, 1, 64),
-        fuse, d_out, M, I, K, hopper_grid<1>(ceil_div(M, HOP_BM), ceil_div(I, HOP_BN)), HOP_GROUP_M, 1, s);
 }
 
 // The head's fused forward's (hopper_logits_exp): x [R, C], E [V, C], probs [R, V].
