@@ -40,8 +40,9 @@
  *      matmul() with the same scale pointers) in a table of their own. It has only these forms.
  *   9  versions 5 and 6 (plain forms and fused ones) in clusters of two blocks: the two take tiles
  *      one above the other, which read the same tile of B, and each loads half of that tile into
- *      both blocks' shared memory by TMA multicast, so L2 serves B once a pair; each output the
- *      same fp32 sum in the same order as versions 5 and 6 (unsplit) make it.
+ *      both blocks' shared memory by TMA multicast, so L2 serves B once a pair; version 5's tile
+ *      widths and splits of K; each output the same fp32 sum in the same order as versions 5 and 6
+ *      make it.
  * Versions 2-7 and 9 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too), the FP8
  * forms (version 8, cuBLASLt) multiples of 16; a shape a version cannot take is skipped, with a word. Resource use (-Xptxas -v) and the figures:
  * doc/matmul.md.

@@ -21,8 +21,8 @@
  *      pointers) on FP8 operands, both K-major; the kernel's FP8 path: lib/matmul_hopper.cuh;
  *   9  versions 5 and 6 in clusters of two blocks (the kernel's CLUSTER = 2): the blocks of a
  *      cluster take two tiles one above the other, which read the same tile of B, and each loads
- *      half of it into both by TMA multicast, so L2 serves B once for two tiles (where version 5
- *      splits K, version 9 runs version 5's split plan unchanged).
+ *      half of it into both by TMA multicast, so L2 serves B once for two tiles; version 5's plan
+ *      (its tile width and its splits of K, both blocks of a cluster on the same split) otherwise.
  *
  * Version 5's split of K: a product with fewer tiles than half the SMs (a weight gradient of a small
  * matrix: 18 tiles for 132 SMs, K = 32768) cuts each tile's k-blocks into `splits` runs, so that
@@ -180,14 +180,14 @@ static int hopper_tile_n(int tiles_m, int N, int k_blocks, int sms) {
 // epilogue and split K, its tiles 192 wide where hopper_tile_n says; 6: 5 never split, the plain
 // product whose accumulators version 6's fused epilogues round (each output one fp32 sum in k order,
 // as theirs), against which the ladder checks the bits of SwiGLU's fused backward; 7: 5 with
-// stream-K where its units fill the SMs badly; 9: 5 in clusters of two where it does not split K (a
-// K-major B in boxes of 128 rows, one a block). All but version 5's narrow plan take tiles 256 wide.
+// stream-K where its units fill the SMs badly; 9: 5 in clusters of two (a K-major B in boxes of
+// BN / 2 rows, one a block). All but versions 5 and 9's narrow plans take tiles 256 wide.
 template <int VERSION>
 struct HopperMatmul {
     template <bool A_K, bool B_K, typename OutT, typename AT = bf16, typename BT = bf16>
     static void gemm(OutT* c, const AT* a, const BT* b, int M, int N, int K, cudaStream_t s,
                      const float* a_scale_inv = nullptr, const float* b_scale_inv = nullptr) {
-        if constexpr (VERSION == 5 && sizeof(AT) == 2) {  // (FP8 operands, version 8, stay 256 wide)
+        if constexpr ((VERSION == 5 || VERSION == 9) && sizeof(AT) == 2) {  // (FP8 operands, version 8, stay 256 wide)
             if (hopper_tile_n(ceil_div(M, HOP_BM), N, hopper_k_blocks<AT>(K), hopper_sms()) == HOP_BN_NARROW)
                 return plan<HOP_BN_NARROW, A_K, B_K>(c, a, b, M, N, K, s, a_scale_inv, b_scale_inv);
         }
@@ -220,24 +220,19 @@ struct HopperMatmul {
             }
         }
         const int splits = VERSION == 6 ? 1 : hopper_splits(tiles, k_blocks, sms);
-        if constexpr (VERSION == 9) {
-            if (splits == 1) {
-                const CUtensorMap tm_b_half = B_K ? hopper_operand_map(b, K, N, HOP_BN / 2) : tm_b;
-                hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT, 2>(
-                    tm_a, tm_b_half, hopper_c_map(c, M, N), scales, c, M, N, K, hopper_grid<2>(tiles_m, tiles_n),
-                    HOP_GROUP_M, 1, s);
-                return;
-            }
-        }
+        constexpr int CLUSTER = VERSION == 9 ? 2 : 1;
+        // version 9: each block of a cluster loads half of B's tile (a K-major B in boxes of BN / 2 rows)
+        const CUtensorMap tm_b_load = CLUSTER == 2 && B_K ? hopper_operand_map(b, K, N, BN / 2) : tm_b;
         if (splits == 1) {
-            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT, 1, BN>(tm_a, tm_b, hopper_c_map(c, M, N), scales, c, M,
-                                                                      N, K, hopper_grid<1>(tiles_m, tiles_n),
-                                                                      HOP_GROUP_M, 1, s);
+            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT, CLUSTER, BN>(
+                tm_a, tm_b_load, hopper_c_map(c, M, N), scales, c, M, N, K, hopper_grid<CLUSTER>(tiles_m, tiles_n),
+                HOP_GROUP_M, 1, s);
             return;
         }
         float* ws = hopper_workspace((size_t)splits * M * N);
-        hopper_launch<A_K, B_K, float, HOP_EPI_TMA, AT, BT, 1, BN>(tm_a, tm_b, hopper_f32_map(ws, N, M, splits), scales,
-                                                                   ws, M, N, K, tiles * splits, HOP_GROUP_M, splits, s);
+        hopper_launch<A_K, B_K, float, HOP_EPI_TMA, AT, BT, CLUSTER, BN>(
+            tm_a, tm_b_load, hopper_f32_map(ws, N, M, splits), scales, ws, M, N, K,
+            hopper_grid<CLUSTER>(tiles_m, tiles_n * splits), HOP_GROUP_M, splits, s);
         const long plane = (long)M * N;
         hopper_split_sum_kernel<<<(int)std::min<long>(ceil_div(plane / 4, 256L), 8L * sms), 256, 0, s>>>(c, ws, plane,
                                                                                                      splits);

@@ -19,7 +19,7 @@
  * splits K), 6 adds the residual or applies SwiGLU or its backward, 7 (the ladder's only) stores as
  * 5 on a stream-K walk (HopperStreamK, below), 8 (the ladder's only) is 5 on FP8 operands (below),
  * 9 (the ladder's only) is 5 and 6 in clusters of two blocks that share B's tile (below); and
- * version 5 takes tiles 192 wide where 256 would leave SMs idle (the template's BN, below).
+ * versions 5 and 9 take tiles 192 wide where 256 would leave SMs idle (the template's BN, below).
  * train_gpt.cu includes this file after kernels.cuh, whose swiglu8 and swiglu_backward8 and
  * lib/attention.cuh helpers (the tensor-map cache, shared addresses, bf16 packing) it uses.
  *
@@ -100,17 +100,19 @@
  *
  * Clusters of two (version 9; the template's CLUSTER = 2, a launch attribute): the two blocks of a
  * cluster walk pairs of tiles one above the other (row tiles 2p and 2p + 1, the second past M when
- * the rows make an odd number: it loads no A and stores nothing), which read the same B tile; each
- * block's producer loads half of it (K-major: 128 of its rows, SwiGLU: the gate or the up rows,
- * N-major: two of its four panels) into both blocks' shared memory by one TMA multicast, and both
- * full barriers count the whole tile's bytes. A stage is then written by both producers, so it is
+ * the rows make an odd number: it loads no A and stores nothing), which read the same B tile, and
+ * where K is split the same split of it; each block's producer loads half of it (K-major: BN / 2
+ * of its rows, SwiGLU: the gate or the up rows, N-major: panels 0 and 1, or the rest) into both
+ * blocks' shared memory by one TMA multicast, and both full barriers count the whole tile's bytes. A stage is then written by both producers, so it is
  * free only once both blocks' consumers are done with it: every consumer warp arrives on its own
  * block's empty barrier and on the other's (counts of 16), and the blocks meet at a cluster barrier
  * after setting up their barriers and before leaving, so that neither signals a departed block.
  * L2 then serves B once a pair instead of twice. Measured (doc/matmul.md): 0-4% ahead of version 5
  * on the plain products at the default config's shapes, level to 7% behind at 1b's; on the fused
  * forms level with version 6 at the default config (-1% to +2%), 1-3% behind at 1b. L2 was not what
- * held these back, so the trainer keeps clusters of one.
+ * held these back, so the trainer keeps clusters of one. With version 5's narrow tiles and split K
+ * (the ladder's version 9 since), the two weight gradients where version 5 stays furthest behind
+ * cuBLASLt (default gate_up's and down's dW, one wave of units each) come within 5% of it.
  * (The arrive on the other block's barrier first had cluster-scope release semantics; on the
  * consumers' path every k-block, it made every product about 35% slower.)
  *
@@ -150,7 +152,7 @@ static int hopper_k_blocks(int K) { return (K + hop_bk<T> - 1) / hop_bk<T>; }
 constexpr int HOP_PANEL_BYTES = 64 * 64 * 2;         // one [64][64] bf16 panel
 constexpr int HOP_A_BYTES = HOP_BM * HOP_BK * 2;       // 16 KiB: 2 panels
 // A stage's B tile for tiles bn columns wide: 32 KiB (4 panels) at HOP_BN, 24 KiB (3) at the
-// narrow width HOP_BN_NARROW, which version 5 takes where 256 would leave a wave's SMs idle
+// narrow width HOP_BN_NARROW, which versions 5 and 9 take where 256 would leave a wave's SMs idle
 // (dev/matmul_wgmma.cuh, hopper_tile_n).
 constexpr int HOP_BN_NARROW = 192;
 static __host__ __device__ constexpr int hop_b_bytes(int bn) { return bn * HOP_BK * 2; }
@@ -677,11 +679,10 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                   "the softmax's exponentials fuse into the head's forward: x and E K-major, bf16 out");
     constexpr bool MULTICAST = CLUSTER == 2;  // version 9: B's tile shared by a cluster of two blocks
     constexpr uint16_t BOTH_BLOCKS = (1 << CLUSTER) - 1;  // a multicast's cta_mask: every block of the cluster
-    static_assert(CLUSTER == 1 || (MULTICAST && TMA_STORE && !STREAM_K),
-                  "clusters of two, on the TMA epilogues' grid walk (one split of K)");
+    static_assert(CLUSTER == 1 || (MULTICAST && TMA_STORE && !STREAM_K), "clusters of two, on the TMA epilogues' grid walk");
     constexpr int EPI_INPUTS = hopper_epi_inputs(EPI);  // boxes an epilogue chunk reads through the ring
-    static_assert(BN == HOP_BN || (BN == HOP_BN_NARROW && !FP8 && CLUSTER == 1 && EPI == HOP_EPI_TMA),
-                  "tiles HOP_BN_NARROW wide: version 5's plain bf16 products, one block a cluster");
+    static_assert(BN == HOP_BN || (BN == HOP_BN_NARROW && !FP8 && EPI == HOP_EPI_TMA),
+                  "tiles HOP_BN_NARROW wide: versions 5 and 9's plain bf16 products");
     extern __shared__ __align__(1024) unsigned char hopper_smem[];
     const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * HOP_A_BYTES;
     unsigned char* out_bufs = hopper_smem + RING_BYTES;  // version 5: consumer c's are the c-th pair
@@ -707,7 +708,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     if constexpr (STREAM_K) first = (int)(sk_begin / k_blocks), last = (int)((sk_end - 1) / k_blocks) + 1, step = 1;
     auto block_unit = [&](int unit) {
         if constexpr (MULTICAST) {  // pair rows: a group of group_m tile rows is group_m / 2 of them
-            HopperUnit u = hopper_unit(unit, (tiles_m + 1) / 2, tiles_n, TILE_N, max(1, group_m / 2), k_blocks, 1);
+            HopperUnit u = hopper_unit(unit, (tiles_m + 1) / 2, tiles_n, TILE_N, max(1, group_m / 2), k_blocks, splits);
             u.m0 = 2 * u.m0 + rank * HOP_BM;
             return u;
         }
@@ -748,7 +749,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 // what they would feed is never stored)
                 const int a_panels = max(0, min(2, (M - u.m0 + 63) / 64));
                 const int b_panels = min(BN / 64, (N - u.n0 + 63) / 64);
-                const int b_halves = MULTICAST && B_K && !SWIGLU && N - u.n0 <= HOP_BN / 2 ? 1 : 2;
+                const int b_halves = MULTICAST && B_K && !SWIGLU && N - u.n0 <= BN / 2 ? 1 : 2;
                 const uint32_t bytes = (A_K ? (a_panels ? HOP_A_BYTES : 0) : a_panels * HOP_PANEL_BYTES) +
                                        (B_K ? b_halves * (B_BYTES / 2) : b_panels * HOP_PANEL_BYTES);
                 for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
@@ -765,12 +766,12 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                     }
                     if constexpr (MULTICAST) {  // this block's half of B, into both blocks
                         // (tm_b's boxes are 128 rows; SwiGLU: rank 0 the gate rows, rank 1 the up rows)
-                        const uint32_t half = bs + rank * (HOP_B_BYTES / 2);
+                        const uint32_t half = bs + rank * (B_BYTES / 2);
                         if constexpr (SWIGLU)
                             tma_load_3d_multicast(half, rank ? &fuse.b_up : &tm_b, k0, u.n0, 0, bar, BOTH_BLOCKS);
                         else if constexpr (B_K) {
                             if (rank < b_halves)
-                                tma_load_3d_multicast(half, &tm_b, k0, u.n0 + rank * (HOP_BN / 2), 0, bar, BOTH_BLOCKS);
+                                tma_load_3d_multicast(half, &tm_b, k0, u.n0 + rank * (BN / 2), 0, bar, BOTH_BLOCKS);
                         } else
                             for (int p = 2 * rank; p < min(2 * rank + 2, b_panels); ++p)
                                 tma_load_3d_multicast(bs + p * HOP_PANEL_BYTES, &tm_b, u.n0 + 64 * p, k0, 0, bar,
@@ -924,10 +925,6 @@ template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typena
 static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
                           const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
                           cudaStream_t s, const HopperStreamK& sk = {}) {
-    if (CLUSTER > 1 && splits != 1) {  // a cluster's walk has no splits of K (the kernel's static_assert: nor stream-K)
-        fprintf(stderr, "hopper_launch: clusters of %d blocks take one split of K, not %d\n", CLUSTER, splits);
-        exit(1);
-    }
     constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS, BN);
     auto kernel = hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT, CLUSTER, BN>;
     attn_allow_smem(kernel, smem);
