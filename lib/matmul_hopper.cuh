@@ -103,10 +103,11 @@
  * the rows make an odd number: it loads no A and stores nothing), which read the same B tile, and
  * where K is split the same split of it; each block's producer loads half of it (K-major: BN / 2
  * of its rows, SwiGLU: the gate or the up rows, N-major: panels 0 and 1, or the rest) into both
- * blocks' shared memory by one TMA multicast, and both full barriers count the whole tile's bytes. A stage is then written by both producers, so it is
- * free only once both blocks' consumers are done with it: every consumer warp arrives on its own
- * block's empty barrier and on the other's (counts of 16), and the blocks meet at a cluster barrier
- * after setting up their barriers and before leaving, so that neither signals a departed block.
+ * blocks' shared memory by one TMA multicast, and both full barriers count the whole tile's bytes.
+ * A stage is then written by both producers, so it is free only once both blocks' consumers are
+ * done with it: every consumer warp arrives on its own block's empty barrier and on the other's
+ * (counts of 16), and the blocks meet at a cluster barrier after setting up their barriers and
+ * before leaving, so that neither signals a departed block.
  * L2 then serves B once a pair instead of twice. Measured (doc/matmul.md): 0-4% ahead of version 5
  * on the plain products at the default config's shapes, level to 7% behind at 1b's; on the fused
  * forms level with version 6 at the default config (-1% to +2%), 1-3% behind at 1b. L2 was not what
@@ -679,7 +680,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                   "the softmax's exponentials fuse into the head's forward: x and E K-major, bf16 out");
     constexpr bool MULTICAST = CLUSTER == 2;  // version 9: B's tile shared by a cluster of two blocks
     constexpr uint16_t BOTH_BLOCKS = (1 << CLUSTER) - 1;  // a multicast's cta_mask: every block of the cluster
-    static_assert(CLUSTER == 1 || (MULTICAST && TMA_STORE && !STREAM_K), "clusters of two, on the TMA epilogues' grid walk");
+    static_assert(CLUSTER == 1 || (MULTICAST && TMA_STORE && !STREAM_K),
+                  "clusters of two, on the TMA epilogues' grid walk");
     constexpr int EPI_INPUTS = hopper_epi_inputs(EPI);  // boxes an epilogue chunk reads through the ring
     static_assert(BN == HOP_BN || (BN == HOP_BN_NARROW && !FP8 && EPI == HOP_EPI_TMA),
                   "tiles HOP_BN_NARROW wide: versions 5 and 9's plain bf16 products");
