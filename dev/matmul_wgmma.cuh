@@ -21,8 +21,8 @@
  *      pointers) on FP8 operands, both K-major; the kernel's FP8 path: lib/matmul_hopper.cuh;
  *   9  versions 5 and 6 in clusters of two blocks (the kernel's CLUSTER = 2): the blocks of a
  *      cluster take two tiles one above the other, which read the same tile of B, and each loads
- *      half of it into both by TMA multicast, so L2 serves B once for two tiles; version 5's plan
- *      (its tile width and its splits of K, both blocks of a cluster on the same split) otherwise.
+ *      half of it into both by TMA multicast, so L2 serves B once for two tiles; in all else
+ *      version 5's plan (its tile width and its splits of K, both blocks of a cluster on one split).
  *
  * Version 5's split of K: a product with fewer tiles than half the SMs (a weight gradient of a small
  * matrix: 18 tiles for 132 SMs, K = 32768) cuts each tile's k-blocks into `splits` runs, so that

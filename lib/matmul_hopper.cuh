@@ -24,8 +24,9 @@
  * lib/attention.cuh helpers (the tensor-map cache, shared addresses, bf16 packing) it uses.
  *
  * Work split: a 128 x 256 output tile, k-blocks of 64, a 4-stage ring of A [128 x 64] and B
- * [256 x 64] tiles (4 x 48 KiB = 192 KiB of shared memory), 384 threads (version 5's narrow tiles,
- * BN = HOP_BN_NARROW: 128 x 192, B [192 x 64], 40 KiB a stage, everything else the same):
+ * [256 x 64] tiles (4 x 48 KiB = 192 KiB of shared memory), 384 threads (versions 5 and 9's
+ * narrow tiles, BN = HOP_BN_NARROW: 128 x 192, B [192 x 64], 40 KiB a stage, everything else the
+ * same):
  *   warpgroup 0, the producer, shrinks to 40 registers; one thread waits for a free stage (its
  *     empty barrier), announces the bytes to come on the stage's full barrier and issues the TMA
  *     loads, k-block after k-block and tile after tile;
@@ -653,9 +654,9 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[BN / 
 // B tile is W's 128 gate rows of them and the 128 up rows (tm_b and fuse.b_up), two boxes a stage.
 // HOP_EPI_SWIGLU_BWD (and _ACT) is the plain input gradient's product (N = F), tile for tile.
 // HOP_EPI_STREAM_K (version 7, splits 1): version 5's epilogue on the stream-K walk of `sk`.
-// BN: the tile's width, HOP_BN; or HOP_BN_NARROW (version 5's plain bf16 products, stored by TMA,
-// where that fills the waves better): B's tile, the accumulator (96 registers a thread instead of
-// 128) and wgmma's n shrink with it, and a stage is 40 KiB.
+// BN: the tile's width, HOP_BN; or HOP_BN_NARROW (versions 5 and 9's plain bf16 products, stored
+// by TMA, where that fills the waves better): B's tile, the accumulator (96 registers a thread
+// instead of 128) and wgmma's n shrink with it, and a stage is 40 KiB.
 template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1,
           int BN = HOP_BN>
 __global__ void __launch_bounds__(HOP_THREADS, 1)
@@ -767,7 +768,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                             tma_load_3d(as + p * HOP_PANEL_BYTES, &tm_a, u.m0 + 64 * p, k0, 0, bar);
                     }
                     if constexpr (MULTICAST) {  // this block's half of B, into both blocks
-                        // (tm_b's boxes are 128 rows; SwiGLU: rank 0 the gate rows, rank 1 the up rows)
+                        // (tm_b's boxes are BN / 2 rows; SwiGLU: rank 0 the gate rows, rank 1 the up rows)
                         const uint32_t half = bs + rank * (B_BYTES / 2);
                         if constexpr (SWIGLU)
                             tma_load_3d_multicast(half, rank ? &fuse.b_up : &tm_b, k0, u.n0, 0, bar, BOTH_BLOCKS);
@@ -921,7 +922,7 @@ static cudaLaunchConfig_t hopper_launch_config(int grid, int smem, int cluster, 
 
 // One launch of the kernel, its shared memory allowed first (past the 48 KiB default); CLUSTER 2:
 // in clusters of two blocks (grid even), whose B tiles each load half of (version 9); BN: the
-// tiles' width (tm_b's K-major boxes BN rows).
+// tiles' width (tm_b's K-major boxes BN rows, or BN / 2 in clusters of two).
 template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1,
           int BN = HOP_BN>
 static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
@@ -953,7 +954,8 @@ static int hopper_cluster_slots(void) {
     static int slots = 0;
     if (!slots) {
         auto kernel = hopper_matmul_kernel<true, true, bf16, HOP_EPI_TMA, bf16, bf16, 2>;
-        constexpr int smem = hopper_smem_bytes(true);  // as every cluster instance's
+        // the most a cluster instance takes: one block an SM, at either tile width
+        constexpr int smem = hopper_smem_bytes(true);
         attn_allow_smem(kernel, smem);
         cudaLaunchAttribute cluster;
         const cudaLaunchConfig_t config = hopper_launch_config(hopper_sms() / 2 * 2, smem, 2, 0, &cluster);
