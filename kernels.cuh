@@ -440,36 +440,42 @@ static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partia
 // (row, q or k head) task is D/16 lanes (8 at D = 128, 4 at D = 64), lane k of it owning the pairs
 // i = 8k .. 8k+7: it reads and writes them 16 bytes at a time (x, w, and the fp32 tables rope_cos
 // and rope_sin, [T, D/2]), and the task's lanes add up sum(x^2) by shuffles. (One warp per task,
-// 2-byte accesses, ran at 2 TB/s.) A lane's arithmetic is lib/attention.cuh's (qk_norm_rstd,
-// qk_norm_rope8), which the attention forward also runs when it norms its query tiles itself (a
-// recomputing layer's forward: the pass here then runs over the key heads only, QkHeads), so that
-// both ways give the same bits.
+// 2-byte accesses, ran at 2 TB/s.)
 
 template <int D>
 __global__ void qk_norm_rope_forward_kernel(bf16* qkv_rot, float* rstd, const bf16* qkv, const bf16* q_weight,
                                             const bf16* k_weight, const float* rope_cos, const float* rope_sin,
-                                            int N, int T, int Hq, int Hkv, int first_head, int heads, float eps) {
+                                            int N, int T, int Hq, int Hkv, float eps) {
     constexpr int LANES = D / 16;
-    const int H = Hq + 2 * Hkv, k = threadIdx.x % LANES, i0 = 8 * k;  // a row: H heads
-    const size_t task = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / LANES;  // (row, one of `heads`)
-    const bool live = task < (size_t)N * heads;  // every lane stays to the shuffles, past the last task too
-    const int n = live ? (int)(task / heads) : 0, h = first_head + (int)(task % heads), t = n % T;
+    const int H = Hq + 2 * Hkv, normed = Hq + Hkv, k = threadIdx.x % LANES, i0 = 8 * k;  // a row: H heads
+    const size_t task = (blockIdx.x * (size_t)blockDim.x + threadIdx.x) / LANES;  // (row, q or k head)
+    const bool live = task < (size_t)N * normed;  // every lane stays to the shuffles, past the last task too
+    const int n = live ? (int)(task / normed) : 0, h = (int)(task % normed), t = n % T;
     const bf16* x = qkv + (size_t)n * H * D + h * D;
     bf16* y = qkv_rot + (size_t)n * H * D + h * D;
-    const uint4 zero = {0, 0, 0, 0};
-    const uint4 lo = live ? *reinterpret_cast<const uint4*>(x + i0) : zero;
-    const uint4 hi = live ? *reinterpret_cast<const uint4*>(x + i0 + D / 2) : zero;
-    const float r = qk_norm_rstd<D>(lo, hi, eps);  // lib/attention.cuh: the lane math attention shares
+    bf16x8 lo = live ? load8(x + i0) : bf16x8{}, hi = live ? load8(x + i0 + D / 2) : bf16x8{};
+    float sum_sq = 0.0f;
+    for (int e = 0; e < 8; e++) {
+        float a = __bfloat162float(lo.v[e]), b = __bfloat162float(hi.v[e]);
+        sum_sq += a * a + b * b;
+    }
+    for (int offset = LANES / 2; offset > 0; offset >>= 1) sum_sq += __shfl_xor_sync(0xffffffffu, sum_sq, offset);
     if (!live) return;
+    float r = rsqrtf(sum_sq / D + eps);
     const bf16* w = h < Hq ? q_weight : k_weight;
-    const uint4 w_lo = *reinterpret_cast<const uint4*>(w + i0), w_hi = *reinterpret_cast<const uint4*>(w + i0 + D / 2);
+    bf16x8 w_lo = load8(w + i0), w_hi = load8(w + i0 + D / 2), y_lo, y_hi;
     const float4* cos4 = reinterpret_cast<const float4*>(rope_cos + t * (D / 2) + i0);
     const float4* sin4 = reinterpret_cast<const float4*>(rope_sin + t * (D / 2) + i0);
-    const float4 cs[2] = {cos4[0], cos4[1]}, sn[2] = {sin4[0], sin4[1]};
-    uint4 y_lo, y_hi;
-    qk_norm_rope8(y_lo, y_hi, lo, hi, r, w_lo, w_hi, &cs[0].x, &sn[0].x);
-    *reinterpret_cast<uint4*>(y + i0) = y_lo;
-    *reinterpret_cast<uint4*>(y + i0 + D / 2) = y_hi;
+    float4 cs[2] = {cos4[0], cos4[1]}, sn[2] = {sin4[0], sin4[1]};
+    const float *c = &cs[0].x, *sv = &sn[0].x;  // the 8 pairs' cos and sin, in order
+    for (int e = 0; e < 8; e++) {
+        float a_lo = __bfloat162float(lo.v[e]) * r * __bfloat162float(w_lo.v[e]);
+        float a_hi = __bfloat162float(hi.v[e]) * r * __bfloat162float(w_hi.v[e]);
+        y_lo.v[e] = __float2bfloat16(a_lo * c[e] - a_hi * sv[e]);
+        y_hi.v[e] = __float2bfloat16(a_hi * c[e] + a_lo * sv[e]);
+    }
+    store8(y + i0, y_lo);
+    store8(y + i0 + D / 2, y_hi);
     if (k == 0) rstd[(size_t)n * (Hq + Hkv) + h] = r;
 }
 
@@ -606,22 +612,17 @@ __global__ void __launch_bounds__(256)
                       [](int c) { return c; });
 }
 
-// Which heads a forward pass norms and rotates: both, or the key heads only, when the attention
-// forward norms the query heads in its tiles (AttnQkNorm).
-enum QkHeads { QK_BOTH, QK_KEY };
-
 static void qk_norm_rope_forward(bf16* qkv_rot, float* rstd, const bf16* qkv, const bf16* q_weight,
                                  const bf16* k_weight, const float* rope_cos, const float* rope_sin, int N, int T,
-                                 int Hq, int Hkv, int D, float eps, cudaStream_t s, QkHeads which = QK_BOTH) {
-    const int first = which == QK_KEY ? Hq : 0, heads = which == QK_KEY ? Hkv : Hq + Hkv;
-    size_t tasks = (size_t)N * heads;
+                                 int Hq, int Hkv, int D, float eps, cudaStream_t s) {
+    size_t tasks = (size_t)N * (Hq + Hkv);
     int blocks = ceil_div(tasks * (D / 16), 256);
     if (D == 64)
         qk_norm_rope_forward_kernel<64><<<blocks, 256, 0, s>>>(qkv_rot, rstd, qkv, q_weight, k_weight, rope_cos,
-                                                               rope_sin, N, T, Hq, Hkv, first, heads, eps);
+                                                               rope_sin, N, T, Hq, Hkv, eps);
     else
         qk_norm_rope_forward_kernel<128><<<blocks, 256, 0, s>>>(qkv_rot, rstd, qkv, q_weight, k_weight, rope_cos,
-                                                                rope_sin, N, T, Hq, Hkv, first, heads, eps);
+                                                                rope_sin, N, T, Hq, Hkv, eps);
     LAUNCH_CHECK();
 }
 

@@ -311,9 +311,8 @@ static double flops_per_token(const ModelConfig* c) {
 // Recomputation is per layer: in the first k layers (--recompute: k = 0, k = L, or with `auto` the
 // fewest that fit) the cheap elementwise outputs (both RMSNorm outputs, the normed and rotated
 // q/k/v, the SwiGLU output) are not kept: those k layers write one shared set of buffers, and the
-// backward makes them again before it needs them: the QK norm by running again (in the forward
-// the query heads' copy is not even made: q_norm_in_place), in BF16 the rest inside kernels the
-// backward runs anyway (remakes_norms). The other L - k layers keep their own.
+// backward makes them again before it needs them: the QK norm by running again, in BF16 the rest
+// inside kernels the backward runs anyway (remakes_norms). The other L - k layers keep their own.
 // The shared set is one layer's worth, so k = 1 saves nothing and each layer recomputed beyond the
 // first saves one layer's set: 2 (2 N C + N (Hq+2Hkv) D + N F) bytes. With FP8's delayed scaling
 // every layer shares the norms' and SwiGLU's outputs, whatever k (layers_sharing_norms), and a
@@ -1242,22 +1241,11 @@ static void attention_norm(GPT* m, int l) {
                     c->norm_eps, m->stream);
 }
 
-// The QK norm with RoPE of layer l's `which` heads, into qkv_rot (and rstd_qk).
-static void qk_norm_rope(GPT* m, int l, QkHeads which) {
+static void qk_norm_rope(GPT* m, int l) {
     const ModelConfig* c = &m->cfg;
     Activations* a = &m->act;
     qk_norm_rope_forward(a->qkv_rot[l], a->rstd_qk[l], a->qkv[l], P(m, P_Q_NORM, l), P(m, P_K_NORM, l), m->rope_cos,
-                         m->rope_sin, m->N, m->T, c->n_head, c->n_kv_head, c->head_dim, c->norm_eps, m->stream,
-                         which);
-}
-
-// The query heads' norm, for the attention forward to apply to its own query tiles of qkv
-// (lib/attention.cuh, AttnQkNorm), each loaded once per item. A recomputing layer's qkv_rot is
-// shared, and the backward makes it again anyway; so its forward's pass norms the key heads only
-// (which the forward's K tiles, loaded many times an item, read as a copy), and the query heads'
-// copy is neither written nor read in the forward.
-static AttnQkNorm q_norm_in_place(GPT* m, int l) {
-    return {P(m, P_Q_NORM, l), m->rope_cos, m->rope_sin, m->cfg.norm_eps};
+                         m->rope_sin, m->N, m->T, c->n_head, c->n_kv_head, c->head_dim, c->norm_eps, m->stream);
 }
 
 static void mlp_norm(GPT* m, int l) {
@@ -1579,14 +1567,12 @@ static void forward_layers(GPT* m, const Batch* batch) {
         // attention block: residual_mid = residual + attention(qk_rope(rmsnorm(residual) W_qkv^T)) W_o^T
         if (!fused) attention_norm(m, l);
         layer_forward(m, P_QKV, l, N, a->qkv[l], a->xnorm_attn[l], NULL);
-        bool in_place = recomputed(m, l);  // the attention forward norms q itself (q_norm_in_place)
-        qk_norm_rope(m, l, in_place ? QK_KEY : QK_BOTH);
-        const bf16 *q = in_place ? a->qkv[l] : a->qkv_rot[l], *k = a->qkv_rot[l] + Hq * D;
-        const bf16* v = a->qkv[l] + (Hq + Hkv) * D;  // v is neither normed nor rotated
+        qk_norm_rope(m, l);
+        const bf16 *q = a->qkv_rot[l], *v = a->qkv[l] + (Hq + Hkv) * D;  // v is neither normed nor rotated
         Fp8Scale* codes_scale;
         uint8_t* codes = fp8_attention_codes(m, &codes_scale, l);
-        attention_forward(a->attn_out[l], a->lse[l], q, k, v, Q, m->B, m->T, Hq, Hkv, D, m->stream, codes, codes_scale,
-                          in_place ? q_norm_in_place(m, l) : AttnQkNorm{});
+        attention_forward(a->attn_out[l], a->lse[l], q, q + Hq * D, v, Q, m->B, m->T, Hq, Hkv, D, m->stream, codes,
+                          codes_scale);
         layer_forward(m, P_ATTN_OUT, l, N, a->residual_mid[l], a->attn_out[l], a->residual[l]);
         // MLP block: residual' = residual_mid + swiglu(rmsnorm(residual_mid) W_gate_up^T) W_down^T
         if (!fused) mlp_norm(m, l);
@@ -1710,7 +1696,7 @@ static void backward(GPT* m, const Batch* batch) {
         mlp_down_backward(m, l, acc);
         norm_matrix_backward(m, P_GATE_UP, l, a->d_gate_up, acc, &norm_sums);
         // Attention block, the same way: d_residual is now dL/d(residual_mid[l]).
-        if (recomputed(m, l)) qk_norm_rope(m, l, QK_BOTH);
+        if (recomputed(m, l)) qk_norm_rope(m, l);
         layer_backward(m, P_ATTN_OUT, l, N, a->d_attn_out, a->d_residual, a->attn_out[l], acc);
         // dk and dv into d_qkv; dq stays in the scratch's fp32 accumulators, whence the QK norm's
         // backward reads it (no bf16 copy written and read back)

@@ -168,103 +168,6 @@ static __device__ __forceinline__ void attn_rescale(float (&o)[DT][4], const flo
 }
 
 // ----------------------------------------------------------------------------------------------
-// The QK norm with RoPE, in place in the forward's query tile. The model norms and rotates every
-// query and key head before attention (kernels.cuh, "Per-head QK RMSNorm followed by rotary position
-// embedding", has the math): y = rope_t(w * x / rms(x)). kernels.cuh's pass writes y as a copy of q
-// and k, which attention reads back. The forward loads a query tile once per item, for all its
-// products, so it may instead load x from qkv and make y in shared memory itself, saving the query
-// heads' copy (its write, and its read here). Both ways must make the same bits (a recomputing layer's
-// backward reads the copy the pass makes again), so the arithmetic of one lane lives here, once, in
-// round-to-nearest intrinsics that leave the compiler no contraction to choose per call site. A (row,
-// head) task is D/16 lanes side by side; lane k owns channel pairs i = 8k .. 8k+7, its 16 bytes lo =
-// x[i0 ..] and hi = x[i0 + D/2 ..].
-
-// What the in-place norm needs: the norm's weight (q_norm, D values) and RoPE's fp32 tables
-// [T, D/2]. weight NULL: q is normed and rotated already (the kernel's default).
-struct AttnQkNorm {
-    const bf16* weight;
-    const float* rope_cos;
-    const float* rope_sin;
-    float eps;
-};
-
-// rstd = 1 / sqrt(mean(x^2) + eps) of the task's row, summed in a fixed order: each lane over its
-// 16 channels, then the task's lanes by shuffles. Every lane of the warp must call it.
-template <int D>
-static __device__ __forceinline__ float qk_norm_rstd(const uint4& lo4, const uint4& hi4, float eps) {
-    const bf16 *lo = reinterpret_cast<const bf16*>(&lo4), *hi = reinterpret_cast<const bf16*>(&hi4);
-    float sum_sq = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; e++) {
-        const float a = __bfloat162float(lo[e]), b = __bfloat162float(hi[e]);
-        sum_sq = __fmaf_rn(b, b, __fmaf_rn(a, a, sum_sq));
-    }
-#pragma unroll
-    for (int offset = D / 32; offset > 0; offset >>= 1)
-        sum_sq = __fadd_rn(sum_sq, __shfl_xor_sync(0xffffffffu, sum_sq, offset));
-    return rsqrtf(__fadd_rn(__fmul_rn(sum_sq, 1.f / D), eps));
-}
-
-// The lane's 8 pairs: a = x r w, then the rotation of (a[i], a[i + D/2]) by the row's angles; w_lo,
-// w_hi the lane's 16 weights, c and s its 8 pairs' cos and sin at the row's position.
-static __device__ __forceinline__ void qk_norm_rope8(uint4& y_lo4, uint4& y_hi4, const uint4& lo4, const uint4& hi4,
-                                                     float r, const uint4& w_lo4, const uint4& w_hi4,
-                                                     const float* c, const float* s) {
-    const bf16 *lo = reinterpret_cast<const bf16*>(&lo4), *hi = reinterpret_cast<const bf16*>(&hi4);
-    const bf16 *w_lo = reinterpret_cast<const bf16*>(&w_lo4), *w_hi = reinterpret_cast<const bf16*>(&w_hi4);
-    bf16 *y_lo = reinterpret_cast<bf16*>(&y_lo4), *y_hi = reinterpret_cast<bf16*>(&y_hi4);
-#pragma unroll
-    for (int e = 0; e < 8; e++) {
-        const float a_lo = __fmul_rn(__fmul_rn(__bfloat162float(lo[e]), r), __bfloat162float(w_lo[e]));
-        const float a_hi = __fmul_rn(__fmul_rn(__bfloat162float(hi[e]), r), __bfloat162float(w_hi[e]));
-        y_lo[e] = __float2bfloat16(__fmaf_rn(a_lo, c[e], -__fmul_rn(a_hi, s[e])));
-        y_hi[e] = __float2bfloat16(__fmaf_rn(a_hi, c[e], __fmul_rn(a_lo, s[e])));
-    }
-}
-
-// Norms and rotates rows row0 .. row0+ROWS-1 of a [D/64 panels][R][64] tile in shared memory, in
-// the 128-byte swizzle (chunk c of row r at chunk c ^ (r & 7)), rows at or past `live` (TMA's zero
-// fill) left as they are. rope holds the tile's rows of RoPE's tables, [R][D/2] cos then [R][D/2]
-// sin, brought in with the tile (the producer's bulk copies: no wait on L2 here). THREADS threads
-// run it, thread i as lane i % (D/16) of a row, ROWS / (THREADS / (D/16)) rounds, every load
-// issued before the first round's arithmetic. The lanes of a row read its 8 chunks of a panel, 4
-// rows a warp: no bank conflict. The caller then fences the writes for the tensor cores and syncs.
-template <int D, int R, int ROWS, int THREADS>
-static __device__ __forceinline__ void attn_norm_rope_tile(bf16* tile, const float* rope, int row0, int live,
-                                                           const bf16* weight, float eps, int thread) {
-    constexpr int LANES = D / 16, PER_ROUND = THREADS / LANES, ROUNDS = ROWS / PER_ROUND;
-    static_assert(ROWS % PER_ROUND == 0, "every lane runs every round (the shuffles)");
-    const int i0 = 8 * (thread % LANES);
-    unsigned char* base = reinterpret_cast<unsigned char*>(tile);
-    auto chunk = [&](int r, int col) {  // the 16 bytes holding channels col .. col+7 of row r
-        return reinterpret_cast<uint4*>(base + (col / 64) * R * 128 + r * 128 + ((((col % 64) / 8) ^ (r & 7)) << 4));
-    };
-    const uint4 w_lo = *reinterpret_cast<const uint4*>(weight + i0);
-    const uint4 w_hi = *reinterpret_cast<const uint4*>(weight + i0 + D / 2);
-    uint4 lo[ROUNDS], hi[ROUNDS];
-#pragma unroll
-    for (int j = 0; j < ROUNDS; j++) {
-        const int r = row0 + thread / LANES + j * PER_ROUND;
-        lo[j] = *chunk(r, i0);
-        hi[j] = *chunk(r, i0 + D / 2);
-    }
-#pragma unroll
-    for (int j = 0; j < ROUNDS; j++) {
-        const int r = row0 + thread / LANES + j * PER_ROUND;
-        const float rstd = qk_norm_rstd<D>(lo[j], hi[j], eps);
-        if (r < live) {
-            const float4* c4 = reinterpret_cast<const float4*>(rope + r * (D / 2) + i0);
-            const float4* s4 = reinterpret_cast<const float4*>(rope + (R + r) * (D / 2) + i0);
-            const float4 cs[2] = {c4[0], c4[1]}, sn[2] = {s4[0], s4[1]};
-            uint4 y_lo, y_hi;
-            qk_norm_rope8(y_lo, y_hi, lo[j], hi[j], rstd, w_lo, w_hi, &cs[0].x, &sn[0].x);
-            *chunk(r, i0) = y_lo;
-            *chunk(r, i0 + D / 2) = y_hi;
-        }
-    }
-}
-
-// ----------------------------------------------------------------------------------------------
 // Backward. With s = scale * q.k, P = exp(s - lse), O = P V and dO given:
 //   dV = P^T dO,   dP = dO V^T,   dS = P o (dP - delta),   delta_i = sum_d dO_id O_id = rowsum(P o dP),
 //   dQ = scale * dS K,   dK = scale * dS^T Q   (o: elementwise product).
@@ -367,17 +270,6 @@ static void attn_check_args(const char* fn, const void* const* ptrs, int nptrs, 
     for (int i = 0; i < nptrs; ++i)
         if ((uintptr_t)ptrs[i] % 16 != 0) {
             fprintf(stderr, "%s: pointer argument %d (%p) is not 16-byte aligned\n", fn, i, ptrs[i]);
-            exit(1);
-        }
-}
-
-// An in-place QK norm (AttnQkNorm) needs its tables, and its 16-byte loads aligned pointers.
-static void attn_check_norm(const char* fn, const AttnQkNorm& nr) {
-    if (!nr.weight) return;
-    const void* ptrs[] = {nr.weight, nr.rope_cos, nr.rope_sin};
-    for (const void* p : ptrs)
-        if (!p || (uintptr_t)p % 16 != 0) {
-            fprintf(stderr, "%s: the QK norm's weight and RoPE tables must be 16-byte aligned (%p)\n", fn, p);
             exit(1);
         }
 }
@@ -553,9 +445,7 @@ static __device__ __forceinline__ int ws_next_item(int items, int grid) {
 //   warpgroups 1 .. NC, the consumers: grow to 240 registers (160 at NC = 3); consumer c owns
 //     query rows m0 + 64c .. +63 (warp x of it rows 16x .. 16x+15, the accumulator rows). A tile
 //     wholly above a consumer's diagonal is still computed, fully masked (-inf rows give P = 0),
-//     so that every consumer walks the same pipeline. With q_norm (q loaded from qkv, and with Q
-//     the item's rows of RoPE's tables), each consumer first norms and rotates its 64 rows of Q in
-//     place (attn_norm_rope_tile), once per item.
+//     so that every consumer walks the same pipeline.
 // Per consumer and tile i (m_i, l_i running max and sum, base 2):
 //   S_i = Q K_i^T        issued before the softmax of the previous tile is finished with O:
 //   O  += P_{i-1} V_{i-1} issued right after it; while both run on the tensor cores the warps
@@ -569,15 +459,13 @@ static __device__ __forceinline__ int ws_next_item(int items, int grid) {
 // values stored (attn_store_rows), and at the end of the block O's amax over its rows into
 // codes_scale->amax: a max over the consumer warps, published once (fp8_publish_amax).
 // Shared memory: Q [BM][D], K [2][BN][D], V [2][BN][D] bf16 in 64-column panels, the item slot, then
-// 10 mbarriers (D = 128: 160 KiB; D = 64: 80 or 88 KiB); with q_norm, then Q's rows of RoPE's cos and
-// sin tables, [BM][D/2] fp32 each, bulk-copied with Q (D = 128: 224 KiB in all). One block per SM (the
-// register file is full).
+// 10 mbarriers (D = 128: 160 KiB; D = 64: 80 or 88 KiB). One block per SM (the register file is full).
 template <int D, int BN, int NC>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
     ws_forward_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                       const __grid_constant__ CUtensorMap tm_v, bf16* __restrict__ out, float* __restrict__ lse,
-                      uint8_t* __restrict__ codes, Fp8Scale* codes_scale, const AttnQkNorm q_norm, int B,
-                      int T, int Hq, int Hkv, int group_heads, float scale_log2) {
+                      uint8_t* __restrict__ codes, Fp8Scale* codes_scale, int B, int T, int Hq, int Hkv,
+                      int group_heads, float scale_log2) {
     constexpr int BM = 64 * NC, NT = BN / 8, DT = D / 8, PANELS = D / 64;
     // Register budget: the block starts with the launch-bounds cap (168 registers a thread for 384
     // threads, 128 for 512) and the whole 64K file; the producer hands back all but PROD_REGS, and
@@ -590,7 +478,6 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     bf16* Vs = Ks + 2 * BN * D;  // [2][BN * D]
     int* item_slot = reinterpret_cast<int*>(Vs + 2 * BN * D);  // the item whose Q is loaded
     const uint32_t bars = attn_smem_u32(item_slot + 4);
-    float* rope_s = reinterpret_cast<float*>(Vs + 2 * BN * D + 64);  // with q_norm: Q's rows of RoPE's tables
     // barrier addresses: q_full, q_empty, k_full[2], v_full[2], k_empty[2], v_empty[2]
     const uint32_t q_full = bars, q_empty = bars + 8, k_full = bars + 16, v_full = bars + 32, k_empty = bars + 48,
                    v_empty = bars + 64;
@@ -644,15 +531,9 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
                 }
                 const Item it = item_of(w);
                 const int hk = it.h / (Hq / Hkv);
-                const uint32_t rope_bytes = (min(T, it.m0 + BM) - it.m0) * (D / 2) * sizeof(float);  // a table's rows
-                mbar_expect_tx(q_full, BM * D * sizeof(bf16) + (q_norm.weight ? 2 * rope_bytes : 0));
+                mbar_expect_tx(q_full, BM * D * sizeof(bf16));
                 for (int p = 0; p < PANELS; ++p)
                     tma_load_3d(attn_smem_u32(Qs + p * BM * 64), &tm_q, it.h * D + p * 64, it.m0, it.b, q_full);
-                if (q_norm.weight) {
-                    const long at = (long)it.m0 * (D / 2);
-                    bulk_load(attn_smem_u32(rope_s), q_norm.rope_cos + at, rope_bytes, q_full);
-                    bulk_load(attn_smem_u32(rope_s + BM * (D / 2)), q_norm.rope_sin + at, rope_bytes, q_full);
-                }
                 for (int i = 0; i < it.n_tiles; ++i, ++t) {
                     const int st = t & 1, n0 = (it.n_tiles - 1 - i) * BN;
                     const uint32_t parity = ((t >> 1) - 1) & 1;  // the phase KV tile t-2 completed
@@ -728,12 +609,6 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
         if (w >= items) break;
         const Item it = item_of(w);
         const int m0 = it.m0, last = it.n_tiles - 1;
-        if (q_norm.weight) {  // q came from qkv: norm and rotate this consumer's rows of it in place
-            attn_norm_rope_tile<D, BM, 64, 128>(Qs, rope_s, cw * 64, T - m0, q_norm.weight, q_norm.eps,
-                                                threadIdx.x - 128 * wg);
-            wg_fence_proxy_async();
-            named_barrier(NC + 2 + cw, 128);
-        }
         attn_zero(o);
         row_max[0] = row_max[1] = -INFINITY;
         row_sum[0] = row_sum[1] = 0.f;
@@ -813,18 +688,17 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
 
 // PERSIST: a grid of one block per SM, each taking work items until none is left (the next item's
 // loads overlap this one's epilogue); otherwise one block per item. Item groups hold the heads whose
-// K and V (shared by G query heads) fit in L2_MIB MiB. codes, q_norm: attention_forward's.
+// K and V (shared by G query heads) fit in L2_MIB MiB. codes: attention_forward's.
 template <int D, int BN, int NC, bool PERSIST = true, int L2_MIB = 4>
 static void ws_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int stride, int B,
                               int T, int Hq, int Hkv, cudaStream_t stream, uint8_t* codes = nullptr,
-                              Fp8Scale* codes_scale = nullptr, AttnQkNorm q_norm = {}) {
+                              Fp8Scale* codes_scale = nullptr) {
     constexpr int BM = 64 * NC;
     auto kernel = ws_forward_kernel<D, BN, NC>;
-    const int smem_rope = BM * D * (int)sizeof(float);  // with q_norm: BM rows of both tables, D/2 floats each
-    const int smem = (BM + 4 * BN) * D * (int)sizeof(bf16) + 128 + (q_norm.weight ? smem_rope : 0);
+    const int smem = (BM + 4 * BN) * D * (int)sizeof(bf16) + 16 + 10 * 8;
     static int sms = 0;
     if (!sms) {
-        attn_allow_smem(kernel, (BM + 4 * BN) * D * (int)sizeof(bf16) + 128 + smem_rope);
+        attn_allow_smem(kernel, smem);
         int dev;
         CUDA_CHECK(cudaGetDevice(&dev));
         CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
@@ -834,7 +708,7 @@ static void ws_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* 
     const CUtensorMap tv = tma_tensor_map(v, Hkv * D, stride, T, B, BN);
     const int items = ceil_div(T, BM) * B * Hq, grid = PERSIST && items > sms ? sms : items;
     const int group_heads = attn_group_heads(L2_MIB, 4.0 * T * D / (Hq / Hkv), B * Hq);  // K and V a head
-    kernel<<<grid, 128 * (NC + 1), smem, stream>>>(tq, tk, tv, out, lse, codes, codes_scale, q_norm, B, T, Hq, Hkv,
+    kernel<<<grid, 128 * (NC + 1), smem, stream>>>(tq, tk, tv, out, lse, codes, codes_scale, B, T, Hq, Hkv,
                                                    group_heads, ATTN_LOG2E / sqrtf((float)D));
     CUDA_CHECK(cudaGetLastError());
 }
@@ -1151,24 +1025,19 @@ static void ws_backward_launch(bf16* dq, bf16* dk, bf16* dv, float* scratch, con
 // codes (null: none): also out's E4M3 codes [B, T, Hq, D], one byte an element, at codes_scale's
 // scale, and out's amax raised into codes_scale->amax (FP8 training's fused path: the attention
 // output's product then reads these codes, and no cast reads out back; doc/fp8.md).
-// q_norm (weight NULL: none): q is the query heads as qkv holds them, before the QK norm and RoPE,
-// which the kernel applies itself with q_norm's weight and tables, making the bits kernels.cuh's
-// pass would (attn_norm_rope_tile); k is normed and rotated already.
 static void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int qkv_stride,
                               int B, int T, int Hq, int Hkv, int D, cudaStream_t stream, uint8_t* codes = nullptr,
-                              Fp8Scale* codes_scale = nullptr, AttnQkNorm q_norm = {}) {
+                              Fp8Scale* codes_scale = nullptr) {
     const void* ptrs[] = {out, q, k, v, codes};
     attn_check_args("attention_forward", ptrs, 5, qkv_stride, B, T, Hq, Hkv, D);
     if (codes && !codes_scale) {
         fprintf(stderr, "attention_forward: FP8 codes asked for without their scale\n");
         exit(1);
     }
-    attn_check_norm("attention_forward", q_norm);
-    if (D == 128)
-        ws_forward_launch<128, 128, 2>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream, codes, codes_scale, q_norm);
+    if (D == 128) ws_forward_launch<128, 128, 2>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream, codes, codes_scale);
     else if (T <= 1024)
-        ws_forward_launch<64, 128, 2>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream, codes, codes_scale, q_norm);
-    else ws_forward_launch<64, 128, 3>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream, codes, codes_scale, q_norm);
+        ws_forward_launch<64, 128, 2>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream, codes, codes_scale);
+    else ws_forward_launch<64, 128, 3>(out, lse, q, k, v, qkv_stride, B, T, Hq, Hkv, stream, codes, codes_scale);
 }
 
 // scratch: attention_backward_scratch_bytes(B, T, Hq, D) bytes, 16-byte aligned, contents ignored.
