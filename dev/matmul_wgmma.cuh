@@ -165,9 +165,9 @@ static HopperStreamK hopper_stream_k_workspace(int grid) {
 // x the tile's width: a block's time per k-block grows with the width it multiplies. "Clearly":
 // under 0.9 of the wide plan's count, since a narrow tile moves more bytes through shared memory per
 // product (its 40 KiB stage feeds 3/4 of the wide one's products with 5/6 of its bytes). At the
-// trainer's shapes that picks 192 where 256 leaves a quarter of the SMs idle: 96 tiles of the
-// default config's gate_up dW and head dx, and down dW's 96 units (48 tiles, 2 splits), which become
-// 128 tiles and 132 units; and 1b's qkv dW, 192 tiles (1.45 waves), which become 264 (2 waves).
+// trainer's shapes that picks 192 where 256 leaves a quarter of the SMs idle: the default config's
+// gate_up dW and head dx (96 tiles become 128), its down dW (96 units, 48 tiles in 2 splits, become
+// 132: 66 tiles in 2 splits); and 1b's qkv dW, 192 tiles (1.45 waves), which become 264 (2 waves).
 static int hopper_tile_n(int tiles_m, int N, int k_blocks, int sms) {
     auto cost = [&](int bn) {
         const int tiles = tiles_m * ceil_div(N, bn), splits = hopper_splits(tiles, k_blocks, sms);

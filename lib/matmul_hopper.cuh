@@ -666,7 +666,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                          const __grid_constant__ HopperStreamK sk) {
     constexpr bool TMA_STORE = EPI != HOP_EPI_REGISTERS, SWIGLU = EPI == HOP_EPI_SWIGLU;
     constexpr bool STREAM_K = EPI == HOP_EPI_STREAM_K;
-    constexpr int TILE_N = SWIGLU ? HOP_BN / 2 : BN;  // the columns of C (SwiGLU: features) a tile covers
+    constexpr int TILE_N = SWIGLU ? BN / 2 : BN;  // the columns of C (SwiGLU: features) a tile covers
     constexpr int B_BYTES = hop_b_bytes(BN), RING_BYTES = hopper_ring_bytes(BN);
     constexpr bool FP8 = sizeof(AT) == 1;                 // version 8
     constexpr int BK = hop_bk<AT>;
@@ -781,7 +781,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                                                       BOTH_BLOCKS);
                     } else if constexpr (SWIGLU) {  // boxes {64 k, 128 features}: gate rows, then up rows
                         tma_load_3d(bs, &tm_b, k0, u.n0, 0, bar);
-                        tma_load_3d(bs + HOP_B_BYTES / 2, &fuse.b_up, k0, u.n0, 0, bar);
+                        tma_load_3d(bs + B_BYTES / 2, &fuse.b_up, k0, u.n0, 0, bar);
                     } else if constexpr (B_K) {
                         tma_load_3d(bs, &tm_b, k0, u.n0, 0, bar);  // box {64 k, BN n}
                     } else {
@@ -790,13 +790,13 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                     }
                 }
                 // then what the tile's epilogue reads, a stage a chunk of 64 columns (hopper_take_inputs)
-                for (int col0 = u.n0; EPI_INPUTS > 0 && col0 < min(u.n0 + HOP_BN, N); col0 += 64, ++t) {
+                for (int col0 = u.n0; EPI_INPUTS > 0 && col0 < min(u.n0 + BN, N); col0 += 64, ++t) {
                     const int st = t % HOP_STAGES;
                     if (!claim(t, u.m0 < M ? EPI_INPUTS * HOP_BM * 128 : 0)) return;
                     if (u.m0 >= M) continue;  // a cluster's second tile past M: the stage is taken, empty
                     const uint32_t bar = full + 8 * st;
                     tma_load_3d(a_tiles + st * HOP_A_BYTES, &fuse.in[0], col0, u.m0, 0, bar);
-                    if (EPI_INPUTS > 1) tma_load_3d(b_tiles + st * HOP_B_BYTES, &fuse.in[1], col0, u.m0, 0, bar);
+                    if (EPI_INPUTS > 1) tma_load_3d(b_tiles + st * B_BYTES, &fuse.in[1], col0, u.m0, 0, bar);
                 }
             }
         }
@@ -836,20 +836,20 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 // into the fp32 totals acc by the CUDA cores. The stage is free once both halves are.
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                    float part[HOP_BN / 16][4];
+                    float part[BN / 16][4];
                     wg_fence();
 #pragma unroll
                     for (int kk = 0; kk < BK / 32; ++kk)
                         wg_mma_fp8_n128<std::is_same_v<AT, __nv_fp8_e5m2>>(
-                            part, wg_desc(as + kk * 32), wg_desc(bs + h * (HOP_BN / 2) * 128 + kk * 32), kk > 0);
+                            part, wg_desc(as + kk * 32), wg_desc(bs + h * (BN / 2) * 128 + kk * 32), kk > 0);
                     wg_commit();
                     wg_wait<0>();
                     wg_fence_regs(part);
 #pragma unroll
-                    for (int j = 0; j < HOP_BN / 16; ++j)
+                    for (int j = 0; j < BN / 16; ++j)
 #pragma unroll
                         for (int e = 0; e < 4; ++e)
-                            acc[h * HOP_BN / 16 + j][e] = fmaf(alpha, part[j][e], acc[h * HOP_BN / 16 + j][e]);
+                            acc[h * BN / 16 + j][e] = fmaf(alpha, part[j][e], acc[h * BN / 16 + j][e]);
                 }
                 if (lane == 0) hopper_release(ring, st);
                 continue;
