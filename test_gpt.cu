@@ -1163,9 +1163,9 @@ static int test_kernel_cross_entropy_matches_two_pass(void) {
 // The BF16 output head as the trainer runs it (head_and_loss, through head_chunk_fused: the shift,
 // our GEMM with the softmax's exponentials in its epilogue, head_loss, then dE and dx by cuBLASLt)
 // against the fp64 cross-entropy of the fp64 logits of the same bf16 x and E: losses, dL/dx
-// (d_xnorm) and dE, all poisoned first. V = 1000 (4 tiles of 256 columns, the last 232 wide), d_model
+// (d_xnorm) and dE, all poisoned first. V = 1000 (6 tiles of 192 columns, the last 40 wide), d_model
 // 200 (K not a multiple of 64), 300 rows in chunks of 256 and 44; then V = 9000, d_model 64, 600 rows
-// in chunks of 512 and 88 (144 tiles a chunk: more than an H100's SMs). Two rows are made to order,
+// in chunks of 512 and 88 (188 tiles a chunk: more than an H100's SMs). Two rows are made to order,
 // x along E[target]: row 5 with a target logit of -100, a loss of about 100 nats (some logit 64 past
 // the target's: the epilogue marks the row and head_loss_kernel remakes it), and row 9 with one of
 // +15, a confident prediction (p_t about 1 - 5e-4 at V 1000, where dL/dz_t is the others' sum);

@@ -43,12 +43,18 @@
  *      both blocks' shared memory by TMA multicast, so L2 serves B once a pair; version 5's tile
  *      widths and splits of K; each output the same fp32 sum in the same order as versions 5 and 6
  *      make it.
- * Versions 2-7 and 9 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too), the FP8
+ *  11  version 5 in ping-pong: tiles 128 x 192, each one consumer warpgroup's whole (two m64n192
+ *      products a k-step into 192 accumulator registers a thread), dealt to the two consumers in
+ *      turn, so that one's epilogue runs while the other's products do; its own full barriers a
+ *      consumer; K never split. (Version 10, ping-pong of 64 x 256 tiles, was tried and taken out:
+ *      doc/matmul.md.) The trainer's head forward runs it, with the exponentials' epilogue.
+ * Versions 2-7, 9 and 11 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too), the FP8
  * forms (version 8, cuBLASLt) multiples of 16; a shape a version cannot take is skipped, with a word. Resource use (-Xptxas -v) and the figures:
  * doc/matmul.md.
  *
  * Usage: ./dev/matmul            check and time every version
- *        ./dev/matmul N          version N only, cuBLASLt beside it (digits: "56" runs 5 and 6; "8": FP8)
+ *        ./dev/matmul N          version N only, cuBLASLt beside it (digits: "56" runs 5 and 6; "8": FP8;
+ *                                version 11 is the letter b: "5b")
  *        a second argument `check` skips the timing (./dev/matmul 3 check)
  *
  * Shapes: the trainer's, from its own parameter table (param_shape, qkv_dim in train_gpt.cu), for
@@ -241,7 +247,11 @@ static const Impl IMPLS[] = {
     {9, "clusters of 2", mm_forward<HopperMatmul<9>>, mm_backward_input<HopperMatmul<9>>,
      mm_backward_weight<HopperMatmul<9>>, hopper_forward_residual<2>, hopper_forward_swiglu<2>,
      hopper_backward_swiglu_form<2>, mm_backward_input<HopperMatmul<6>>, NULL, true, 3, 10},
+    {11, "ping-pong 128x192", mm_forward<HopperMatmul<11>>, mm_backward_input<HopperMatmul<11>>,
+     mm_backward_weight<HopperMatmul<11>>, NULL, NULL, NULL, NULL, NULL, true, 3, 10},
 };
+// A version's letter on the command line: its digit, or (11) 'b'.
+static char version_letter(int v) { return v < 10 ? '0' + v : 'a' + v - 10; }
 static const int N_IMPLS = sizeof(IMPLS) / sizeof(IMPLS[0]);
 
 static bool has_form(const Impl& im, Form f) {
@@ -897,13 +907,13 @@ int main(int argc, char** argv) {
     const bool timing = !(argc > 2 && strcmp(argv[2], "check") == 0);
     std::vector<int> chosen = {0};  // indices into IMPLS; cuBLASLt first, always
     for (int i = 1; i < N_IMPLS; ++i)
-        if (!*want || strchr(want, '0' + IMPLS[i].version)) chosen.push_back(i);
+        if (!*want || strchr(want, version_letter(IMPLS[i].version))) chosen.push_back(i);
     const bool bad_versions =
-        *want && (strspn(want, "0123456789") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
+        *want && (strspn(want, "0123456789b") != strlen(want) || (chosen.size() == 1 && !strchr(want, '0')));
     if (bad_versions || argc > 3 || (argc == 3 && timing)) {
         fprintf(stderr, "usage: %s [versions] [check]; versions are digits of 0 cuBLASLt, 1 naive, 2 mma.sync, "
                         "3 wgmma, 4 wgmma persistent, 5 TMA store and split K, 6 fused epilogues, 7 stream-K, 8 FP8, "
-                        "9 clusters of two, "
+                        "9 clusters of two, b (11) ping-pong, "
                         "in one word (not '%s'%s)\n", argv[0],
                 want, argc > 2 ? " followed by more than `check`" : "");
         return 1;

@@ -1,5 +1,5 @@
 /*
- * dev/matmul_wgmma.cuh - versions 3 to 9 of the matmul ladder: Hopper's GEMM. The kernel itself is
+ * dev/matmul_wgmma.cuh - versions 3 to 9 and 11 of the matmul ladder: Hopper's GEMM. The kernel itself is
  * the trainer's, lib/matmul_hopper.cuh (TMA loads on an mbarrier ring, wgmma from swizzled shared
  * memory, a producer warpgroup and two consumers; its header has the work split, the layouts and
  * the epilogues); this file holds what only the ladder runs of it, as launch configurations:
@@ -22,7 +22,10 @@
  *   9  versions 5 and 6 in clusters of two blocks (the kernel's CLUSTER = 2): the blocks of a
  *      cluster take two tiles one above the other, which read the same tile of B, and each loads
  *      half of it into both by TMA multicast, so L2 serves B once for two tiles; in all else
- *      version 5's plan (its tile width and its splits of K, both blocks of a cluster on one split).
+ *      version 5's plan (its tile width and its splits of K, both blocks of a cluster on one split);
+ *  11  version 5 in ping-pong (the kernel's PP): tiles 128 x 192, each a consumer's whole, dealt to
+ *      the two consumers in turn, so that one's epilogue runs under the other's products; never
+ *      splits K (version 10, ping-pong of 64-row tiles, was taken out: doc/matmul.md).
  *
  * Version 5's split of K: a product with fewer tiles than half the SMs (a weight gradient of a small
  * matrix: 18 tiles for 132 SMs, K = 32768) cuts each tile's k-blocks into `splits` runs, so that
@@ -181,17 +184,23 @@ static int hopper_tile_n(int tiles_m, int N, int k_blocks, int sms) {
 // product whose accumulators version 6's fused epilogues round (each output one fp32 sum in k order,
 // as theirs), against which the ladder checks the bits of SwiGLU's fused backward; 7: 5 with
 // stream-K where its units fill the SMs badly; 9: 5 in clusters of two (a K-major B in boxes of
-// BN / 2 rows, one a block). All but versions 5 and 9's narrow plans take tiles 256 wide.
+// BN / 2 rows, one a block); 11: 5 in ping-pong, tiles 192 wide, one split. All but versions 5 and
+// 9's narrow plans and version 11 take tiles 256 wide.
 template <int VERSION>
 struct HopperMatmul {
     template <bool A_K, bool B_K, typename OutT, typename AT = bf16, typename BT = bf16>
     static void gemm(OutT* c, const AT* a, const BT* b, int M, int N, int K, cudaStream_t s,
                      const float* a_scale_inv = nullptr, const float* b_scale_inv = nullptr) {
-        if constexpr ((VERSION == 5 || VERSION == 9) && sizeof(AT) == 2) {  // (FP8 operands, version 8, stay 256 wide)
-            if (hopper_tile_n(ceil_div(M, HOP_BM), N, hopper_k_blocks<AT>(K), hopper_sms()) == HOP_BN_NARROW)
-                return plan<HOP_BN_NARROW, A_K, B_K>(c, a, b, M, N, K, s, a_scale_inv, b_scale_inv);
+        if constexpr (VERSION == 11) {
+            plan<HOP_BN_NARROW, A_K, B_K>(c, a, b, M, N, K, s, a_scale_inv, b_scale_inv);
+        } else {
+            // (FP8 operands, version 8, stay 256 wide)
+            if constexpr ((VERSION == 5 || VERSION == 9) && sizeof(AT) == 2) {
+                if (hopper_tile_n(ceil_div(M, HOP_BM), N, hopper_k_blocks<AT>(K), hopper_sms()) == HOP_BN_NARROW)
+                    return plan<HOP_BN_NARROW, A_K, B_K>(c, a, b, M, N, K, s, a_scale_inv, b_scale_inv);
+            }
+            plan<HOP_BN, A_K, B_K>(c, a, b, M, N, K, s, a_scale_inv, b_scale_inv);
         }
-        plan<HOP_BN, A_K, B_K>(c, a, b, M, N, K, s, a_scale_inv, b_scale_inv);
     }
 
     // The product in tiles BN wide.
@@ -218,6 +227,12 @@ struct HopperMatmul {
                                                                 hopper_stream_k_workspace(grid));
                 return;
             }
+        }
+        if constexpr (VERSION == 11) {  // ping-pong: a consumer a tile 128 x 192, one split of K
+            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT, 1, BN, true>(
+                tm_a, tm_b, hopper_c_map(c, M, N), scales, c, M, N, K, hopper_grid<1>(tiles_m, tiles_n), HOP_GROUP_M,
+                1, s);
+            return;
         }
         const int splits = VERSION == 6 ? 1 : hopper_splits(tiles, k_blocks, sms);
         constexpr int CLUSTER = VERSION == 9 ? 2 : 1;

@@ -19,7 +19,9 @@
  * splits K), 6 adds the residual or applies SwiGLU or its backward, 7 (the ladder's only) stores as
  * 5 on a stream-K walk (HopperStreamK, below), 8 (the ladder's only) is 5 on FP8 operands (below),
  * 9 (the ladder's only) is 5 and 6 in clusters of two blocks that share B's tile (below); and
- * versions 5 and 9 take tiles 192 wide where 256 would leave SMs idle (the template's BN, below).
+ * versions 5 and 9 take tiles 192 wide where 256 would leave SMs idle (the template's BN, below);
+ * 11 is 5 in ping-pong, a whole 128 x 192 tile a consumer (the template's PP, below), which the
+ * head's forward takes.
  * train_gpt.cu includes this file after kernels.cuh, whose swiglu8 and swiglu_backward8 and
  * lib/attention.cuh helpers (the tensor-map cache, shared addresses, bf16 packing) it uses.
  *
@@ -118,6 +120,22 @@
  * (The arrive on the other block's barrier first had cluster-scope release semantics; on the
  * consumers' path every k-block, it made every product about 35% slower.)
  *
+ * Ping-pong (version 11; the template's PP): the block's i-th tile, 128 x 192, is consumer i % 2's
+ * whole, so one consumer's epilogue runs while the other's products run. The consumer multiplies
+ * both m64 row blocks of the tile, two wgmma m64n192k16 a k-step into two accumulators of 96
+ * registers a thread (192 in all: the consumers grow to 240 registers, the producer shrinks to
+ * 24). A stage, A [128 x 64] and B [192 x 64] (40 KiB), then feeds one consumer: its empty
+ * barrier counts that consumer's 4 warps, and each consumer has a set of full barriers of its own,
+ * on which the producer announces the stages of that consumer's tiles. A consumer waits on its set
+ * only for its own uses, in order, holding the parity of its next wait on each stage in a bit
+ * (`phases`): on a set shared by both, a consumer waiting for a stage's use u could see the phase of
+ * use u - 2 (the other consumer's tile) complete, of the same parity, and run ahead. Version 10, the
+ * ping-pong of 64-row tiles (taken out; doc/matmul.md), fed 64 x 256 x 64 products with a stage of
+ * 40 KiB; version 11's stage feeds 128 x 192 x 64, 1.5 times as many, within 11% of version 5's
+ * bytes a product. Only the epilogues that read no inputs through the ring take it (an
+ * input chunk in the ring would hold the other consumer's k-blocks back behind this one's
+ * epilogue).
+ *
  * Determinism: with one split of K (all the trainer runs) each output is one fp32 sum over k in a
  * fixed order, whatever the grid; the ladder's split K and stream-K sum their partials in a fixed
  * order too.
@@ -166,10 +184,13 @@ constexpr int HOP_OUT_BUF_BYTES = 64 * 128, HOP_OUT_BUFS = 2;               // v
 constexpr int HOP_OUT_BYTES = 2 * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES;         // 32 KiB for the two consumers
 // The ring, version 5's staging buffers, and the barriers: 192 KiB + 64 B, or 224 KiB + 64 B (of
 // 227 KiB); tiles 192 wide, 160 KiB + 64 B or 192 KiB + 64 B (a fifth stage would not fit).
-constexpr int hopper_smem_bytes(bool tma_store, int bn = HOP_BN) {
-    return hopper_ring_bytes(bn) + (tma_store ? HOP_OUT_BYTES : 0) + 2 * HOP_STAGES * 8;
+// Ping-pong (version 11) has a second set of full barriers.
+constexpr int hopper_smem_bytes(bool tma_store, int bn = HOP_BN, bool ping_pong = false) {
+    return hopper_ring_bytes(bn) + (tma_store ? HOP_OUT_BYTES : 0) + (ping_pong ? 3 : 2) * HOP_STAGES * 8;
 }
 constexpr int HOP_PROD_REGS = 40, HOP_CONS_REGS = 232;  // 128 * 40 + 256 * 232 = 64512 <= 65536
+// Ping-pong (version 11): a consumer holds a whole 128 x 192 tile, 192 accumulators a thread
+constexpr int HOP_PP_PROD_REGS = 24, HOP_PP_CONS_REGS = 240;  // 128 * 24 + 256 * 240 = 64512 <= 65536
 constexpr int HOP_GROUP_M = 8;                          // versions 4 and 5: tile rows per group
 constexpr int HOP_WAIT_TRIES = 1 << 20, HOP_WAIT_HINT_NS = 1000;
 
@@ -366,8 +387,12 @@ struct HopperFusion {
 // The largest exponent the head's epilogue takes: exp(64) = 6e27, so that a row's sum of up to
 // Qwen3's 151936 of them, and the input gradient's products over them, stay far inside fp32.
 constexpr float HOP_EXP_MAX = 64.0f;
-// The partial sums a row of the head's product leaves: one per tile of HOP_BN columns of V.
-static __host__ __device__ __forceinline__ int hopper_logits_tiles(int V) { return (V + HOP_BN - 1) / HOP_BN; }
+// The head's tiles are ping-pong's (version 11), 192 columns wide.
+constexpr int HOP_LOGITS_BN = HOP_BN_NARROW;
+// The partial sums a row of the head's product leaves: one per tile of bn columns of V.
+static __host__ __device__ __forceinline__ int hopper_logits_tiles(int V, int bn = HOP_LOGITS_BN) {
+    return (V + bn - 1) / bn;
+}
 
 // How many [128 rows][64 columns] boxes an epilogue reads per chunk of 64 columns (each chunk one
 // stage of the ring): the residual, or gate and up; the other epilogues read nothing.
@@ -464,14 +489,15 @@ static __device__ __forceinline__ float hopper_bf16_lo(uint32_t w) { return __ui
 static __device__ __forceinline__ float hopper_bf16_hi(uint32_t w) { return __uint_as_float(w & 0xFFFF0000u); }
 
 // The output head's epilogue (EPI_LOGITS_EXP), by all 128 threads of consumer cw: for its rows r of
-// logits z[r][c] = acc - shift[r] (the tile's columns n0 .. n0+255, rows row0 .. row0+63) it stores
+// logits z[r][c] = acc - shift[r] (the tile's columns n0 .. n0+BN-1, rows row0 .. row0+63) it stores
 // exp(z) in bf16, in place of the logits, and sums exp(z) over the tile's columns but the target's,
 // whose z it keeps instead: the softmax's denominator in partial sums, the target's term left out
 // (kernels.cuh's head_loss_kernel adds it back, and writes the others' sum over it). A z past
 // HOP_EXP_MAX is clamped there, and its row marked for head_loss_kernel to remake; a NaN passes
 // through. A row's columns are spread over the 4 threads of a quad (lib/ptx.cuh), whose sums are
 // added by two shuffles: each partial is one fixed order of fp32 adds.
-static __device__ __forceinline__ void hopper_store_logits_exp(const float (&acc)[HOP_BN / 8][4],
+template <int BN>
+static __device__ __forceinline__ void hopper_store_logits_exp(const float (&acc)[BN / 8][4],
                                                                const CUtensorMap* tm_c, const HopperLogits& lg,
                                                                unsigned char* bufs, int cw, int* chunks, int row0,
                                                                int n0, int M, int N) {
@@ -486,7 +512,7 @@ static __device__ __forceinline__ void hopper_store_logits_exp(const float (&acc
         target[h] = in ? lg.targets[r + 8 * h] : -1;
     }
 #pragma unroll
-    for (int q = 0; q < HOP_BN / COLS; ++q) {
+    for (int q = 0; q < BN / COLS; ++q) {
         const int col0 = n0 + q * COLS;
         if (col0 >= N) break;
         uint32_t p[J_PER_CHUNK][2];
@@ -508,12 +534,12 @@ static __device__ __forceinline__ void hopper_store_logits_exp(const float (&acc
             }
         hopper_stage_store<bf16>(bufs, cw, chunks, tm_c, col0, row0, 0, false, [&](int jj, int h) { return p[jj][h]; });
     }
-    const int tiles_n = hopper_logits_tiles(N);
+    const int tiles_n = hopper_logits_tiles(N, BN);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
         sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
-        if (pair == 0 && r + 8 * h < M) lg.partials[(size_t)(r + 8 * h) * tiles_n + n0 / HOP_BN] = sum[h];
+        if (pair == 0 && r + 8 * h < M) lg.partials[(size_t)(r + 8 * h) * tiles_n + n0 / BN] = sum[h];
     }
 }
 
@@ -616,7 +642,7 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[BN / 
                                   [&](int jj, int h) { return d_up[jj][h]; });
         }
     } else if constexpr (EPI == HOP_EPI_LOGITS_EXP) {
-        hopper_store_logits_exp(acc, tm_c, fuse.logits, bufs, cw, chunks, row0, n0, M, N);
+        hopper_store_logits_exp<BN>(acc, tm_c, fuse.logits, bufs, cw, chunks, row0, n0, M, N);
     } else {
 #pragma unroll
         for (int q = 0; q < BN / COLS; ++q) {
@@ -655,10 +681,12 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[BN / 
 // HOP_EPI_SWIGLU_BWD (and _ACT) is the plain input gradient's product (N = F), tile for tile.
 // HOP_EPI_STREAM_K (version 7, splits 1): version 5's epilogue on the stream-K walk of `sk`.
 // BN: the tile's width, HOP_BN; or HOP_BN_NARROW (versions 5 and 9's plain bf16 products, stored
-// by TMA, where that fills the waves better): B's tile, the accumulator (96 registers a thread
-// instead of 128) and wgmma's n shrink with it, and a stage is 40 KiB.
+// by TMA, where that fills the waves better; ping-pong's tiles): B's tile, the accumulator (96
+// registers a thread instead of 128) and wgmma's n shrink with it, and a stage is 40 KiB.
+// PP (version 11, with BN = HOP_BN_NARROW, splits 1, and the TMA epilogues that read no inputs):
+// ping-pong, a tile a consumer (the file's comment).
 template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1,
-          int BN = HOP_BN>
+          int BN = HOP_BN, bool PP = false>
 __global__ void __launch_bounds__(HOP_THREADS, 1)
     hopper_matmul_kernel(const __grid_constant__ CUtensorMap tm_a, const __grid_constant__ CUtensorMap tm_b,
                          const __grid_constant__ CUtensorMap tm_c, const __grid_constant__ HopperFusion fuse,
@@ -684,13 +712,17 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     static_assert(CLUSTER == 1 || (MULTICAST && TMA_STORE && !STREAM_K),
                   "clusters of two, on the TMA epilogues' grid walk");
     constexpr int EPI_INPUTS = hopper_epi_inputs(EPI);  // boxes an epilogue chunk reads through the ring
-    static_assert(BN == HOP_BN || (BN == HOP_BN_NARROW && !FP8 && EPI == HOP_EPI_TMA),
-                  "tiles HOP_BN_NARROW wide: versions 5 and 9's plain bf16 products");
+    static_assert(BN == HOP_BN ||
+                      (BN == HOP_BN_NARROW && !FP8 && (EPI == HOP_EPI_TMA || (PP && EPI == HOP_EPI_LOGITS_EXP))),
+                  "tiles HOP_BN_NARROW wide: versions 5 and 9's plain bf16 products, ping-pong's (and the head's)");
+    static_assert(!PP || (BN == HOP_BN_NARROW && CLUSTER == 1 && !FP8 && !STREAM_K && TMA_STORE && EPI_INPUTS == 0),
+                  "ping-pong: tiles 128 x 192, one a consumer, on the TMA epilogues that read no inputs");
+    constexpr int HALVES = PP ? 2 : 1;  // a consumer's m64 row blocks
     extern __shared__ __align__(1024) unsigned char hopper_smem[];
     const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * HOP_A_BYTES;
     unsigned char* out_bufs = hopper_smem + RING_BYTES;  // version 5: consumer c's are the c-th pair
     const uint32_t full = a_tiles + RING_BYTES + (TMA_STORE ? HOP_OUT_BYTES : 0);  // 8 bytes a barrier
-    const uint32_t empty = full + 8 * HOP_STAGES;
+    const uint32_t empty = full + 8 * HOP_STAGES * HALVES;  // (ping-pong: a set of full barriers a consumer)
     if (a_tiles % 1024 != 0) {  // the same for every thread: all leave
         if (threadIdx.x == 0) atomicExch(&mm_error, MM_MISALIGNED);
         return;
@@ -725,29 +757,29 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     };
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < HOP_STAGES; ++s) {
-            mbar_init(full + 8 * s, 1);   // the producer's arrive (with the expected bytes)
-            mbar_init(empty + 8 * s, 8 * CLUSTER);  // one arrive per consumer warp of the cluster
-        }
+        for (int s = 0; s < HOP_STAGES * HALVES; ++s) mbar_init(full + 8 * s, 1);  // the producer's arrive
+        for (int s = 0; s < HOP_STAGES; ++s)
+            mbar_init(empty + 8 * s, (PP ? 4 : 8) * CLUSTER);  // one arrive per consumer warp taking it
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     if constexpr (MULTICAST) cluster_sync();  // both blocks' barriers set up before either signals the other's
     else __syncthreads();
 
     if (wg == 0) {  // producer
-        setmaxnreg_dec<HOP_PROD_REGS>();
+        setmaxnreg_dec<PP ? HOP_PP_PROD_REGS : HOP_PROD_REGS>();
         // Ring use t (a k-block, or an epilogue's chunk): once the stage's previous use (t - STAGES)
         // is done (its empty phase use-1 completed), announce the bytes to come on its full barrier.
-        auto claim = [&](int t, uint32_t bytes) {
+        auto claim = [&](int t, uint32_t bar, uint32_t bytes) {
             const int st = t % HOP_STAGES, use = t / HOP_STAGES;
             if (use > 0 && !hopper_wait(empty + 8 * st, (use - 1) & 1)) return false;
-            mbar_expect_tx(full + 8 * st, bytes);
+            mbar_expect_tx(bar, bytes);
             return true;
         };
         if (threadIdx.x == 0) {
             int t = 0;  // stages loaded so far
-            for (int unit = first; unit < last; unit += step) {
+            for (int unit = first, i = 0; unit < last; unit += step, ++i) {
                 const HopperUnit u = block_unit(unit);
+                const uint32_t full_set = full + (PP ? 8 * HOP_STAGES * (i & 1) : 0);  // (ping-pong: its consumer's)
                 // (a cluster's second tile past M loads no A, nor a K-major B its half wholly past N:
                 // what they would feed is never stored)
                 const int a_panels = max(0, min(2, (M - u.m0 + 63) / 64));
@@ -757,8 +789,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                                        (B_K ? b_halves * (B_BYTES / 2) : b_panels * HOP_PANEL_BYTES);
                 for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
                     const int st = t % HOP_STAGES;
-                    const uint32_t bar = full + 8 * st;
-                    if (!claim(t, bytes)) return;
+                    const uint32_t bar = full_set + 8 * st;
+                    if (!claim(t, bar, bytes)) return;
                     const uint32_t as = a_tiles + st * HOP_A_BYTES, bs = b_tiles + st * B_BYTES;
                     const int k0 = kb * BK;
                     if constexpr (A_K) {
@@ -792,9 +824,9 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 // then what the tile's epilogue reads, a stage a chunk of 64 columns (hopper_take_inputs)
                 for (int col0 = u.n0; EPI_INPUTS > 0 && col0 < min(u.n0 + BN, N); col0 += 64, ++t) {
                     const int st = t % HOP_STAGES;
-                    if (!claim(t, u.m0 < M ? EPI_INPUTS * HOP_BM * 128 : 0)) return;
-                    if (u.m0 >= M) continue;  // a cluster's second tile past M: the stage is taken, empty
                     const uint32_t bar = full + 8 * st;
+                    if (!claim(t, bar, u.m0 < M ? EPI_INPUTS * HOP_BM * 128 : 0)) return;
+                    if (u.m0 >= M) continue;  // a cluster's second tile past M: the stage is taken, empty
                     tma_load_3d(a_tiles + st * HOP_A_BYTES, &fuse.in[0], col0, u.m0, 0, bar);
                     if (EPI_INPUTS > 1) tma_load_3d(b_tiles + st * B_BYTES, &fuse.in[1], col0, u.m0, 0, bar);
                 }
@@ -804,30 +836,42 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     }
 
     // consumers
-    setmaxnreg_inc<HOP_CONS_REGS>();
+    setmaxnreg_inc<PP ? HOP_PP_CONS_REGS : HOP_CONS_REGS>();
     const int cw = wg - 1;
     const bool store_thread = TMA_STORE && (threadIdx.x & 127) == 0;  // issues the consumer's TMA stores
-    float acc[BN / 8][4];  // wgmma's accumulator layout (lib/ptx.cuh): d[j] holds columns 8j .. 8j+7
+    // wgmma's accumulator layout (lib/ptx.cuh): d[j] holds columns 8j .. 8j+7; ping-pong: two row blocks
+    float accs[HALVES][BN / 8][4];
+    auto& acc = accs[0];
+    uint32_t phases = 0;  // ping-pong: bit s, the parity of this consumer's next wait on stage s
     // version 8: real = alpha x the product of the stored FP8 values, read once a launch (the scales are the device's)
     const float alpha = FP8 ? *fuse.a_scale_inv * *fuse.b_scale_inv : 1.0f;
     int t = 0;                // stages consumed so far (k-blocks, and version 6's input chunks)
     int chunks = 0;           // versions 5, 6: chunks this consumer has staged
     const HopperRing ring = {hopper_smem, hopper_smem + HOP_STAGES * HOP_A_BYTES, full, empty,
                              MULTICAST ? cluster_map_shared(empty, rank ^ 1) : 0u};
-    for (int unit = first; unit < last; unit += step) {
+    for (int unit = first, i = 0; unit < last; unit += step, ++i) {
         const HopperUnit u = block_unit(unit);
+        if (PP && (i & 1) != cw) {  // the other consumer's tile: its k-blocks go by
+            t += u.kb1 - u.kb0;
+            continue;
+        }
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
+        for (int hf = 0; hf < HALVES; ++hf)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+            for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) accs[hf][j][e] = 0.f;
         for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
             const int st = t % HOP_STAGES;
-            if (!hopper_wait(full + 8 * st, (t / HOP_STAGES) & 1)) {
+            const uint32_t parity = PP ? (phases >> st) & 1 : (t / HOP_STAGES) & 1;
+            if (PP) phases ^= 1u << st;
+            if (!hopper_wait(full + 8 * (PP ? HOP_STAGES * cw + st : st), parity)) {
                 wg_wait<0>();                          // leave no product in flight
                 if (store_thread) bulk_wait<false>();  // nor a store reading shared memory
                 return;
             }
-            const uint32_t as = a_tiles + st * HOP_A_BYTES + cw * (A_K ? 64 * 128 : HOP_PANEL_BYTES);
+            constexpr uint32_t A_ROW_BLOCK = A_K ? 64 * 128 : HOP_PANEL_BYTES;  // A's rows 64.. in a stage
+            const uint32_t as = a_tiles + st * HOP_A_BYTES + (PP ? 0 : cw * A_ROW_BLOCK);
             const uint32_t bs = b_tiles + st * B_BYTES;
             if constexpr (FP8) {
                 // Version 8: the tensor cores sum FP8 products in less than fp32 (the promotion in
@@ -857,9 +901,13 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
             wg_fence();
 #pragma unroll
             for (int kk = 0; kk < HOP_BK / 16; ++kk) {
-                const uint64_t da = wg_desc(as + (A_K ? kk * 32 : kk * 16 * 128));
+                const uint32_t a_step = A_K ? kk * 32 : kk * 16 * 128;
+                const uint64_t da = wg_desc(as + a_step);
                 const uint64_t db = B_K ? wg_desc(bs + kk * 32) : wg_desc(bs + kk * 16 * 128, HOP_PANEL_BYTES);
                 wg_mma_ss<BN, 1, A_K ? 0 : 1, B_K ? 0 : 1>(acc, da, db);
+                if constexpr (PP)  // ping-pong: the tile's second row block, A's rows 64..127, times the same B
+                    wg_mma_ss<BN, 1, A_K ? 0 : 1, B_K ? 0 : 1>(accs[HALVES - 1], wg_desc(as + A_ROW_BLOCK + a_step),
+                                                               db);
             }
             wg_commit();
             wg_wait<1>();  // k-block kb-1's products are done: its stage can be refilled
@@ -867,7 +915,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
         }
         if constexpr (!FP8) {  // (version 8 waited for each k-block and handed its stage back)
             wg_wait<0>();
-            wg_fence_regs(acc);
+#pragma unroll
+            for (int hf = 0; hf < HALVES; ++hf) wg_fence_regs(accs[hf]);
             if (u.kb1 > u.kb0 && lane == 0) hopper_release(ring, (t - 1) % HOP_STAGES);
         }
 
@@ -881,7 +930,13 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 return;
             }
         }
-        if constexpr (TMA_STORE) {
+        if constexpr (PP) {  // the whole tile is this consumer's, its two row blocks (no inputs: no wait to fail)
+#pragma unroll
+            for (int hf = 0; hf < HALVES; ++hf)
+                hopper_store_tma<EPI, OutT, BN>(accs[hf], ring, &t, &tm_c, fuse,
+                                                out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw, u.m0 + 64 * hf,
+                                                u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M, N, &chunks);
+        } else if constexpr (TMA_STORE) {
             if (!hopper_store_tma<STREAM_K ? HOP_EPI_TMA : EPI, OutT, BN>(
                     acc, ring, &t, &tm_c, fuse, out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw, u.m0 + 64 * cw,
                     u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M, N, &chunks)) {
@@ -924,12 +979,12 @@ static cudaLaunchConfig_t hopper_launch_config(int grid, int smem, int cluster, 
 // in clusters of two blocks (grid even), whose B tiles each load half of (version 9); BN: the
 // tiles' width (tm_b's K-major boxes BN rows, or BN / 2 in clusters of two).
 template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1,
-          int BN = HOP_BN>
+          int BN = HOP_BN, bool PP = false>
 static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
                           const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
                           cudaStream_t s, const HopperStreamK& sk = {}) {
-    constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS, BN);
-    auto kernel = hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT, CLUSTER, BN>;
+    constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS, BN, PP);
+    auto kernel = hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT, CLUSTER, BN, PP>;
     attn_allow_smem(kernel, smem);
     cudaLaunchAttribute cluster;
     const cudaLaunchConfig_t config = hopper_launch_config(grid, smem, CLUSTER, s, &cluster);
@@ -1075,10 +1130,13 @@ static const char* hopper_logits_problem(const bf16* probs, const bf16* x, const
 
 // The output head's forward with the softmax's exponentials fused (the trainer's BF16 head): for a
 // chunk of R rows x [R, C] and the tied embedding E [V, C], the logits z = x E^T are never stored;
-// probs[R, V] = exp(z - shift[r]) in bf16 is, with each row's sums over tiles of 256 columns but its
-// target's, the target's z, and the overflow marks (HopperLogits); kernels.cuh's head_loss_kernel
-// makes the loss and dL/dlogits from them. For operands that hopper_logits_problem accepts (else it
-// exits with that line). One split of K, so the result repeats bit for bit.
+// probs[R, V] = exp(z - shift[r]) in bf16 is, with each row's sums over tiles of HOP_LOGITS_BN
+// columns but its target's, the target's z, and the overflow marks (HopperLogits); kernels.cuh's
+// head_loss_kernel makes the loss and dL/dlogits from them. In ping-pong (version 11), which holds
+// the epilogue's exponentials under the other consumer's products: the chunk's forward and backward
+// 1.380 ms against 1.417 in version 5's cooperative tiles (gpu_kernel_head_fused_matches_three_passes,
+// default config, H100; doc/perf.md). For operands that hopper_logits_problem accepts (else it exits
+// with that line). One split of K, so the result repeats bit for bit.
 static void hopper_logits_exp(bf16* probs, const HopperLogits& logits, const bf16* x, const bf16* E, int R, int C,
                               int V, cudaStream_t s) {
     if (const char* problem = hopper_logits_problem(probs, x, E, R, C, V)) {
@@ -1087,13 +1145,13 @@ static void hopper_logits_exp(bf16* probs, const HopperLogits& logits, const bf1
     }
     HopperFusion fuse = {};
     fuse.logits = logits;
-    // The walk's group is every tile row of the chunk: each column tile of E (256 x C) is loaded
+    // The walk's group is every tile row of the chunk: each column tile of E (192 x C) is loaded
     // once, for all of the chunk's rows, whose x stays in L2 (6 MiB at the default config); in
     // groups of 8 tile rows E (74 MiB, more than the L2) went through L2 once a group. In one call
     // alternating with groups of 8 (default config): 53.75 and 54.00 ms a step against 54.21, 54.09.
     const int tiles_m = ceil_div(R, HOP_BM);
-    hopper_launch<true, true, bf16, HOP_EPI_LOGITS_EXP>(
-        tma_tensor_map(x, C, C, R, 1, HOP_BM), tma_tensor_map(E, C, C, V, 1, HOP_BN),
+    hopper_launch<true, true, bf16, HOP_EPI_LOGITS_EXP, bf16, bf16, 1, HOP_LOGITS_BN, true>(
+        tma_tensor_map(x, C, C, R, 1, HOP_BM), tma_tensor_map(E, C, C, V, 1, HOP_LOGITS_BN),
         tma_tensor_map(probs, V, V, R, 1, 64), fuse, probs, R, V, C,
         hopper_grid<1>(tiles_m, hopper_logits_tiles(V)), tiles_m, 1, s);
 }
