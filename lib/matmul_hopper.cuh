@@ -11,8 +11,8 @@
  * its mirror in the backward, the down matrix's input gradient with SwiGLU's backward in its
  * epilogue (hopper_backward_swiglu: d_gate_up from d_mlp_act = dy W_down, which is never stored),
  * in a layer that recomputes also remaking the forward's act from the gate and up it reads anyway;
- * and the output head's forward with the softmax's exponentials in its epilogue (hopper_logits_exp:
- * the logits are never stored, kernels.cuh's head_loss_kernel makes loss and gradient from what it
+ * and the output head's forward with the softmax's exponentials in its epilogue (hopper_logits_exp,
+ * in ping-pong: the logits are never stored, kernels.cuh's head_loss_kernel makes loss and gradient from what it
  * leaves); every other matmul of the trainer stays with cuBLASLt through kernels.cuh's matmul().
  * The kernel is the matmul ladder's (dev/matmul.cu): its versions 3 to 9 are this kernel's launch
  * configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and
@@ -39,7 +39,7 @@
  *     tile it stores the accumulator (the epilogues, below).
  * The stage and barrier phase of ring use t (the k-blocks, and version 6's input chunks below,
  * counted over the block's whole walk) are t % 4 and (t / 4) & 1 on both sides, so the ring runs on
- * from one tile into the next. A persistent block walks tiles blockIdx, blockIdx + grid, ... in
+ * from one tile into the next (ping-pong's consumers keep their phases otherwise: below). A persistent block walks tiles blockIdx, blockIdx + grid, ... in
  * groups of 8 tile rows (hopper_tile_of), so that the operands of the tiles in flight stay in L2,
  * and loads its next tile while this one's epilogue stores (version 7 walks a contiguous range of
  * all the tiles' k-blocks instead: HopperStreamK).
@@ -184,7 +184,7 @@ constexpr int HOP_OUT_BUF_BYTES = 64 * 128, HOP_OUT_BUFS = 2;               // v
 constexpr int HOP_OUT_BYTES = 2 * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES;         // 32 KiB for the two consumers
 // The ring, version 5's staging buffers, and the barriers: 192 KiB + 64 B, or 224 KiB + 64 B (of
 // 227 KiB); tiles 192 wide, 160 KiB + 64 B or 192 KiB + 64 B (a fifth stage would not fit).
-// Ping-pong (version 11) has a second set of full barriers.
+// Ping-pong (version 11, tiles 192 wide) has a second set of full barriers: 192 KiB + 96 B.
 constexpr int hopper_smem_bytes(bool tma_store, int bn = HOP_BN, bool ping_pong = false) {
     return hopper_ring_bytes(bn) + (tma_store ? HOP_OUT_BYTES : 0) + (ping_pong ? 3 : 2) * HOP_STAGES * 8;
 }
