@@ -228,18 +228,13 @@ struct HopperMatmul {
                 return;
             }
         }
-        if constexpr (VERSION == 11) {  // ping-pong: a consumer a tile 128 x 192, one split of K
-            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT, 1, BN, true>(
-                tm_a, tm_b, hopper_c_map(c, M, N), scales, c, M, N, K, hopper_grid<1>(tiles_m, tiles_n), HOP_GROUP_M,
-                1, s);
-            return;
-        }
-        const int splits = VERSION == 6 ? 1 : hopper_splits(tiles, k_blocks, sms);
+        constexpr bool PING_PONG = VERSION == 11;  // a consumer a tile 128 x 192
+        const int splits = VERSION == 6 || PING_PONG ? 1 : hopper_splits(tiles, k_blocks, sms);
         constexpr int CLUSTER = VERSION == 9 ? 2 : 1;
         // version 9: each block of a cluster loads half of B's tile (a K-major B in boxes of BN / 2 rows)
         const CUtensorMap tm_b_load = CLUSTER == 2 && B_K ? hopper_operand_map(b, K, N, BN / 2) : tm_b;
         if (splits == 1) {
-            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT, CLUSTER, BN>(
+            hopper_launch<A_K, B_K, OutT, HOP_EPI_TMA, AT, BT, CLUSTER, BN, PING_PONG>(
                 tm_a, tm_b_load, hopper_c_map(c, M, N), scales, c, M, N, K, hopper_grid<CLUSTER>(tiles_m, tiles_n),
                 HOP_GROUP_M, 1, s);
             return;

@@ -12,9 +12,9 @@
  * epilogue (hopper_backward_swiglu: d_gate_up from d_mlp_act = dy W_down, which is never stored),
  * in a layer that recomputes also remaking the forward's act from the gate and up it reads anyway;
  * and the output head's forward with the softmax's exponentials in its epilogue (hopper_logits_exp,
- * in ping-pong: the logits are never stored, kernels.cuh's head_loss_kernel makes loss and gradient from what it
- * leaves); every other matmul of the trainer stays with cuBLASLt through kernels.cuh's matmul().
- * The kernel is the matmul ladder's (dev/matmul.cu): its versions 3 to 9 are this kernel's launch
+ * in ping-pong: the logits are never stored, kernels.cuh's head_loss_kernel makes loss and gradient
+ * from what it leaves); every other matmul of the trainer stays with cuBLASLt through kernels.cuh's
+ * matmul(). The kernel is the matmul ladder's (dev/matmul.cu): its versions 3 to 9 are this kernel's launch
  * configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and
  * splits K), 6 adds the residual or applies SwiGLU or its backward, 7 (the ladder's only) stores as
  * 5 on a stream-K walk (HopperStreamK, below), 8 (the ladder's only) is 5 on FP8 operands (below),
@@ -39,8 +39,9 @@
  *     tile it stores the accumulator (the epilogues, below).
  * The stage and barrier phase of ring use t (the k-blocks, and version 6's input chunks below,
  * counted over the block's whole walk) are t % 4 and (t / 4) & 1 on both sides, so the ring runs on
- * from one tile into the next (ping-pong's consumers keep their phases otherwise: below). A persistent block walks tiles blockIdx, blockIdx + grid, ... in
- * groups of 8 tile rows (hopper_tile_of), so that the operands of the tiles in flight stay in L2,
+ * from one tile into the next (ping-pong's consumers keep their phases otherwise: below). A
+ * persistent block walks tiles blockIdx, blockIdx + grid, ... in groups of 8 tile rows
+ * (hopper_tile_of), so that the operands of the tiles in flight stay in L2,
  * and loads its next tile while this one's epilogue stores (version 7 walks a contiguous range of
  * all the tiles' k-blocks instead: HopperStreamK).
  *
