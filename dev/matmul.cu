@@ -219,11 +219,11 @@ static void hopper_fp8(Form form, void* c, const uint8_t* a, const uint8_t* b, c
     else V::gemm<true, true>((bf16*)c, (const __nv_fp8_e4m3*)a, b8, M, N, K, s, a_scale_inv, b_scale_inv);
 }
 
-// Versions 6, 9 and 11: one launch, d_mlp_act never stored (d_act unused).
-template <bool PP, int CLUSTER>
+// Versions 6 and 9: one launch, d_mlp_act never stored (d_act unused).
+template <int CLUSTER>
 static void hopper_backward_swiglu_form(bf16* d_gate_up, bf16*, bf16* act, const bf16* dy, const bf16* W,
                                         const bf16* gate_up, int N, int I, int O, cudaStream_t s) {
-    hopper_backward_swiglu<PP, CLUSTER>(d_gate_up, act, dy, W, gate_up, N, I, O, s);
+    hopper_backward_swiglu<CLUSTER>(d_gate_up, act, dy, W, gate_up, N, I, O, s);
 }
 
 static const Impl IMPLS[] = {
@@ -240,16 +240,15 @@ static const Impl IMPLS[] = {
     {5, "TMA+split-K", mm_forward<HopperMatmul<5>>, mm_backward_input<HopperMatmul<5>>,
      mm_backward_weight<HopperMatmul<5>>, NULL, NULL, NULL, NULL, NULL, true, 3, 10},
     {6, "fused epilogues", NULL, NULL, NULL, hopper_forward_residual<1>, hopper_forward_swiglu<1>,
-     hopper_backward_swiglu_form<false, 1>, mm_backward_input<HopperMatmul<6>>, NULL, true, 3, 10},
+     hopper_backward_swiglu_form<1>, mm_backward_input<HopperMatmul<6>>, NULL, true, 3, 10},
     {7, "stream-K", mm_forward<HopperMatmul<7>>, mm_backward_input<HopperMatmul<7>>,
      mm_backward_weight<HopperMatmul<7>>, NULL, NULL, NULL, NULL, NULL, true, 3, 10},
     {8, "FP8", NULL, NULL, NULL, NULL, NULL, NULL, NULL, hopper_fp8, true, 3, 10},
     {9, "clusters of 2", mm_forward<HopperMatmul<9>>, mm_backward_input<HopperMatmul<9>>,
      mm_backward_weight<HopperMatmul<9>>, hopper_forward_residual<2>, hopper_forward_swiglu<2>,
-     hopper_backward_swiglu_form<false, 2>, mm_backward_input<HopperMatmul<6>>, NULL, true, 3, 10},
+     hopper_backward_swiglu_form<2>, mm_backward_input<HopperMatmul<6>>, NULL, true, 3, 10},
     {11, "ping-pong 128x192", mm_forward<HopperMatmul<11>>, mm_backward_input<HopperMatmul<11>>,
-     mm_backward_weight<HopperMatmul<11>>, NULL, NULL, hopper_backward_swiglu_form<true, 1>,
-     mm_backward_input<HopperMatmul<6>>, NULL, true, 3, 10},
+     mm_backward_weight<HopperMatmul<11>>, NULL, NULL, NULL, NULL, NULL, true, 3, 10},
 };
 // A version's letter on the command line: its digit, or (11) 'b'.
 static char version_letter(int v) { return v < 10 ? '0' + v : 'a' + v - 10; }
@@ -271,9 +270,7 @@ static bool has_form(const Impl& im, Form f) {
 typedef enum { PLAIN_TABLE, FUSED_TABLE, FP8_TABLE } Table;
 static Table table_of(Form f) { return fp8_form(f) ? FP8_TABLE : fused_form(f) ? FUSED_TABLE : PLAIN_TABLE; }
 static bool has_table(const Impl& im, Table t) {
-    return t == PLAIN_TABLE ? im.forward != NULL
-           : t == FUSED_TABLE ? im.forward_residual || im.forward_swiglu || im.backward_swiglu
-                              : im.fp8 != NULL;
+    return t == PLAIN_TABLE ? im.forward != NULL : t == FUSED_TABLE ? im.forward_residual != NULL : im.fp8 != NULL;
 }
 
 // ----------------------------------------------------------------------------------------------

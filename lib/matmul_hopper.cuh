@@ -185,14 +185,9 @@ constexpr int HOP_OUT_BUF_BYTES = 64 * 128, HOP_OUT_BUFS = 2;               // v
 constexpr int HOP_OUT_BYTES = 2 * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES;         // 32 KiB for the two consumers
 // The ring, version 5's staging buffers, and the barriers: 192 KiB + 64 B, or 224 KiB + 64 B (of
 // 227 KiB); tiles 192 wide, 160 KiB + 64 B or 192 KiB + 64 B (a fifth stage would not fit).
-// Ping-pong (version 11, tiles 192 wide) has a second set of full barriers: 192 KiB + 96 B; with an
-// epilogue that reads inputs (SwiGLU's backward, tiles 128 wide), also two slots a consumer for them
-// (each a chunk's gate and up boxes, [64 rows][64]) and their full barriers: 224 KiB + 128 B.
-constexpr int HOP_PP_IN_BYTES = 2 * 64 * 128, HOP_PP_IN_SLOTS = 2;
-constexpr int HOP_BN_PP_INPUTS = 128;  // ping-pong's tiles when the epilogue reads inputs
-constexpr int hopper_smem_bytes(bool tma_store, int bn = HOP_BN, bool ping_pong = false, bool inputs = false) {
-    return hopper_ring_bytes(bn) + (tma_store ? HOP_OUT_BYTES : 0) + (ping_pong ? 3 : 2) * HOP_STAGES * 8 +
-           (ping_pong && inputs ? 2 * HOP_PP_IN_SLOTS * (HOP_PP_IN_BYTES + 8) : 0);
+// Ping-pong (version 11, tiles 192 wide) has a second set of full barriers: 192 KiB + 96 B.
+constexpr int hopper_smem_bytes(bool tma_store, int bn = HOP_BN, bool ping_pong = false) {
+    return hopper_ring_bytes(bn) + (tma_store ? HOP_OUT_BYTES : 0) + (ping_pong ? 3 : 2) * HOP_STAGES * 8;
 }
 constexpr int HOP_PROD_REGS = 40, HOP_CONS_REGS = 232;  // 128 * 40 + 256 * 232 = 64512 <= 65536
 // Ping-pong (version 11): a consumer holds a whole 128 x 192 tile, 192 accumulators a thread
@@ -464,37 +459,31 @@ static __device__ __forceinline__ void hopper_stage_store(unsigned char* bufs, i
     ++*chunks;
 }
 
-// An epilogue's chunk of inputs, 64 columns of the residual or of gate and up, once it has come:
-// its boxes (the residual's; gate's, then up's) in the 128-byte swizzle, and the row of them that
-// matches this thread's first accumulator row. The epilogues read it where they use it, a word at a
-// time, rather than into registers first: held beside ping-pong's two accumulators, the 32 words
-// of gate and up made the consumers spill.
-struct HopperInputs {
-    const unsigned char* box[2];
-    int row;
-    // the pair that matches this thread's accumulator entries of columns 8jj + 2i, +1 in row row + 8h
-    __device__ __forceinline__ uint32_t word(int k, int jj, int h) const {
-        const int b = (8 * jj + 2 * hopper_pair_of(threadIdx.x & 127)) * 2;
-        return *reinterpret_cast<const uint32_t*>(box[k] + hopper_swizzled(row + 8 * h, b));
-    }
-};
-
-// Version 6's epilogue inputs come through the ring, a chunk a stage: consumer cw waits for the
-// chunk's stage (ring use *t), whose A and B tiles hold [128 rows] boxes (its rows are 64cw ..), and
-// once done with it, hands it back (one arrive per warp). A consumer whose rows lie past M takes and
-// hands back the stages all the same, so that both count the ring alike. wait is false when it
-// timed out.
-static __device__ __forceinline__ bool hopper_ring_inputs_wait(HopperInputs* in, const HopperRing& ring, int t,
-                                                               int cw) {
-    const int st = t % HOP_STAGES;
-    if (!hopper_wait(ring.full + 8 * st, (t / HOP_STAGES) & 1)) return false;
-    *in = {{ring.a + st * HOP_A_BYTES, ring.b + st * HOP_B_BYTES}, 64 * cw + hopper_row_of(threadIdx.x & 127)};
-    return true;
-}
-static __device__ __forceinline__ void hopper_ring_inputs_release(const HopperRing& ring, int* t) {
+// What version 6's epilogue reads for one chunk of 64 columns, by all 128 threads of consumer cw:
+// waits for the chunk's stage (ring use *t), reads the entries that match this thread's
+// accumulator (rows 64cw + r and + 8, columns 8jj + 2i, +1 of the chunk, a pair a word) of each of
+// the N_IN boxes (the stage's A tile, then its B tile) into in[], and hands the stage back. A
+// consumer whose rows lie past M (read = false) takes and hands back the stages all the same, so
+// that both count the ring alike. False when the wait timed out.
+template <int N_IN>
+static __device__ __forceinline__ bool hopper_take_inputs(uint32_t (&in)[N_IN][8][2], const HopperRing& ring, int* t,
+                                                          int cw, bool read) {
+    const int st = *t % HOP_STAGES, tid = threadIdx.x & 127, r = 64 * cw + hopper_row_of(tid);
+    if (!hopper_wait(ring.full + 8 * st, (*t / HOP_STAGES) & 1)) return false;
+    const unsigned char* box[2] = {ring.a + st * HOP_A_BYTES, ring.b + st * HOP_B_BYTES};
+    if (read)
+#pragma unroll
+        for (int k = 0; k < N_IN; ++k)
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+                const int b = (8 * jj + 2 * hopper_pair_of(tid)) * 2;
+                in[k][jj][0] = *reinterpret_cast<const uint32_t*>(box[k] + hopper_swizzled(r, b));
+                in[k][jj][1] = *reinterpret_cast<const uint32_t*>(box[k] + hopper_swizzled(r + 8, b));
+            }
     __syncwarp();  // the warp's reads, before its arrive frees the stage
-    if ((threadIdx.x & 31) == 0) hopper_release(ring, *t % HOP_STAGES);
+    if ((threadIdx.x & 31) == 0) hopper_release(ring, st);
     ++*t;
+    return true;
 }
 
 static __device__ __forceinline__ float hopper_bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
@@ -555,76 +544,6 @@ static __device__ __forceinline__ void hopper_store_logits_exp(const float (&acc
     }
 }
 
-// The accumulator's pairs of columns rounded to bf16, a word each: d_mlp_act as a stored one would be,
-// in half the registers.
-template <int J>
-static __device__ __forceinline__ void hopper_round_bf16(const float (&acc)[J][4], uint32_t (&words)[J][2]) {
-#pragma unroll
-    for (int j = 0; j < J; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) words[j][h] = attn_pack_bf16(acc[j][2 * h], acc[j][2 * h + 1]);
-}
-
-// SwiGLU's backward epilogue (EPI_SWIGLU_BWD, _ACT; hopper_store_tma's comment), run by all 128
-// threads of consumer cw on its 64 x BN tile of d_mlp_act (rows row0 .., features n0 ..) rounded to
-// bf16 (hopper_round_bf16), a chunk of 64 features at a time. False when a wait for the inputs
-// timed out.
-template <int EPI, typename T, int BN, typename Wait, typename Release>
-static __device__ __forceinline__ bool hopper_store_swiglu_backward(const uint32_t (&d_mlp_act)[BN / 8][2], Wait wait,
-                                                                    Release release,
-                                                                    const CUtensorMap* tm_c, const HopperFusion& fuse,
-                                                                    unsigned char* bufs, int cw, int row0, int n0,
-                                                                    int M, int N, int* chunks) {
-    constexpr int COLS = 64, J_PER_CHUNK = COLS / 8;  // bf16: a chunk's columns, and its d[j]
-    constexpr bool ACT = EPI == HOP_EPI_SWIGLU_BWD_ACT;
-#pragma unroll
-    for (int q = 0; q < BN / COLS; ++q) {
-        const int f0 = n0 + q * COLS;
-        if (f0 >= N) break;
-        HopperInputs gate_up;  // gate's box, then up's
-        if (!wait(&gate_up)) return false;
-        if (row0 >= M) {
-            release();
-            continue;
-        }
-        // every output word made first, so that the inputs go back before the stores
-        uint32_t act[ACT ? J_PER_CHUNK : 1][2], d_gate[J_PER_CHUNK][2], d_up[J_PER_CHUNK][2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int p = 0; p < J_PER_CHUNK / 4; ++p) {  // 8 features at a time, as swiglu_backward8 takes them
-                bf16x8 g, u, dy, dg, du;
-#pragma unroll
-                for (int w = 0; w < 4; ++w) {
-                    const int jj = 4 * p + w;
-                    reinterpret_cast<uint32_t*>(dy.v)[w] = d_mlp_act[q * J_PER_CHUNK + jj][h];
-                    reinterpret_cast<uint32_t*>(g.v)[w] = gate_up.word(0, jj, h);
-                    reinterpret_cast<uint32_t*>(u.v)[w] = gate_up.word(1, jj, h);
-                    if constexpr (ACT) {  // act = silu(gate) * up, a feature at a time, rounded as swiglu8 rounds
-                        const uint32_t gw = gate_up.word(0, jj, h), uw = gate_up.word(1, jj, h);
-                        act[jj][h] = attn_pack_bf16(swiglu1(hopper_bf16_lo(gw), hopper_bf16_lo(uw)),
-                                                    swiglu1(hopper_bf16_hi(gw), hopper_bf16_hi(uw)));
-                    }
-                }
-                swiglu_backward8(&dg, &du, g, u, dy);
-#pragma unroll
-                for (int w = 0; w < 4; ++w) {
-                    d_gate[4 * p + w][h] = reinterpret_cast<const uint32_t*>(dg.v)[w];
-                    d_up[4 * p + w][h] = reinterpret_cast<const uint32_t*>(du.v)[w];
-                }
-            }
-        release();
-        if constexpr (ACT)
-            hopper_stage_store<T>(bufs, cw, chunks, &fuse.act, f0, row0, 0, false,
-                                  [&](int jj, int h) { return act[jj][h]; });
-        hopper_stage_store<T>(bufs, cw, chunks, tm_c, f0, row0, 0, false,
-                              [&](int jj, int h) { return d_gate[jj][h]; });
-        hopper_stage_store<T>(bufs, cw, chunks, &fuse.c_up, f0, row0, 0, false,
-                              [&](int jj, int h) { return d_up[jj][h]; });
-    }
-    return true;
-}
-
 // Versions 5 and 6's epilogue, run by all 128 threads of consumer cw: its 64 x BN accumulator
 // (rows row0 .. row0+63, columns from n0; splits > 1: split `batch`'s partial) in chunks of 128
 // bytes a row. EPI_TMA: C itself, bf16 or fp32 (added to C when add). EPI_RESIDUAL: bf16 acc +
@@ -636,14 +555,13 @@ static __device__ __forceinline__ bool hopper_store_swiglu_backward(const uint32
 // entries swiglu_backward8 makes d_gate and d_up, stored per 64 features into d_gate_up's two
 // halves: swiglu_backward's bits on that d_mlp_act. EPI_SWIGLU_BWD_ACT stores act = silu(gate) * up
 // of the same entries first (swiglu1 two features a word, rounded as swiglu8 rounds them:
-// swiglu_forward's bits on the stored gate_up). The residual, gate and up come a chunk at a time:
-// wait(&in) says where (HopperInputs), release() says the chunk is no longer needed; through the
-// ring (hopper_ring_inputs_*), or in ping-pong from the consumer's own slot. Chunks wholly past M
-// or N (SwiGLU: F) are skipped, the same for the whole warpgroup (a chunk past M is still waited
-// for and released); TMA clips the others. False when a wait for the inputs timed out.
-template <int EPI, typename T, int BN, typename Wait, typename Release>
-static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[BN / 8][4], Wait wait, Release release,
-                                                        const CUtensorMap* tm_c, const HopperFusion& fuse,
+// swiglu_forward's bits on the stored gate_up). The residual, gate and up come a chunk at a time
+// through the ring (hopper_take_inputs; ring use *t). Chunks wholly past M or N (SwiGLU: F) are
+// skipped, the same for the whole warpgroup (a chunk past M still takes its stage); TMA clips the
+// others. False when a wait for the ring timed out.
+template <int EPI, typename T, int BN>
+static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[BN / 8][4], const HopperRing& ring,
+                                                        int* t, const CUtensorMap* tm_c, const HopperFusion& fuse,
                                                         unsigned char* bufs, int cw, int row0, int n0, int batch,
                                                         bool add, int M, int N, int* chunks) {
     constexpr int COLS = 128 / sizeof(T), J_PER_CHUNK = COLS / 8;  // a chunk's columns, and its d[j]
@@ -685,10 +603,45 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[BN / 
                                       [&](int jj, int h) { return words[o][jj][h]; });
         }
     } else if constexpr (EPI == HOP_EPI_SWIGLU_BWD || EPI == HOP_EPI_SWIGLU_BWD_ACT) {
-        uint32_t d_mlp_act[BN / 8][2];
-        hopper_round_bf16(acc, d_mlp_act);
-        return hopper_store_swiglu_backward<EPI, T, BN>(d_mlp_act, wait, release, tm_c, fuse, bufs, cw, row0, n0, M,
-                                                        N, chunks);
+#pragma unroll
+        for (int q = 0; q < HOP_BN / COLS; ++q) {
+            const int f0 = n0 + q * COLS;
+            if (f0 >= N) break;
+            uint32_t gate_up[2][8][2];  // gate's entries, then up's
+            if (!hopper_take_inputs<2>(gate_up, ring, t, cw, row0 < M)) return false;
+            if (row0 >= M) continue;
+            if constexpr (EPI == HOP_EPI_SWIGLU_BWD_ACT)  // first: only gate and up are held beside acc
+                hopper_stage_store<T>(bufs, cw, chunks, &fuse.act, f0, row0, 0, false, [&](int jj, int h) {
+                    const uint32_t g = gate_up[0][jj][h], u = gate_up[1][jj][h];
+                    return attn_pack_bf16(swiglu1(hopper_bf16_lo(g), hopper_bf16_lo(u)),
+                                          swiglu1(hopper_bf16_hi(g), hopper_bf16_hi(u)));
+                });
+            uint32_t d_gate[J_PER_CHUNK][2], d_up[J_PER_CHUNK][2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+#pragma unroll
+                for (int p = 0; p < J_PER_CHUNK / 4; ++p) {  // 8 features at a time, as swiglu_backward8 takes them
+                    bf16x8 g, u, dy, dg, du;
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+                        const int jj = 4 * p + w;
+                        const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
+                        reinterpret_cast<uint32_t*>(dy.v)[w] = attn_pack_bf16(d[2 * h], d[2 * h + 1]);
+                        reinterpret_cast<uint32_t*>(g.v)[w] = gate_up[0][jj][h];
+                        reinterpret_cast<uint32_t*>(u.v)[w] = gate_up[1][jj][h];
+                    }
+                    swiglu_backward8(&dg, &du, g, u, dy);
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) {
+                        d_gate[4 * p + w][h] = reinterpret_cast<const uint32_t*>(dg.v)[w];
+                        d_up[4 * p + w][h] = reinterpret_cast<const uint32_t*>(du.v)[w];
+                    }
+                }
+            hopper_stage_store<T>(bufs, cw, chunks, tm_c, f0, row0, 0, false,
+                                  [&](int jj, int h) { return d_gate[jj][h]; });
+            hopper_stage_store<T>(bufs, cw, chunks, &fuse.c_up, f0, row0, 0, false,
+                                  [&](int jj, int h) { return d_up[jj][h]; });
+        }
     } else if constexpr (EPI == HOP_EPI_LOGITS_EXP) {
         hopper_store_logits_exp<BN>(acc, tm_c, fuse.logits, bufs, cw, chunks, row0, n0, M, N);
     } else {
@@ -697,15 +650,14 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[BN / 
             const int col0 = n0 + q * COLS;
             if (col0 >= N) break;
             if constexpr (EPI == HOP_EPI_RESIDUAL) {
-                HopperInputs residual;
-                if (!wait(&residual)) return false;
-                if (row0 < M)
-                    hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, false, [&](int jj, int h) {
-                        const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
-                        const uint32_t rw = residual.word(0, jj, h);
-                        return attn_pack_bf16(d[2 * h] + hopper_bf16_lo(rw), d[2 * h + 1] + hopper_bf16_hi(rw));
-                    });
-                release();
+                uint32_t residual[1][8][2];
+                if (!hopper_take_inputs<1>(residual, ring, t, cw, row0 < M)) return false;
+                if (row0 >= M) continue;
+                hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, false, [&](int jj, int h) {
+                    const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
+                    const uint32_t rw = residual[0][jj][h];
+                    return attn_pack_bf16(d[2 * h] + hopper_bf16_lo(rw), d[2 * h + 1] + hopper_bf16_hi(rw));
+                });
             } else if constexpr (sizeof(T) == 2) {
                 hopper_stage_store<T>(bufs, cw, chunks, tm_c, col0, row0, batch, add, [&](int jj, int h) {
                     const float (&d)[4] = acc[q * J_PER_CHUNK + jj];
@@ -761,24 +713,17 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     static_assert(CLUSTER == 1 || (MULTICAST && TMA_STORE && !STREAM_K),
                   "clusters of two, on the TMA epilogues' grid walk");
     constexpr int EPI_INPUTS = hopper_epi_inputs(EPI);  // boxes an epilogue chunk reads through the ring
-    static_assert(BN == HOP_BN || (BN == HOP_BN_NARROW && !FP8 && (EPI == HOP_EPI_TMA || PP)) ||
-                      (BN == HOP_BN_PP_INPUTS && PP && EPI_INPUTS > 0),
-                  "tiles HOP_BN_NARROW wide: versions 5 and 9's plain bf16 products, and ping-pong's; "
-                  "HOP_BN_PP_INPUTS: ping-pong's with inputs");
-    static_assert(!PP || ((BN == (EPI_INPUTS ? HOP_BN_PP_INPUTS : HOP_BN_NARROW)) && CLUSTER == 1 && !FP8 &&
-                          !STREAM_K && TMA_STORE && EPI != HOP_EPI_SWIGLU && EPI != HOP_EPI_RESIDUAL),
-                  "ping-pong: tiles 128 x 192 (with inputs: 128 x 128), one a consumer, on the TMA epilogues but "
-                  "SwiGLU's forward and the residual's");
-    constexpr int HALVES = PP ? 2 : 1;               // a consumer's m64 row blocks
-    constexpr bool OWN_INPUTS = PP && EPI_INPUTS;  // ping-pong: a consumer loads its epilogue's inputs itself
-    constexpr bool SWIGLU_BWD = EPI == HOP_EPI_SWIGLU_BWD || EPI == HOP_EPI_SWIGLU_BWD_ACT;
+    static_assert(BN == HOP_BN ||
+                      (BN == HOP_BN_NARROW && !FP8 && (EPI == HOP_EPI_TMA || (PP && EPI == HOP_EPI_LOGITS_EXP))),
+                  "tiles HOP_BN_NARROW wide: versions 5 and 9's plain bf16 products, ping-pong's (and the head's)");
+    static_assert(!PP || (BN == HOP_BN_NARROW && CLUSTER == 1 && !FP8 && !STREAM_K && TMA_STORE && EPI_INPUTS == 0),
+                  "ping-pong: tiles 128 x 192, one a consumer, on the TMA epilogues that read no inputs");
+    constexpr int HALVES = PP ? 2 : 1;  // a consumer's m64 row blocks
     extern __shared__ __align__(1024) unsigned char hopper_smem[];
     const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * HOP_A_BYTES;
     unsigned char* out_bufs = hopper_smem + RING_BYTES;  // version 5: consumer c's are the c-th pair
-    const uint32_t full = a_tiles + RING_BYTES + (TMA_STORE ? HOP_OUT_BYTES : 0) +
-                          (OWN_INPUTS ? 2 * HOP_PP_IN_SLOTS * HOP_PP_IN_BYTES : 0);  // 8 bytes a barrier
+    const uint32_t full = a_tiles + RING_BYTES + (TMA_STORE ? HOP_OUT_BYTES : 0);  // 8 bytes a barrier
     const uint32_t empty = full + 8 * HOP_STAGES * HALVES;  // (ping-pong: a set of full barriers a consumer)
-    const uint32_t in_full = empty + 8 * HOP_STAGES;  // ping-pong's inputs: consumer c's slot s's at + 8 (2c + s)
     if (a_tiles % 1024 != 0) {  // the same for every thread: all leave
         if (threadIdx.x == 0) atomicExch(&mm_error, MM_MISALIGNED);
         return;
@@ -816,7 +761,6 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
         for (int s = 0; s < HOP_STAGES * HALVES; ++s) mbar_init(full + 8 * s, 1);  // the producer's arrive
         for (int s = 0; s < HOP_STAGES; ++s)
             mbar_init(empty + 8 * s, (PP ? 4 : 8) * CLUSTER);  // one arrive per consumer warp taking it
-        for (int s = 0; OWN_INPUTS && s < 2 * HOP_PP_IN_SLOTS; ++s) mbar_init(in_full + 8 * s, 1);  // its first thread
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
     if constexpr (MULTICAST) cluster_sync();  // both blocks' barriers set up before either signals the other's
@@ -878,8 +822,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                             tma_load_3d(bs + p * HOP_PANEL_BYTES, &tm_b, u.n0 + 64 * p, k0, 0, bar);
                     }
                 }
-                // then what the tile's epilogue reads, a stage a chunk of 64 columns (hopper_ring_inputs_wait)
-                for (int col0 = u.n0; EPI_INPUTS > 0 && !PP && col0 < min(u.n0 + BN, N); col0 += 64, ++t) {
+                // then what the tile's epilogue reads, a stage a chunk of 64 columns (hopper_take_inputs)
+                for (int col0 = u.n0; EPI_INPUTS > 0 && col0 < min(u.n0 + BN, N); col0 += 64, ++t) {
                     const int st = t % HOP_STAGES;
                     const uint32_t bar = full + 8 * st;
                     if (!claim(t, bar, u.m0 < M ? EPI_INPUTS * HOP_BM * 128 : 0)) return;
@@ -906,44 +850,12 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     int chunks = 0;           // versions 5, 6: chunks this consumer has staged
     const HopperRing ring = {hopper_smem, hopper_smem + HOP_STAGES * HOP_A_BYTES, full, empty,
                              MULTICAST ? cluster_map_shared(empty, rank ^ 1) : 0u};
-    auto ring_wait = [&](HopperInputs* in) { return hopper_ring_inputs_wait(in, ring, t, cw); };
-    auto ring_release = [&]() { hopper_ring_inputs_release(ring, &t); };
-    int in_used = 0;  // ping-pong's inputs: the chunks this consumer has taken from its slots
     for (int unit = first, i = 0; unit < last; unit += step, ++i) {
         const HopperUnit u = block_unit(unit);
         if (PP && (i & 1) != cw) {  // the other consumer's tile: its k-blocks go by
             t += u.kb1 - u.kb0;
             continue;
         }
-        // Ping-pong's epilogue inputs (SwiGLU's backward: gate and up): the tile's chunks, row block
-        // after row block, 64 features each, come into the consumer's own two slots in turn, loaded
-        // by its first thread: the first two while the tile's products run, each next one as soon as
-        // every thread is done with the one two before (chunk e in slot (chunk count) % 2).
-        const int in_per_row = OWN_INPUTS ? (min(BN, N - u.n0) + 63) / 64 : 1;
-        const int in_chunks = OWN_INPUTS ? in_per_row * (u.m0 + 64 < M ? 2 : 1) : 0;
-        const int in_first = in_used;  // this tile's chunk 0, counted over the consumer's walk
-        auto in_slot = [&](int n) { return (uint32_t)((RING_BYTES + HOP_OUT_BYTES) + HOP_PP_IN_BYTES *
-                                                      (HOP_PP_IN_SLOTS * cw + n % HOP_PP_IN_SLOTS)); };
-        auto in_bar = [&](int n) { return in_full + 8 * (HOP_PP_IN_SLOTS * cw + n % HOP_PP_IN_SLOTS); };
-        auto load_chunk = [&](int e) {
-            const int n = in_first + e, f0 = u.n0 + 64 * (e % in_per_row), row0 = u.m0 + 64 * (e / in_per_row);
-            const uint32_t slot = a_tiles + in_slot(n), bar = in_bar(n);
-            mbar_expect_tx(bar, HOP_PP_IN_BYTES);
-            tma_load_3d(slot, &fuse.in[0], f0, row0, 0, bar);  // boxes {64 features, 64 rows}: gate's, up's
-            tma_load_3d(slot + HOP_PP_IN_BYTES / 2, &fuse.in[1], f0, row0, 0, bar);
-        };
-        auto own_wait = [&](HopperInputs* in) {
-            if (!hopper_wait(in_bar(in_used), (in_used / HOP_PP_IN_SLOTS) & 1)) return false;
-            const unsigned char* slot = hopper_smem + in_slot(in_used);
-            *in = {{slot, slot + HOP_PP_IN_BYTES / 2}, hopper_row_of(threadIdx.x & 127)};
-            return true;
-        };
-        auto own_release = [&]() {
-            named_barrier(1 + cw, 128);  // every thread is done with the slot: it can take chunk e + 2
-            const int next = ++in_used - in_first + HOP_PP_IN_SLOTS - 1;
-            if (store_thread && next < in_chunks) load_chunk(next);
-        };
-        for (int e = 0; OWN_INPUTS && store_thread && e < min(HOP_PP_IN_SLOTS, in_chunks); ++e) load_chunk(e);
 #pragma unroll
         for (int hf = 0; hf < HALVES; ++hf)
 #pragma unroll
@@ -1019,34 +931,16 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 return;
             }
         }
-        if constexpr (PP) {  // the whole tile is this consumer's, its two row blocks (those within M)
-            // SwiGLU's backward: both row blocks rounded to bf16 at once, the registers they free
-            // are what the epilogue's inputs and outputs take
-            uint32_t d_mlp_act[SWIGLU_BWD ? HALVES : 1][BN / 8][2];
+        if constexpr (PP) {  // the whole tile is this consumer's, its two row blocks (no inputs: no wait to fail)
 #pragma unroll
-            for (int hf = 0; SWIGLU_BWD && hf < HALVES; ++hf) hopper_round_bf16(accs[hf], d_mlp_act[hf]);
-            unsigned char* bufs = out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES;
-#pragma unroll
-            for (int hf = 0; hf < HALVES; ++hf) {
-                const int row0 = u.m0 + 64 * hf;
-                if (OWN_INPUTS && row0 >= M) break;
-                bool stored;
-                if constexpr (SWIGLU_BWD)
-                    stored = hopper_store_swiglu_backward<EPI, OutT, BN>(d_mlp_act[hf], own_wait, own_release, &tm_c,
-                                                                         fuse, bufs, cw, row0, u.n0, M, N, &chunks);
-                else
-                    stored = hopper_store_tma<EPI, OutT, BN>(accs[hf], own_wait, own_release, &tm_c, fuse, bufs, cw,
-                                                             row0, u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M,
-                                                             N, &chunks);
-                if (!stored) {
-                    if (store_thread) bulk_wait<false>();  // a wait for the slot timed out
-                    return;
-                }
-            }
+            for (int hf = 0; hf < HALVES; ++hf)
+                hopper_store_tma<EPI, OutT, BN>(accs[hf], ring, &t, &tm_c, fuse,
+                                                out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw, u.m0 + 64 * hf,
+                                                u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M, N, &chunks);
         } else if constexpr (TMA_STORE) {
             if (!hopper_store_tma<STREAM_K ? HOP_EPI_TMA : EPI, OutT, BN>(
-                    acc, ring_wait, ring_release, &tm_c, fuse, out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw,
-                    u.m0 + 64 * cw, u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M, N, &chunks)) {
+                    acc, ring, &t, &tm_c, fuse, out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw, u.m0 + 64 * cw,
+                    u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M, N, &chunks)) {
                 if (store_thread) bulk_wait<false>();  // a wait for the ring timed out
                 return;
             }
@@ -1090,7 +984,7 @@ template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typena
 static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
                           const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
                           cudaStream_t s, const HopperStreamK& sk = {}) {
-    constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS, BN, PP, hopper_epi_inputs(EPI) > 0);
+    constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS, BN, PP);
     auto kernel = hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT, CLUSTER, BN, PP>;
     attn_allow_smem(kernel, smem);
     cudaLaunchAttribute cluster;
@@ -1194,43 +1088,39 @@ static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const
         hopper_grid<CLUSTER>(ceil_div(M, HOP_BM), ceil_div(F, HOP_BN / 2)), HOP_GROUP_M, 1, s);
 }
 
-// The down matrix's input gradient with SwiGLU's backward fused (the ladder's versions 6 and 11, the
+// The down matrix's input gradient with SwiGLU's backward fused (the ladder's version 6, the
 // trainer's BF16 MLP backward): d_mlp_act[N, F] = dy[N, O] W[O, I], I = F, never stored, and
 // d_gate_up[N, 2F] = [d_gate | d_up] of swiglu_backward8 on it (rounded to bf16, as it would be
 // stored) and on gate_up [N, 2F]: the bits of kernels.cuh's swiglu_backward run on this kernel's
 // plain product, in one launch; for operands that hopper_swiglu_backward_problem accepts (else it
-// exits with that line). A tile is a tile of the plain dx; its epilogue reads their gate and up
-// entries from gate_up and stores d_gate and d_up through a map of each half of d_gate_up. With act
-// not NULL it also stores act[N, F] = silu(gate) * up, the bits swiglu_forward makes from gate_up:
-// the forward's SwiGLU output remade for a layer that recomputes it, at the cost of its store alone,
-// since gate and up are read here anyway. One split of K, so the result repeats bit for bit.
-// PP (the trainer's; version 11): in ping-pong, 128 x 128 tiles a consumer each (HOP_BN_PP_INPUTS),
-// whose epilogue (memory-bound: it moves gate_up in, d_gate_up and act out) runs while the other
-// consumer's products run; each consumer loads gate and up into two slots of its own. PP false (version 6): the
-// cooperative 128 x 256 tiles, gate and up through the ring. CLUSTER 2 (the ladder's version 9,
-// cooperative): in clusters of two blocks, each loading two of the four panels of W's tile into
-// both; the same bits, no faster (doc/matmul.md).
-template <bool PP = true, int CLUSTER = 1>
+// exits with that line). A tile is 128 rows x 256 features of d_mlp_act, as in the plain dx; its
+// epilogue reads their gate and up entries from gate_up and stores d_gate and d_up through a map of
+// each half of d_gate_up. With act not NULL it also stores act[N, F] = silu(gate) * up, the bits
+// swiglu_forward makes from gate_up: the forward's SwiGLU output remade for a layer that
+// recomputes it, at the cost of its store alone, since gate and up are read here anyway. One split
+// of K, so the result repeats bit for bit. CLUSTER 2 (the ladder's version 9): in clusters of two
+// blocks, each loading two of the four panels of W's tile into both; the same bits, no faster
+// (doc/matmul.md), so the trainer runs 1.
+template <int CLUSTER = 1>
 static void hopper_backward_swiglu(bf16* d_gate_up, bf16* act, const bf16* dy, const bf16* W, const bf16* gate_up,
                                    int N, int I, int O, cudaStream_t s) {
     if (const char* problem = hopper_swiglu_backward_problem(d_gate_up, act, dy, W, gate_up, N, I, O)) {
         fprintf(stderr, "hopper_backward_swiglu: %s (N %d, I %d, O %d)\n", problem, N, I, O);
         exit(1);
     }
-    constexpr int BN = PP ? HOP_BN_PP_INPUTS : HOP_BN, IN_ROWS = PP ? 64 : HOP_BM;  // (ping-pong: a row block a chunk)
     const int M = N, F = I, K = O;  // the GEMM: d_mlp_act[M][F] = dy[M][K] W[K][F]
     HopperFusion fuse = {};
     fuse.c_up = tma_tensor_map(d_gate_up + F, F, 2 * F, M, 1, 64);
-    fuse.in[0] = tma_tensor_map(gate_up, F, 2 * F, M, 1, IN_ROWS);
-    fuse.in[1] = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, IN_ROWS);
+    fuse.in[0] = tma_tensor_map(gate_up, F, 2 * F, M, 1, HOP_BM);
+    fuse.in[1] = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, HOP_BM);
     if (act) fuse.act = tma_tensor_map(act, F, F, M, 1, 64);
     const CUtensorMap tm_dy = tma_tensor_map(dy, K, K, M, 1, HOP_BM), tm_w = tma_tensor_map(W, F, F, K, 1, 64);
     const CUtensorMap tm_d_gate = tma_tensor_map(d_gate_up, F, 2 * F, M, 1, 64);
-    const int grid = hopper_grid<CLUSTER>(ceil_div(M, HOP_BM), ceil_div(F, BN));
+    const int grid = hopper_grid<CLUSTER>(ceil_div(M, HOP_BM), ceil_div(F, HOP_BN));
     // two instances of the kernel: act's stores are compiled out of the other (a runtime choice
-    // in one would hold registers that the consumers do not have to spare)
-    const auto launch = act ? hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD_ACT, bf16, bf16, CLUSTER, BN, PP>
-                            : hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD, bf16, bf16, CLUSTER, BN, PP>;
+    // in one would hold registers that the consumers, at 232, do not have to spare)
+    const auto launch = act ? hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD_ACT, bf16, bf16, CLUSTER>
+                            : hopper_launch<true, false, bf16, HOP_EPI_SWIGLU_BWD, bf16, bf16, CLUSTER>;
     launch(tm_dy, tm_w, tm_d_gate, fuse, d_gate_up, M, F, K, grid, HOP_GROUP_M, 1, s, HopperStreamK{});
 }
 
