@@ -14,14 +14,14 @@
  * and the output head's forward with the softmax's exponentials in its epilogue (hopper_logits_exp,
  * in ping-pong: the logits are never stored, kernels.cuh's head_loss_kernel makes loss and gradient
  * from what it leaves); every other matmul of the trainer stays with cuBLASLt through kernels.cuh's
- * matmul(). The kernel is the matmul ladder's (dev/matmul.cu): its versions 3 to 9 are this kernel's launch
- * configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and
- * splits K), 6 adds the residual or applies SwiGLU or its backward, 7 (the ladder's only) stores as
- * 5 on a stream-K walk (HopperStreamK, below), 8 (the ladder's only) is 5 on FP8 operands (below),
- * 9 (the ladder's only) is 5 and 6 in clusters of two blocks that share B's tile (below); and
- * versions 5 and 9 take tiles 192 wide where 256 would leave SMs idle (the template's BN, below);
- * 11 is 5 in ping-pong, a whole 128 x 192 tile a consumer (the template's PP, below), which the
- * head's forward takes.
+ * matmul(). The kernel is the matmul ladder's (dev/matmul.cu): its versions 3 to 9 and 11 are this
+ * kernel's launch configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from
+ * registers, 5 by TMA (and splits K), 6 adds the residual or applies SwiGLU or its backward, 7 (the
+ * ladder's only) stores as 5 on a stream-K walk (HopperStreamK, below), 8 (the ladder's only) is 5
+ * on FP8 operands (below), 9 (the ladder's only) is 5 and 6 in clusters of two blocks that share
+ * B's tile (below); versions 5 and 9 take tiles 192 wide where 256 would leave SMs idle (the
+ * template's BN, below); and 11 is 5 in ping-pong, a whole 128 x 192 tile a consumer (the
+ * template's PP, below), which the head's forward takes.
  * train_gpt.cu includes this file after kernels.cuh, whose swiglu8 and swiglu_backward8 and
  * lib/attention.cuh helpers (the tensor-map cache, shared addresses, bf16 packing) it uses.
  *
