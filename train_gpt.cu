@@ -1359,10 +1359,10 @@ static void layer_forward(GPT* m, ParamKind kind, int l, int N, bf16* y, const b
 
 // The MLP's gate/up product and SwiGLU in layer l: gate_up = xnorm_mlp W_gate_up^T [N, 2F], which
 // the backward keeps, and mlp_act = silu(gate) * up [N, F]. In BF16 one kernel of our own does both
-// (lib/matmul_hopper.cuh): act is made in the product's epilogue, so gate_up is not read back, 1.27x
-// cuBLASLt plus swiglu_forward at the default config (doc/matmul.md); its act has the very bits
-// swiglu_forward makes from the stored gate_up, which is what the backward's recompute runs. It
-// never splits K, so it repeats bit for bit. Where hopper_swiglu_problem refuses the operands, and
+// (lib/matmul_hopper.cuh, in ping-pong): act is made in the product's epilogue, so gate_up is not
+// read back, 1.36x cuBLASLt plus swiglu_forward at the default config (doc/matmul.md); its act has
+// the very bits swiglu_forward makes from the stored gate_up, which is what the backward's recompute
+// runs. It never splits K, so it repeats bit for bit. Where hopper_swiglu_problem refuses the operands, and
 // in FP8, the product goes through layer_forward; FP8's fused casts then make SwiGLU themselves
 // (fp8_input), else swiglu_forward does.
 static bool gate_up_fused(const GPT* m, int l) {
@@ -1377,8 +1377,8 @@ static void mlp_gate_up(GPT* m, int l) {
     Activations* a = &m->act;
     if (gate_up_fused(m, l)) {
         const ParamTensor* t = param(&m->table, P_GATE_UP, l);
-        hopper_forward_swiglu(a->gate_up[l], a->mlp_act[l], a->xnorm_mlp[l], m->params + t->offset, m->N,
-                              (int)t->cols, (int)t->rows, m->stream);
+        hopper_forward_swiglu<1, true>(a->gate_up[l], a->mlp_act[l], a->xnorm_mlp[l], m->params + t->offset, m->N,
+                                       (int)t->cols, (int)t->rows, m->stream);
         return;
     }
     layer_forward(m, P_GATE_UP, l, m->N, a->gate_up[l], a->xnorm_mlp[l], NULL);

@@ -47,7 +47,9 @@
  *      products a k-step into 192 accumulator registers a thread), dealt to the two consumers in
  *      turn, so that one's epilogue runs while the other's products do; its own full barriers a
  *      consumer; K never split. (Version 10, ping-pong of 64 x 256 tiles, was tried and taken out:
- *      doc/matmul.md.) The trainer's head forward runs it, with the exponentials' epilogue.
+ *      doc/matmul.md.) One fused form, SwiGLU's forward ("fwd+swiglu"), in tiles 192 x 128 (three
+ *      m64n128 products a k-step: 64 gate and the same 64 up features). The trainer runs both: the
+ *      head's forward with the exponentials' epilogue, and the gate/up forward with SwiGLU.
  * Versions 2-7, 9 and 11 (and cuBLASLt here) take sides that are multiples of 8 (SwiGLU: F too), the FP8
  * forms (version 8, cuBLASLt) multiples of 16; a shape a version cannot take is skipped, with a word. Resource use (-Xptxas -v) and the figures:
  * doc/matmul.md.
@@ -248,7 +250,7 @@ static const Impl IMPLS[] = {
      mm_backward_weight<HopperMatmul<9>>, hopper_forward_residual<2>, hopper_forward_swiglu<2>,
      hopper_backward_swiglu_form<2>, mm_backward_input<HopperMatmul<6>>, NULL, true, 3, 10},
     {11, "ping-pong 128x192", mm_forward<HopperMatmul<11>>, mm_backward_input<HopperMatmul<11>>,
-     mm_backward_weight<HopperMatmul<11>>, NULL, NULL, NULL, NULL, NULL, true, 3, 10},
+     mm_backward_weight<HopperMatmul<11>>, NULL, hopper_forward_swiglu<1, true>, NULL, NULL, NULL, true, 3, 10},
 };
 // A version's letter on the command line: its digit, or (11) 'b'.
 static char version_letter(int v) { return v < 10 ? '0' + v : 'a' + v - 10; }
@@ -270,7 +272,8 @@ static bool has_form(const Impl& im, Form f) {
 typedef enum { PLAIN_TABLE, FUSED_TABLE, FP8_TABLE } Table;
 static Table table_of(Form f) { return fp8_form(f) ? FP8_TABLE : fused_form(f) ? FUSED_TABLE : PLAIN_TABLE; }
 static bool has_table(const Impl& im, Table t) {
-    return t == PLAIN_TABLE ? im.forward != NULL : t == FUSED_TABLE ? im.forward_residual != NULL : im.fp8 != NULL;
+    if (t == FUSED_TABLE) return im.forward_residual || im.forward_swiglu || im.backward_swiglu;
+    return t == PLAIN_TABLE ? im.forward != NULL : im.fp8 != NULL;
 }
 
 // ----------------------------------------------------------------------------------------------

@@ -25,7 +25,9 @@
  *      version 5's plan (its tile width and its splits of K, both blocks of a cluster on one split);
  *  11  version 5 in ping-pong (the kernel's PP): tiles 128 x 192, each a consumer's whole, dealt to
  *      the two consumers in turn, so that one's epilogue runs under the other's products; never
- *      splits K (version 10, ping-pong of 64-row tiles, was taken out: doc/matmul.md).
+ *      splits K (version 10, ping-pong of 64-row tiles, was taken out: doc/matmul.md); and
+ *      SwiGLU's forward the same way in tiles 192 x 128 (hopper_forward_swiglu<1, true>, the
+ *      trainer's).
  *
  * Version 5's split of K: a product with fewer tiles than half the SMs (a weight gradient of a small
  * matrix: 18 tiles for 132 SMs, K = 32768) cuts each tile's k-blocks into `splits` runs, so that

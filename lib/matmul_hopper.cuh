@@ -7,10 +7,11 @@
  *
  * How it fits: the trainer runs four instantiations of it, all at the bottom: the gate/up forward
  * with SwiGLU in its epilogue (hopper_forward_swiglu: gate_up and act = silu(gate) * up in one
- * launch, 1.27x cuBLASLt plus swiglu_forward at the default config, 1.14x at 1b; doc/matmul.md), and
- * its mirror in the backward, the down matrix's input gradient with SwiGLU's backward in its
- * epilogue (hopper_backward_swiglu: d_gate_up from d_mlp_act = dy W_down, which is never stored),
- * in a layer that recomputes also remaking the forward's act from the gate and up it reads anyway;
+ * launch, in ping-pong: 1.36x cuBLASLt plus swiglu_forward at the default config, 1.14x at 1b;
+ * doc/matmul.md), and its mirror in the backward, the down matrix's input gradient with SwiGLU's
+ * backward in its epilogue (hopper_backward_swiglu: d_gate_up from d_mlp_act = dy W_down, which is
+ * never stored), in a layer that recomputes also remaking the forward's act from the gate and up it
+ * reads anyway;
  * and the output head's forward with the softmax's exponentials in its epilogue (hopper_logits_exp,
  * in ping-pong: the logits are never stored, kernels.cuh's head_loss_kernel makes loss and gradient
  * from what it leaves); every other matmul of the trainer stays with cuBLASLt through kernels.cuh's
@@ -21,14 +22,15 @@
  * on FP8 operands (below), 9 (the ladder's only) is 5 and 6 in clusters of two blocks that share
  * B's tile (below); versions 5 and 9 take tiles 192 wide where 256 would leave SMs idle (the
  * template's BN, below); and 11 is 5 in ping-pong, a whole 128 x 192 tile a consumer (the
- * template's PP, below), which the head's forward takes.
+ * template's PP, below), which the head's forward takes, and 6's SwiGLU forward in ping-pong, tiles
+ * 192 x 128, which the trainer's gate/up forward takes.
  * train_gpt.cu includes this file after kernels.cuh, whose swiglu8 and swiglu_backward8 and
  * lib/attention.cuh helpers (the tensor-map cache, shared addresses, bf16 packing) it uses.
  *
  * Work split: a 128 x 256 output tile, k-blocks of 64, a 4-stage ring of A [128 x 64] and B
  * [256 x 64] tiles (4 x 48 KiB = 192 KiB of shared memory), 384 threads (versions 5 and 9's
  * narrow tiles, BN = HOP_BN_NARROW: 128 x 192, B [192 x 64], 40 KiB a stage, everything else the
- * same):
+ * same; ping-pong's, below):
  *   warpgroup 0, the producer, shrinks to 40 registers; one thread waits for a free stage (its
  *     empty barrier), announces the bytes to come on the stage's full barrier and issues the TMA
  *     loads, k-block after k-block and tile after tile;
@@ -64,7 +66,8 @@
  *   SwiGLU: W [2F][K] holds the gate rows, then the up rows. A tile takes features f .. f+127: its
  *     256-row B tile is W's gate rows f .. f+127 and up rows F+f .., two TMA boxes a stage through
  *     two maps (each half's edge zero-filled at F), so that in wgmma's m64n256 accumulator the
- *     thread holding gate column c of a row also holds up column c + 128. Per 64 features the
+ *     thread holding gate column c of a row also holds up column c + 128 (in ping-pong, 64
+ *     features, a 128-row B tile and m64n128: up column c + 64). Per 64 features the
  *     epilogue stores three chunks: gate and up (gate_up [M][2F], kept for the backward, through two
  *     maps of row stride 2F) and act = swiglu8(gate, up) of the bf16-rounded values [M][F], the
  *     very function and inputs of swiglu_forward, so the bits are the trainer's.
@@ -133,9 +136,12 @@
  * use u - 2 (the other consumer's tile) complete, of the same parity, and run ahead. Version 10, the
  * ping-pong of 64-row tiles (taken out; doc/matmul.md), fed 64 x 256 x 64 products with a stage of
  * 40 KiB; version 11's stage feeds 128 x 192 x 64, 1.5 times as many, within 11% of version 5's
- * bytes a product. Only the epilogues that read no inputs through the ring take it (an
- * input chunk in the ring would hold the other consumer's k-blocks back behind this one's
- * epilogue).
+ * bytes a product. SwiGLU's forward takes the same products in the other shape (hopper_tile_m):
+ * tiles 192 x 128, A [192 x 64] and B [128 x 64] a stage (40 KiB), three m64n128k16 a k-step into
+ * three accumulators of 64 registers, each tile 64 gate and the same 64 up features, so that its
+ * epilogue stores whole 64-column chunks of gate, up and act; 128 x 192 would hold 96 features.
+ * Only the epilogues that read no inputs through the ring take it (an input chunk in the ring would
+ * hold the other consumer's k-blocks back behind this one's epilogue).
  *
  * Determinism: with one split of K (all the trainer runs) each output is one fp32 sum over k in a
  * fixed order, whatever the grid; the ladder's split K and stream-K sum their partials in a fixed
@@ -178,19 +184,20 @@ constexpr int HOP_A_BYTES = HOP_BM * HOP_BK * 2;       // 16 KiB: 2 panels
 constexpr int HOP_BN_NARROW = 192;
 static __host__ __device__ constexpr int hop_b_bytes(int bn) { return bn * HOP_BK * 2; }
 constexpr int HOP_B_BYTES = hop_b_bytes(HOP_BN);
-static __host__ __device__ constexpr int hopper_ring_bytes(int bn) {
-    return HOP_STAGES * (HOP_A_BYTES + hop_b_bytes(bn));
+// (bm: the tile's rows, HOP_BM but for SwiGLU's forward in ping-pong, 192: A's tile is bm x 64)
+static __host__ __device__ constexpr int hopper_ring_bytes(int bn, int bm = HOP_BM) {
+    return HOP_STAGES * (bm * HOP_BK * 2 + hop_b_bytes(bn));
 }
 constexpr int HOP_OUT_BUF_BYTES = 64 * 128, HOP_OUT_BUFS = 2;               // version 5: a consumer's staging
 constexpr int HOP_OUT_BYTES = 2 * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES;         // 32 KiB for the two consumers
 // The ring, version 5's staging buffers, and the barriers: 192 KiB + 64 B, or 224 KiB + 64 B (of
 // 227 KiB); tiles 192 wide, 160 KiB + 64 B or 192 KiB + 64 B (a fifth stage would not fit).
-// Ping-pong (version 11, tiles 192 wide) has a second set of full barriers: 192 KiB + 96 B.
-constexpr int hopper_smem_bytes(bool tma_store, int bn = HOP_BN, bool ping_pong = false) {
-    return hopper_ring_bytes(bn) + (tma_store ? HOP_OUT_BYTES : 0) + (ping_pong ? 3 : 2) * HOP_STAGES * 8;
+// Ping-pong (version 11, tiles 128 x 192 or 192 x 128) has a second set of full barriers: 192 KiB + 96 B.
+constexpr int hopper_smem_bytes(bool tma_store, int bn = HOP_BN, bool ping_pong = false, int bm = HOP_BM) {
+    return hopper_ring_bytes(bn, bm) + (tma_store ? HOP_OUT_BYTES : 0) + (ping_pong ? 3 : 2) * HOP_STAGES * 8;
 }
 constexpr int HOP_PROD_REGS = 40, HOP_CONS_REGS = 232;  // 128 * 40 + 256 * 232 = 64512 <= 65536
-// Ping-pong (version 11): a consumer holds a whole 128 x 192 tile, 192 accumulators a thread
+// Ping-pong (version 11): a consumer holds a whole tile, 192 accumulators a thread
 constexpr int HOP_PP_PROD_REGS = 24, HOP_PP_CONS_REGS = 240;  // 128 * 24 + 256 * 240 = 64512 <= 65536
 constexpr int HOP_GROUP_M = 8;                          // versions 4 and 5: tile rows per group
 constexpr int HOP_WAIT_TRIES = 1 << 20, HOP_WAIT_HINT_NS = 1000;
@@ -241,18 +248,18 @@ static __host__ __device__ __forceinline__ void hopper_tile_of(int t, int tiles_
     *tn = in_group / rows;
 }
 
-// Unit `unit` of a walk of tiles x splits units: its tile's first row m0 and column n0, its split,
-// and the split's k-blocks kb0 .. kb1-1 (k_blocks cut in `splits` nearly equal runs, none empty
-// while splits <= k_blocks).
+// Unit `unit` of a walk of tiles x splits units of tile_m x tile_n tiles: its tile's first row m0
+// and column n0, its split, and the split's k-blocks kb0 .. kb1-1 (k_blocks cut in `splits` nearly
+// equal runs, none empty while splits <= k_blocks).
 struct HopperUnit {
     int m0, n0, split, kb0, kb1;
 };
-static __device__ __forceinline__ HopperUnit hopper_unit(int unit, int tiles_m, int tiles_n, int tile_n, int group_m,
-                                                         int k_blocks, int splits) {
+static __device__ __forceinline__ HopperUnit hopper_unit(int unit, int tiles_m, int tiles_n, int tile_m, int tile_n,
+                                                         int group_m, int k_blocks, int splits) {
     const int tiles = tiles_m * tiles_n, split = unit / tiles;
     int tm, tn;
     hopper_tile_of(unit % tiles, tiles_m, tiles_n, group_m, &tm, &tn);
-    return {tm * HOP_BM, tn * tile_n, split, split * k_blocks / splits, (split + 1) * k_blocks / splits};
+    return {tm * tile_m, tn * tile_n, split, split * k_blocks / splits, (split + 1) * k_blocks / splits};
 }
 
 // mbar wait that gives up: false (and MM_TIMEOUT raised) after HOP_WAIT_TRIES tries, or at once
@@ -285,6 +292,12 @@ enum HopperEpilogue {
     HOP_EPI_LOGITS_EXP,
     HOP_EPI_STREAM_K
 };
+
+// A tile's rows: HOP_BM, but 192 in ping-pong's SwiGLU forward, whose tile is three m64 row blocks of
+// 64 gate and 64 up features (the file's comment, "Ping-pong").
+static __host__ __device__ constexpr int hopper_tile_m(int epi, bool pp) {
+    return pp && epi == HOP_EPI_SWIGLU ? 192 : HOP_BM;
+}
 
 // Version 7's stream-K walk. The k-blocks of all tiles, tile after tile in the walk's order
 // (tiles x k_blocks in all), are cut in gridDim.x nearly equal contiguous ranges, one a block, so
@@ -569,7 +582,7 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[BN / 
     if (hopper_epi_inputs(EPI) == 0 && row0 >= M) return true;
     if constexpr (EPI == HOP_EPI_SWIGLU) {
 #pragma unroll
-        for (int q = 0; q < HOP_BN / 2 / COLS; ++q) {
+        for (int q = 0; q < BN / 2 / COLS; ++q) {
             const int f0 = n0 + q * COLS;
             if (f0 >= N) break;
             uint32_t gate[J_PER_CHUNK][2], up[J_PER_CHUNK][2], act[J_PER_CHUNK][2];
@@ -579,7 +592,7 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[BN / 
                 for (int h = 0; h < 2; ++h) {
                     const int j = q * J_PER_CHUNK + jj;
                     gate[jj][h] = attn_pack_bf16(acc[j][2 * h], acc[j][2 * h + 1]);
-                    up[jj][h] = attn_pack_bf16(acc[j + HOP_BN / 16][2 * h], acc[j + HOP_BN / 16][2 * h + 1]);
+                    up[jj][h] = attn_pack_bf16(acc[j + BN / 16][2 * h], acc[j + BN / 16][2 * h + 1]);
                 }
 #pragma unroll
             for (int h = 0; h < 2; ++h)
@@ -677,15 +690,16 @@ static __device__ __forceinline__ bool hopper_store_tma(const float (&acc)[BN / 
 // EPI (HopperEpilogue): HOP_EPI_REGISTERS, versions 3 and 4, stores to c from registers (tm_c
 // unused); the others store through tm_c (c unused): HOP_EPI_TMA (version 5) bf16 C, fp32 C added
 // to (splits 1), or the fp32 partials of `splits` > 1 (batch = split); version 6's fused epilogues
-// (splits 1) with the operands of `fuse`. HOP_EPI_SWIGLU walks tiles of 128 features (N = F): its
-// B tile is W's 128 gate rows of them and the 128 up rows (tm_b and fuse.b_up), two boxes a stage.
+// (splits 1) with the operands of `fuse`. HOP_EPI_SWIGLU walks tiles of BN / 2 features (N = F):
+// its B tile is W's BN / 2 gate rows of them and the BN / 2 up rows (tm_b and fuse.b_up), two boxes
+// a stage.
 // HOP_EPI_SWIGLU_BWD (and _ACT) is the plain input gradient's product (N = F), tile for tile.
 // HOP_EPI_STREAM_K (version 7, splits 1): version 5's epilogue on the stream-K walk of `sk`.
 // BN: the tile's width, HOP_BN; or HOP_BN_NARROW (versions 5 and 9's plain bf16 products, stored
 // by TMA, where that fills the waves better; ping-pong's tiles): B's tile, the accumulator (96
 // registers a thread instead of 128) and wgmma's n shrink with it, and a stage is 40 KiB.
-// PP (version 11, with BN = HOP_BN_NARROW, splits 1, and the TMA epilogues that read no inputs):
-// ping-pong, a tile a consumer (the file's comment).
+// PP (version 11, splits 1, the TMA epilogues that read no inputs): ping-pong, a tile a consumer
+// (the file's comment), 128 x HOP_BN_NARROW, or for SwiGLU 192 x 128 (hopper_tile_m).
 template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typename BT = bf16, int CLUSTER = 1,
           int BN = HOP_BN, bool PP = false>
 __global__ void __launch_bounds__(HOP_THREADS, 1)
@@ -696,7 +710,8 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     constexpr bool TMA_STORE = EPI != HOP_EPI_REGISTERS, SWIGLU = EPI == HOP_EPI_SWIGLU;
     constexpr bool STREAM_K = EPI == HOP_EPI_STREAM_K;
     constexpr int TILE_N = SWIGLU ? BN / 2 : BN;  // the columns of C (SwiGLU: features) a tile covers
-    constexpr int B_BYTES = hop_b_bytes(BN), RING_BYTES = hopper_ring_bytes(BN);
+    constexpr int BM = hopper_tile_m(EPI, PP);    // and its rows
+    constexpr int A_BYTES = BM * HOP_BK * 2, B_BYTES = hop_b_bytes(BN), RING_BYTES = hopper_ring_bytes(BN, BM);
     constexpr bool FP8 = sizeof(AT) == 1;                 // version 8
     constexpr int BK = hop_bk<AT>;
     static_assert(sizeof(AT) == sizeof(BT) && (!FP8 || std::is_same_v<BT, __nv_fp8_e4m3>),
@@ -714,21 +729,25 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                   "clusters of two, on the TMA epilogues' grid walk");
     constexpr int EPI_INPUTS = hopper_epi_inputs(EPI);  // boxes an epilogue chunk reads through the ring
     static_assert(BN == HOP_BN ||
-                      (BN == HOP_BN_NARROW && !FP8 && (EPI == HOP_EPI_TMA || (PP && EPI == HOP_EPI_LOGITS_EXP))),
-                  "tiles HOP_BN_NARROW wide: versions 5 and 9's plain bf16 products, ping-pong's (and the head's)");
-    static_assert(!PP || (BN == HOP_BN_NARROW && CLUSTER == 1 && !FP8 && !STREAM_K && TMA_STORE && EPI_INPUTS == 0),
-                  "ping-pong: tiles 128 x 192, one a consumer, on the TMA epilogues that read no inputs");
-    constexpr int HALVES = PP ? 2 : 1;  // a consumer's m64 row blocks
+                      (BN == HOP_BN_NARROW && !FP8 && (EPI == HOP_EPI_TMA || (PP && EPI == HOP_EPI_LOGITS_EXP))) ||
+                      (BN == 128 && PP && SWIGLU),
+                  "tiles HOP_BN_NARROW wide: versions 5 and 9's plain bf16 products, ping-pong's (and the head's); "
+                  "128 wide: ping-pong's SwiGLU");
+    static_assert(!PP || ((BN == HOP_BN_NARROW || SWIGLU) && CLUSTER == 1 && !FP8 && !STREAM_K && TMA_STORE &&
+                          EPI_INPUTS == 0),
+                  "ping-pong: a tile a consumer, on the TMA epilogues that read no inputs");
+    constexpr int ROW_BLOCKS = PP ? BM / 64 : 1;  // a consumer's m64 row blocks (ping-pong: all the tile's)
+    constexpr int FULL_SETS = PP ? 2 : 1;         // ping-pong: a set of full barriers a consumer
     extern __shared__ __align__(1024) unsigned char hopper_smem[];
-    const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * HOP_A_BYTES;
+    const uint32_t a_tiles = attn_smem_u32(hopper_smem), b_tiles = a_tiles + HOP_STAGES * A_BYTES;
     unsigned char* out_bufs = hopper_smem + RING_BYTES;  // version 5: consumer c's are the c-th pair
     const uint32_t full = a_tiles + RING_BYTES + (TMA_STORE ? HOP_OUT_BYTES : 0);  // 8 bytes a barrier
-    const uint32_t empty = full + 8 * HOP_STAGES * HALVES;  // (ping-pong: a set of full barriers a consumer)
+    const uint32_t empty = full + 8 * HOP_STAGES * FULL_SETS;
     if (a_tiles % 1024 != 0) {  // the same for every thread: all leave
         if (threadIdx.x == 0) atomicExch(&mm_error, MM_MISALIGNED);
         return;
     }
-    const int tiles_m = (M + HOP_BM - 1) / HOP_BM, tiles_n = (N + TILE_N - 1) / TILE_N;
+    const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + TILE_N - 1) / TILE_N;
     const int k_blocks = (K + BK - 1) / BK;
     // version 9: a cluster walks pairs of tiles, one above the other (the second past M when
     // tiles_m is odd), block rank r taking row tile 2p + r of pair row p
@@ -744,11 +763,12 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     if constexpr (STREAM_K) first = (int)(sk_begin / k_blocks), last = (int)((sk_end - 1) / k_blocks) + 1, step = 1;
     auto block_unit = [&](int unit) {
         if constexpr (MULTICAST) {  // pair rows: a group of group_m tile rows is group_m / 2 of them
-            HopperUnit u = hopper_unit(unit, (tiles_m + 1) / 2, tiles_n, TILE_N, max(1, group_m / 2), k_blocks, splits);
-            u.m0 = 2 * u.m0 + rank * HOP_BM;
+            HopperUnit u =
+                hopper_unit(unit, (tiles_m + 1) / 2, tiles_n, BM, TILE_N, max(1, group_m / 2), k_blocks, splits);
+            u.m0 = 2 * u.m0 + rank * BM;
             return u;
         }
-        HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, TILE_N, group_m, k_blocks, splits);
+        HopperUnit u = hopper_unit(unit, tiles_m, tiles_n, BM, TILE_N, group_m, k_blocks, splits);
         if constexpr (STREAM_K) {
             const long tile_begin = (long)unit * k_blocks;
             u.kb0 = sk_begin > tile_begin ? (int)(sk_begin - tile_begin) : 0;
@@ -758,7 +778,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     };
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < HOP_STAGES * HALVES; ++s) mbar_init(full + 8 * s, 1);  // the producer's arrive
+        for (int s = 0; s < HOP_STAGES * FULL_SETS; ++s) mbar_init(full + 8 * s, 1);  // the producer's arrive
         for (int s = 0; s < HOP_STAGES; ++s)
             mbar_init(empty + 8 * s, (PP ? 4 : 8) * CLUSTER);  // one arrive per consumer warp taking it
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -783,19 +803,19 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 const uint32_t full_set = full + (PP ? 8 * HOP_STAGES * (i & 1) : 0);  // (ping-pong: its consumer's)
                 // (a cluster's second tile past M loads no A, nor a K-major B its half wholly past N:
                 // what they would feed is never stored)
-                const int a_panels = max(0, min(2, (M - u.m0 + 63) / 64));
+                const int a_panels = max(0, min(BM / 64, (M - u.m0 + 63) / 64));
                 const int b_panels = min(BN / 64, (N - u.n0 + 63) / 64);
                 const int b_halves = MULTICAST && B_K && !SWIGLU && N - u.n0 <= BN / 2 ? 1 : 2;
-                const uint32_t bytes = (A_K ? (a_panels ? HOP_A_BYTES : 0) : a_panels * HOP_PANEL_BYTES) +
+                const uint32_t bytes = (A_K ? (a_panels ? A_BYTES : 0) : a_panels * HOP_PANEL_BYTES) +
                                        (B_K ? b_halves * (B_BYTES / 2) : b_panels * HOP_PANEL_BYTES);
                 for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
                     const int st = t % HOP_STAGES;
                     const uint32_t bar = full_set + 8 * st;
                     if (!claim(t, bar, bytes)) return;
-                    const uint32_t as = a_tiles + st * HOP_A_BYTES, bs = b_tiles + st * B_BYTES;
+                    const uint32_t as = a_tiles + st * A_BYTES, bs = b_tiles + st * B_BYTES;
                     const int k0 = kb * BK;
                     if constexpr (A_K) {
-                        if (a_panels) tma_load_3d(as, &tm_a, k0, u.m0, 0, bar);  // box {64 k, 128 m}
+                        if (a_panels) tma_load_3d(as, &tm_a, k0, u.m0, 0, bar);  // box {64 k, BM m}
                     } else {
                         for (int p = 0; p < a_panels; ++p)  // boxes {64 m, 64 k}
                             tma_load_3d(as + p * HOP_PANEL_BYTES, &tm_a, u.m0 + 64 * p, k0, 0, bar);
@@ -812,7 +832,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                             for (int p = 2 * rank; p < min(2 * rank + 2, b_panels); ++p)
                                 tma_load_3d_multicast(bs + p * HOP_PANEL_BYTES, &tm_b, u.n0 + 64 * p, k0, 0, bar,
                                                       BOTH_BLOCKS);
-                    } else if constexpr (SWIGLU) {  // boxes {64 k, 128 features}: gate rows, then up rows
+                    } else if constexpr (SWIGLU) {  // boxes {64 k, BN / 2 features}: gate rows, then up rows
                         tma_load_3d(bs, &tm_b, k0, u.n0, 0, bar);
                         tma_load_3d(bs + B_BYTES / 2, &fuse.b_up, k0, u.n0, 0, bar);
                     } else if constexpr (B_K) {
@@ -828,7 +848,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                     const uint32_t bar = full + 8 * st;
                     if (!claim(t, bar, u.m0 < M ? EPI_INPUTS * HOP_BM * 128 : 0)) return;
                     if (u.m0 >= M) continue;  // a cluster's second tile past M: the stage is taken, empty
-                    tma_load_3d(a_tiles + st * HOP_A_BYTES, &fuse.in[0], col0, u.m0, 0, bar);
+                    tma_load_3d(a_tiles + st * A_BYTES, &fuse.in[0], col0, u.m0, 0, bar);
                     if (EPI_INPUTS > 1) tma_load_3d(b_tiles + st * B_BYTES, &fuse.in[1], col0, u.m0, 0, bar);
                 }
             }
@@ -840,15 +860,15 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     setmaxnreg_inc<PP ? HOP_PP_CONS_REGS : HOP_CONS_REGS>();
     const int cw = wg - 1;
     const bool store_thread = TMA_STORE && (threadIdx.x & 127) == 0;  // issues the consumer's TMA stores
-    // wgmma's accumulator layout (lib/ptx.cuh): d[j] holds columns 8j .. 8j+7; ping-pong: two row blocks
-    float accs[HALVES][BN / 8][4];
+    // wgmma's accumulator layout (lib/ptx.cuh): d[j] holds columns 8j .. 8j+7; ping-pong: the tile's row blocks
+    float accs[ROW_BLOCKS][BN / 8][4];
     auto& acc = accs[0];
     uint32_t phases = 0;  // ping-pong: bit s, the parity of this consumer's next wait on stage s
     // version 8: real = alpha x the product of the stored FP8 values, read once a launch (the scales are the device's)
     const float alpha = FP8 ? *fuse.a_scale_inv * *fuse.b_scale_inv : 1.0f;
     int t = 0;                // stages consumed so far (k-blocks, and version 6's input chunks)
     int chunks = 0;           // versions 5, 6: chunks this consumer has staged
-    const HopperRing ring = {hopper_smem, hopper_smem + HOP_STAGES * HOP_A_BYTES, full, empty,
+    const HopperRing ring = {hopper_smem, hopper_smem + HOP_STAGES * A_BYTES, full, empty,
                              MULTICAST ? cluster_map_shared(empty, rank ^ 1) : 0u};
     for (int unit = first, i = 0; unit < last; unit += step, ++i) {
         const HopperUnit u = block_unit(unit);
@@ -857,11 +877,11 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
             continue;
         }
 #pragma unroll
-        for (int hf = 0; hf < HALVES; ++hf)
+        for (int rb = 0; rb < ROW_BLOCKS; ++rb)
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) accs[hf][j][e] = 0.f;
+                for (int e = 0; e < 4; ++e) accs[rb][j][e] = 0.f;
         for (int kb = u.kb0; kb < u.kb1; ++kb, ++t) {
             const int st = t % HOP_STAGES;
             const uint32_t parity = PP ? (phases >> st) & 1 : (t / HOP_STAGES) & 1;
@@ -872,7 +892,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 return;
             }
             constexpr uint32_t A_ROW_BLOCK = A_K ? 64 * 128 : HOP_PANEL_BYTES;  // A's rows 64.. in a stage
-            const uint32_t as = a_tiles + st * HOP_A_BYTES + (PP ? 0 : cw * A_ROW_BLOCK);
+            const uint32_t as = a_tiles + st * A_BYTES + (PP ? 0 : cw * A_ROW_BLOCK);
             const uint32_t bs = b_tiles + st * B_BYTES;
             if constexpr (FP8) {
                 // Version 8: the tensor cores sum FP8 products in less than fp32 (the promotion in
@@ -906,9 +926,9 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 const uint64_t da = wg_desc(as + a_step);
                 const uint64_t db = B_K ? wg_desc(bs + kk * 32) : wg_desc(bs + kk * 16 * 128, HOP_PANEL_BYTES);
                 wg_mma_ss<BN, 1, A_K ? 0 : 1, B_K ? 0 : 1>(acc, da, db);
-                if constexpr (PP)  // ping-pong: the tile's second row block, A's rows 64..127, times the same B
-                    wg_mma_ss<BN, 1, A_K ? 0 : 1, B_K ? 0 : 1>(accs[HALVES - 1], wg_desc(as + A_ROW_BLOCK + a_step),
-                                                               db);
+#pragma unroll
+                for (int rb = 1; rb < ROW_BLOCKS; ++rb)  // ping-pong: the tile's other row blocks, times the same B
+                    wg_mma_ss<BN, 1, A_K ? 0 : 1, B_K ? 0 : 1>(accs[rb], wg_desc(as + rb * A_ROW_BLOCK + a_step), db);
             }
             wg_commit();
             wg_wait<1>();  // k-block kb-1's products are done: its stage can be refilled
@@ -917,7 +937,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
         if constexpr (!FP8) {  // (version 8 waited for each k-block and handed its stage back)
             wg_wait<0>();
 #pragma unroll
-            for (int hf = 0; hf < HALVES; ++hf) wg_fence_regs(accs[hf]);
+            for (int rb = 0; rb < ROW_BLOCKS; ++rb) wg_fence_regs(accs[rb]);
             if (u.kb1 > u.kb0 && lane == 0) hopper_release(ring, (t - 1) % HOP_STAGES);
         }
 
@@ -931,11 +951,11 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 return;
             }
         }
-        if constexpr (PP) {  // the whole tile is this consumer's, its two row blocks (no inputs: no wait to fail)
+        if constexpr (PP) {  // the whole tile is this consumer's, all its row blocks (no inputs: no wait to fail)
 #pragma unroll
-            for (int hf = 0; hf < HALVES; ++hf)
-                hopper_store_tma<EPI, OutT, BN>(accs[hf], ring, &t, &tm_c, fuse,
-                                                out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw, u.m0 + 64 * hf,
+            for (int rb = 0; rb < ROW_BLOCKS; ++rb)
+                hopper_store_tma<EPI, OutT, BN>(accs[rb], ring, &t, &tm_c, fuse,
+                                                out_bufs + cw * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES, cw, u.m0 + 64 * rb,
                                                 u.n0, u.split, sizeof(OutT) == 4 && splits == 1, M, N, &chunks);
         } else if constexpr (TMA_STORE) {
             if (!hopper_store_tma<STREAM_K ? HOP_EPI_TMA : EPI, OutT, BN>(
@@ -984,7 +1004,7 @@ template <bool A_K, bool B_K, typename OutT, int EPI, typename AT = bf16, typena
 static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, const CUtensorMap& tm_c,
                           const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
                           cudaStream_t s, const HopperStreamK& sk = {}) {
-    constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS, BN, PP);
+    constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS, BN, PP, hopper_tile_m(EPI, PP));
     auto kernel = hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT, CLUSTER, BN, PP>;
     attn_allow_smem(kernel, smem);
     cudaLaunchAttribute cluster;
@@ -1062,30 +1082,32 @@ static const char* hopper_swiglu_backward_problem(const bf16* d_gate_up, const b
     return hopper_operands_problem(N, O, I, {d_gate_up, act, dy, W, gate_up});
 }
 
-// The gate/up forward with SwiGLU fused (the ladder's version 6, the trainer's BF16 gate/up
+// The gate/up forward with SwiGLU fused (the ladder's versions 6 and 11, the trainer's BF16 gate/up
 // forward): gate_up[N, 2F] = x[N, I] W[2F, I]^T and act[N, F] = silu(gate) * up, with the bits of
 // kernels.cuh's swiglu_forward run on the stored gate_up, in one launch; for operands that
-// hopper_swiglu_problem accepts (else it exits with that line). A tile takes 128 features: W's gate
-// rows and up rows of them, each half of W, gate_up and act a map of its own, whose edges TMA
-// zero-fills (loads) and clips (stores). One split of K, so the result repeats bit for bit.
-// CLUSTER 2 (the ladder's version 9): in clusters of two blocks, one loading the gate rows of both,
-// the other the up rows; the same bits, no faster (doc/matmul.md), so the trainer runs 1.
-template <int CLUSTER = 1>
+// hopper_swiglu_problem accepts (else it exits with that line). A tile takes 128 features (PP: 64):
+// W's gate rows and up rows of them, each half of W, gate_up and act a map of its own, whose edges
+// TMA zero-fills (loads) and clips (stores). One split of K, so the result repeats bit for bit, the
+// same bits in every form. CLUSTER 2 (the ladder's version 9): in clusters of two blocks, one loading
+// the gate rows of both, the other the up rows; the same bits, no faster (doc/matmul.md). PP (version
+// 11, the trainer's): ping-pong, tiles of 192 rows x 64 features, a consumer's whole.
+template <int CLUSTER = 1, bool PP = false>
 static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const bf16* W, int N, int I, int O,
                                   cudaStream_t s) {
     if (const char* problem = hopper_swiglu_problem(gate_up, act, x, W, N, I, O)) {
         fprintf(stderr, "hopper_forward_swiglu: %s (N %d, I %d, O %d)\n", problem, N, I, O);
         exit(1);
     }
+    constexpr int BN = PP ? 128 : HOP_BN, BM = hopper_tile_m(HOP_EPI_SWIGLU, PP);  // BN / 2 features a tile
     const int M = N, F = O / 2, K = I;
     HopperFusion fuse = {};
-    fuse.b_up = tma_tensor_map(W + (size_t)F * K, K, K, F, 1, HOP_BN / 2);
+    fuse.b_up = tma_tensor_map(W + (size_t)F * K, K, K, F, 1, BN / 2);
     fuse.c_up = tma_tensor_map(gate_up + F, F, 2 * F, M, 1, 64);
     fuse.act = tma_tensor_map(act, F, F, M, 1, 64);
-    hopper_launch<true, true, bf16, HOP_EPI_SWIGLU, bf16, bf16, CLUSTER>(
-        tma_tensor_map(x, K, K, M, 1, HOP_BM), tma_tensor_map(W, K, K, F, 1, HOP_BN / 2),
+    hopper_launch<true, true, bf16, HOP_EPI_SWIGLU, bf16, bf16, CLUSTER, BN, PP>(
+        tma_tensor_map(x, K, K, M, 1, BM), tma_tensor_map(W, K, K, F, 1, BN / 2),
         tma_tensor_map(gate_up, F, 2 * F, M, 1, 64), fuse, gate_up, M, F, K,
-        hopper_grid<CLUSTER>(ceil_div(M, HOP_BM), ceil_div(F, HOP_BN / 2)), HOP_GROUP_M, 1, s);
+        hopper_grid<CLUSTER>(ceil_div(M, BM), ceil_div(F, BN / 2)), HOP_GROUP_M, 1, s);
 }
 
 // The down matrix's input gradient with SwiGLU's backward fused (the ladder's version 6, the
