@@ -1362,9 +1362,9 @@ static void layer_forward(GPT* m, ParamKind kind, int l, int N, bf16* y, const b
 // (lib/matmul_hopper.cuh, in ping-pong): act is made in the product's epilogue, so gate_up is not
 // read back, 1.36x cuBLASLt plus swiglu_forward at the default config (doc/matmul.md); its act has
 // the very bits swiglu_forward makes from the stored gate_up, which is what the backward's recompute
-// runs. It never splits K, so it repeats bit for bit. Where hopper_swiglu_problem refuses the operands, and
-// in FP8, the product goes through layer_forward; FP8's fused casts then make SwiGLU themselves
-// (fp8_input), else swiglu_forward does.
+// runs. It never splits K, so it repeats bit for bit. Where hopper_swiglu_problem refuses the
+// operands, and in FP8, the product goes through layer_forward; FP8's fused casts then make SwiGLU
+// themselves (fp8_input), else swiglu_forward does.
 static bool gate_up_fused(const GPT* m, int l) {
     const ParamTensor* t = param(&m->table, P_GATE_UP, l);
     const Activations* a = &m->act;

@@ -446,8 +446,8 @@ static void compute_references(std::vector<Case>& cases) {
 // ----------------------------------------------------------------------------------------------
 // Running one version on one case (in a child process)
 
-// NO_FORM: the version has no such form (the fused ones but for cuBLASLt and versions 6 and 9, the
-// plain ones in version 6); such cases are left out of its counts.
+// NO_FORM: the version has no such form (the fused ones but for cuBLASLt and versions 6 and 9, and
+// version 11's SwiGLU forward; the plain ones in version 6); such cases are left out of its counts.
 typedef enum { NOT_RUN, OK, WRONG, TIMEOUT, SKIPPED, CRASHED, HUNG, NO_FORM } Status;
 static const char* STATUS_NAMES[] = {"not run", "ok", "FAIL", "TIMEOUT", "skip", "CRASHED", "HUNG", "-"};
 

@@ -11,19 +11,18 @@
  * doc/matmul.md), and its mirror in the backward, the down matrix's input gradient with SwiGLU's
  * backward in its epilogue (hopper_backward_swiglu: d_gate_up from d_mlp_act = dy W_down, which is
  * never stored), in a layer that recomputes also remaking the forward's act from the gate and up it
- * reads anyway;
- * and the output head's forward with the softmax's exponentials in its epilogue (hopper_logits_exp,
- * in ping-pong: the logits are never stored, kernels.cuh's head_loss_kernel makes loss and gradient
- * from what it leaves); every other matmul of the trainer stays with cuBLASLt through kernels.cuh's
- * matmul(). The kernel is the matmul ladder's (dev/matmul.cu): its versions 3 to 9 and 11 are this
- * kernel's launch configurations and epilogues (dev/matmul_wgmma.cuh): 3 and 4 store from
- * registers, 5 by TMA (and splits K), 6 adds the residual or applies SwiGLU or its backward, 7 (the
- * ladder's only) stores as 5 on a stream-K walk (HopperStreamK, below), 8 (the ladder's only) is 5
- * on FP8 operands (below), 9 (the ladder's only) is 5 and 6 in clusters of two blocks that share
- * B's tile (below); versions 5 and 9 take tiles 192 wide where 256 would leave SMs idle (the
- * template's BN, below); and 11 is 5 in ping-pong, a whole 128 x 192 tile a consumer (the
- * template's PP, below), which the head's forward takes, and 6's SwiGLU forward in ping-pong, tiles
- * 192 x 128, which the trainer's gate/up forward takes.
+ * reads anyway; and the output head's forward with the softmax's exponentials in its epilogue
+ * (hopper_logits_exp, in ping-pong: the logits are never stored, kernels.cuh's head_loss_kernel
+ * makes loss and gradient from what it leaves); every other matmul of the trainer stays with
+ * cuBLASLt through kernels.cuh's matmul(). The kernel is the matmul ladder's (dev/matmul.cu): its
+ * versions 3 to 9 and 11 are this kernel's launch configurations and epilogues
+ * (dev/matmul_wgmma.cuh): 3 and 4 store from registers, 5 by TMA (and splits K), 6 adds the
+ * residual or applies SwiGLU or its backward, 7 (the ladder's only) stores as 5 on a stream-K walk
+ * (HopperStreamK, below), 8 (the ladder's only) is 5 on FP8 operands (below), 9 (the ladder's only)
+ * is 5 and 6 in clusters of two blocks that share B's tile (below); versions 5 and 9 take tiles 192
+ * wide where 256 would leave SMs idle (the template's BN, below); and 11 is 5 in ping-pong, a whole
+ * 128 x 192 tile a consumer (the template's PP, below), which the head's forward takes, and 6's
+ * SwiGLU forward in ping-pong, tiles 192 x 128, which the trainer's gate/up forward takes.
  * train_gpt.cu includes this file after kernels.cuh, whose swiglu8 and swiglu_backward8 and
  * lib/attention.cuh helpers (the tensor-map cache, shared addresses, bf16 packing) it uses.
  *
@@ -182,9 +181,12 @@ constexpr int HOP_A_BYTES = HOP_BM * HOP_BK * 2;       // 16 KiB: 2 panels
 // narrow width HOP_BN_NARROW, which versions 5 and 9 take where 256 would leave a wave's SMs idle
 // (dev/matmul_wgmma.cuh, hopper_tile_n).
 constexpr int HOP_BN_NARROW = 192;
+// Ping-pong's SwiGLU forward (version 11) turns the tile around: 192 rows x 128 columns, 64 gate and
+// the same 64 up features (the file's comment, "Ping-pong"; hopper_tile_m).
+constexpr int HOP_PP_SWIGLU_BM = 192, HOP_PP_SWIGLU_BN = 128;
 static __host__ __device__ constexpr int hop_b_bytes(int bn) { return bn * HOP_BK * 2; }
 constexpr int HOP_B_BYTES = hop_b_bytes(HOP_BN);
-// (bm: the tile's rows, HOP_BM but for SwiGLU's forward in ping-pong, 192: A's tile is bm x 64)
+// (bm: the tile's rows, HOP_BM but for SwiGLU's forward in ping-pong: A's tile is bm x 64)
 static __host__ __device__ constexpr int hopper_ring_bytes(int bn, int bm = HOP_BM) {
     return HOP_STAGES * (bm * HOP_BK * 2 + hop_b_bytes(bn));
 }
@@ -293,10 +295,10 @@ enum HopperEpilogue {
     HOP_EPI_STREAM_K
 };
 
-// A tile's rows: HOP_BM, but 192 in ping-pong's SwiGLU forward, whose tile is three m64 row blocks of
-// 64 gate and 64 up features (the file's comment, "Ping-pong").
+// A tile's rows: HOP_BM, but HOP_PP_SWIGLU_BM in ping-pong's SwiGLU forward, whose tile is three m64
+// row blocks.
 static __host__ __device__ constexpr int hopper_tile_m(int epi, bool pp) {
-    return pp && epi == HOP_EPI_SWIGLU ? 192 : HOP_BM;
+    return pp && epi == HOP_EPI_SWIGLU ? HOP_PP_SWIGLU_BM : HOP_BM;
 }
 
 // Version 7's stream-K walk. The k-blocks of all tiles, tile after tile in the walk's order
@@ -730,9 +732,9 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     constexpr int EPI_INPUTS = hopper_epi_inputs(EPI);  // boxes an epilogue chunk reads through the ring
     static_assert(BN == HOP_BN ||
                       (BN == HOP_BN_NARROW && !FP8 && (EPI == HOP_EPI_TMA || (PP && EPI == HOP_EPI_LOGITS_EXP))) ||
-                      (BN == 128 && PP && SWIGLU),
+                      (BN == HOP_PP_SWIGLU_BN && PP && SWIGLU),
                   "tiles HOP_BN_NARROW wide: versions 5 and 9's plain bf16 products, ping-pong's (and the head's); "
-                  "128 wide: ping-pong's SwiGLU");
+                  "HOP_PP_SWIGLU_BN wide: ping-pong's SwiGLU");
     static_assert(!PP || ((BN == HOP_BN_NARROW || SWIGLU) && CLUSTER == 1 && !FP8 && !STREAM_K && TMA_STORE &&
                           EPI_INPUTS == 0),
                   "ping-pong: a tile a consumer, on the TMA epilogues that read no inputs");
@@ -1087,10 +1089,11 @@ static const char* hopper_swiglu_backward_problem(const bf16* d_gate_up, const b
 // kernels.cuh's swiglu_forward run on the stored gate_up, in one launch; for operands that
 // hopper_swiglu_problem accepts (else it exits with that line). A tile takes 128 features (PP: 64):
 // W's gate rows and up rows of them, each half of W, gate_up and act a map of its own, whose edges
-// TMA zero-fills (loads) and clips (stores). One split of K, so the result repeats bit for bit, the
-// same bits in every form. CLUSTER 2 (the ladder's version 9): in clusters of two blocks, one loading
-// the gate rows of both, the other the up rows; the same bits, no faster (doc/matmul.md). PP (version
-// 11, the trainer's): ping-pong, tiles of 192 rows x 64 features, a consumer's whole.
+// TMA zero-fills (loads) and clips (stores). One split of K, so the result repeats bit for bit (each
+// output one fp32 sum in k order, in every form). CLUSTER 2 (the ladder's version 9): in clusters of
+// two blocks, one loading the gate rows of both, the other the up rows; the same bits, no faster
+// (doc/matmul.md). PP (version 11, the trainer's): ping-pong, tiles of HOP_PP_SWIGLU_BM rows x 64
+// features, a consumer's whole.
 template <int CLUSTER = 1, bool PP = false>
 static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const bf16* W, int N, int I, int O,
                                   cudaStream_t s) {
@@ -1098,7 +1101,7 @@ static void hopper_forward_swiglu(bf16* gate_up, bf16* act, const bf16* x, const
         fprintf(stderr, "hopper_forward_swiglu: %s (N %d, I %d, O %d)\n", problem, N, I, O);
         exit(1);
     }
-    constexpr int BN = PP ? 128 : HOP_BN, BM = hopper_tile_m(HOP_EPI_SWIGLU, PP);  // BN / 2 features a tile
+    constexpr int BN = PP ? HOP_PP_SWIGLU_BN : HOP_BN, BM = hopper_tile_m(HOP_EPI_SWIGLU, PP);  // BN / 2 features
     const int M = N, F = O / 2, K = I;
     HopperFusion fuse = {};
     fuse.b_up = tma_tensor_map(W + (size_t)F * K, K, K, F, 1, BN / 2);
