@@ -101,9 +101,10 @@ static __device__ __forceinline__ void attn_zero(float (&x)[N][4]) {
 }
 
 // Writes a warp's 16 x D fp32 accumulator (times mul) as bf16 rows row0+g and row0+g+8 of a
-// token-major tensor; rows at or past T are skipped. With `codes` (a tensor of the same layout,
-// one byte an element), also the E4M3 codes of the stored bf16 values at codes_scale, raising
-// *codes_amax to their largest magnitude (lib/fp8_codes.cuh: the very codes a cast of g makes).
+// token-major tensor g; rows at or past T are skipped. With `codes` (a tensor of the same layout,
+// one byte an element), also the E4M3 codes of those bf16 values at codes_scale, raising
+// *codes_amax to their largest magnitude (lib/fp8_codes.cuh: the very codes a cast of g makes);
+// g NULL: the codes alone (the forward stores O by TMA: attn_stage_store_o).
 template <int D>
 static __device__ __forceinline__ void attn_store_rows(bf16* g, long stride, int row0, int T,
                                                       const float (&acc)[D / 8][4], float mul0,
@@ -118,10 +119,41 @@ static __device__ __forceinline__ void attn_store_rows(bf16* g, long stride, int
             const long at = (long)(r0 + 8 * half) * stride + dt * 8 + c0;
             const float mul = half ? mul1 : mul0;
             const __nv_bfloat162 v = __floats2bfloat162_rn(acc[dt][2 * half] * mul, acc[dt][2 * half + 1] * mul);
-            *reinterpret_cast<__nv_bfloat162*>(g + at) = v;
+            if (g) *reinterpret_cast<__nv_bfloat162*>(g + at) = v;
             if (codes)
                 *reinterpret_cast<uint16_t*>(codes + at) = fp8_encode2<__NV_E4M3>(v.x, v.y, codes_scale, codes_amax);
         }
+}
+
+// The forward's end of an item, by all 128 threads of a consumer warpgroup: its 64 x D accumulator
+// O (times each row's mul, rounded to bf16 as attn_store_rows rounds it) staged in the consumer's
+// own buffer `stage`, a [64][64] panel in the 128-byte swizzle for each 64 columns, then stored by
+// one TMA copy a panel at (column col0, row row0, batch b) of tm_o, whose bounds clip the rows at
+// or past T. Thread 0 issues the copies and, before the buffer is written again, waits until the
+// last item's copies have read it; `bar` is the consumer's named barrier for the hand-offs. The
+// warps go on to their next item while the copy engine writes: from registers, each warp's
+// 4-byte stores left every 32-byte sector half written by each instruction.
+template <int D>
+static __device__ __forceinline__ void attn_stage_store_o(unsigned char* stage, const CUtensorMap* tm_o,
+                                                          const float (&acc)[D / 8][4], float mul0, float mul1,
+                                                          int col0, int row0, int b, int bar) {
+    const int tid = threadIdx.x & 127, r = (tid >> 5) * 16 + ((tid & 31) >> 2), pair = tid & 3;
+    if (tid == 0) bulk_wait<true>();  // the last item's copies have read the buffer
+    named_barrier(bar, 128);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+        unsigned char* panel = stage + (dt / 8) * 64 * 128;
+        const int byte = (8 * (dt % 8) + 2 * pair) * 2;  // columns 8 dt + 2 pair, +1 of the panel's row
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(acc[dt][0] * mul0, acc[dt][1] * mul0);
+        const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[dt][2] * mul1, acc[dt][3] * mul1);
+        *reinterpret_cast<__nv_bfloat162*>(panel + swizzle_128b(r, byte)) = lo;
+        *reinterpret_cast<__nv_bfloat162*>(panel + swizzle_128b(r + 8, byte)) = hi;
+    }
+    wg_fence_proxy_async();  // the writes above, before the copy engine reads them
+    named_barrier(bar, 128);
+    if (tid == 0)
+#pragma unroll
+        for (int p = 0; p < D / 64; ++p) tma_store_3d<false>(tm_o, attn_smem_u32(stage + p * 64 * 128), col0 + 64 * p, row0, b);
 }
 
 // Online softmax of one tile of scores (one warp's 16 rows, NT 8-column blocks), in place: s becomes
@@ -341,11 +373,11 @@ static CUtensorMap tma_tensor_map_encode(const bf16* base, int cols, int stride,
 // arguments alone, so a hit is exactly what encoding would return, even for a buffer freed and its
 // address reused. The trainer launches attention and its two MLP GEMMs (lib/matmul_hopper.cuh) on
 // the same buffers every step. Attention: with recompute on (the default), at most 5 maps in all
-// (q of the forward and of the backward, k, v, dO); without it, at most 4 per layer and dO's. The
-// gate/up forward: 4 per layer (W's halves, gate_up's halves) and x and act, which without
-// recompute are per layer too; the down backward: W_down and gate_up's halves (read, 128-row boxes)
-// per layer, dy and d_gate_up's halves: at 256 layers at most 1802 maps with recompute, 3332
-// without. The table (open addressing, linear probing) holds those under its 3/4 fill limit; a
+// (q of the forward and of the backward, k, v, dO) and the forward's output O, one per layer;
+// without it, at most 5 per layer and dO's. The gate/up forward: 4 per layer (W's halves, gate_up's
+// halves) and x and act, which without recompute are per layer too; the down backward: W_down and
+// gate_up's halves (read, 128-row boxes) per layer, dy and d_gate_up's halves: at 256 layers at
+// most 2058 maps with recompute, 3588 without. The table (open addressing, linear probing) holds those under its 3/4 fill limit; a
 // miss past the limit empties it first. Like the launchers' static state, it assumes one host
 // thread launches the kernels.
 #define TMA_MAP_SLOTS 8192  // a power of two
@@ -454,16 +486,20 @@ static __device__ __forceinline__ int ws_next_item(int items, int grid) {
 //   O *= alpha_i, and pack P_i to bf16 for the next iteration's O += P_i V_i.
 // The consumers take turns at issuing those products (ping-pong: round robin on named barriers), so
 // that one consumer's products run while the others compute their softmax.
-// End of an item: O /= l, lse = (m + log2 l) ln 2, stored straight from registers; with `codes`
-// (FP8 training's fused path, doc/fp8.md) also O's E4M3 codes at codes_scale->scale, from the bf16
-// values stored (attn_store_rows), and at the end of the block O's amax over its rows into
-// codes_scale->amax: a max over the consumer warps, published once (fp8_publish_amax).
-// Shared memory: Q [BM][D], K [2][BN][D], V [2][BN][D] bf16 in 64-column panels, the item slot, then
-// 10 mbarriers (D = 128: 160 KiB; D = 64: 80 or 88 KiB). One block per SM (the register file is full).
+// End of an item: O /= l and lse = (m + log2 l) ln 2; lse stored from registers, O staged in the
+// consumer's buffer and stored by TMA (attn_stage_store_o, named barriers NC+2 ..), so the consumer
+// starts its next item while the copy engine writes O; with `codes` (FP8 training's fused path,
+// doc/fp8.md) also O's E4M3 codes at codes_scale->scale, from the same bf16 values, from registers
+// (attn_store_rows), and at the end of the block O's amax over its rows into codes_scale->amax: a
+// max over the consumer warps, published once (fp8_publish_amax).
+// Shared memory: Q [BM][D], K [2][BN][D], V [2][BN][D] bf16 in 64-column panels, O's staging
+// [NC][64][D], the item slot, then 10 mbarriers (D = 128: 192 KiB; D = 64: 96 or 112 KiB). One
+// block per SM (the register file is full).
 template <int D, int BN, int NC>
 __global__ void __launch_bounds__(128 * (NC + 1), 1)
     ws_forward_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
-                      const __grid_constant__ CUtensorMap tm_v, bf16* __restrict__ out, float* __restrict__ lse,
+                      const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_o,
+                      float* __restrict__ lse,
                       uint8_t* __restrict__ codes, Fp8Scale* codes_scale, int B, int T, int Hq, int Hkv,
                       int group_heads, float scale_log2) {
     constexpr int BM = 64 * NC, NT = BN / 8, DT = D / 8, PANELS = D / 64;
@@ -476,7 +512,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     bf16* Qs = reinterpret_cast<bf16*>(attn_smem);  // [BM * D]
     bf16* Ks = Qs + BM * D;      // [2][BN * D]
     bf16* Vs = Ks + 2 * BN * D;  // [2][BN * D]
-    int* item_slot = reinterpret_cast<int*>(Vs + 2 * BN * D);  // the item whose Q is loaded
+    bf16* o_stage = Vs + 2 * BN * D;  // [NC][64 * D]: each consumer's O on its way out (attn_stage_store_o)
+    int* item_slot = reinterpret_cast<int*>(o_stage + NC * 64 * D);  // the item whose Q is loaded
     const uint32_t bars = attn_smem_u32(item_slot + 4);
     // barrier addresses: q_full, q_empty, k_full[2], v_full[2], k_empty[2], v_empty[2]
     const uint32_t q_full = bars, q_empty = bars + 8, k_full = bars + 16, v_full = bars + 32, k_empty = bars + 48,
@@ -668,10 +705,13 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
             if (tq < T && (lane & 3) == 0)
                 lse[((long)it.b * Hq + it.h) * T + tq] = (row_max[r] + __log2f(l)) * ATTN_LN2;
         }
-        const long at = (long)it.b * T * Hq * D + it.h * D;
-        attn_store_rows<D>(out + at, (long)Hq * D, m0 + wrow, T, o, inv[0], inv[1], lane, codes ? codes + at : nullptr,
-                           codes_mul, &codes_amax);
+        attn_stage_store_o<D>(reinterpret_cast<unsigned char*>(o_stage + cw * 64 * D), &tm_o, o, inv[0], inv[1],
+                              it.h * D, m0 + cw * 64, it.b, 2 + NC + cw);
+        if (codes)
+            attn_store_rows<D>(nullptr, (long)Hq * D, m0 + wrow, T, o, inv[0], inv[1], lane,
+                               codes + (long)it.b * T * Hq * D + it.h * D, codes_mul, &codes_amax);
     }
+    if ((threadIdx.x & 127) == 0) bulk_wait<false>();  // O's copies done before the block's shared memory goes
     if (cw == 0) turn_begin();  // the last consumer's final turn_end
     if (codes) {  // the block's amax: the producer has left, so a named barrier over the consumers
         __shared__ float warp_amax[4 * NC];
@@ -695,7 +735,7 @@ static void ws_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* 
                               Fp8Scale* codes_scale = nullptr) {
     constexpr int BM = 64 * NC;
     auto kernel = ws_forward_kernel<D, BN, NC>;
-    const int smem = (BM + 4 * BN) * D * (int)sizeof(bf16) + 16 + 10 * 8;
+    const int smem = (BM + 4 * BN + NC * 64) * D * (int)sizeof(bf16) + 16 + 10 * 8;
     static int sms = 0;
     if (!sms) {
         attn_allow_smem(kernel, smem);
@@ -706,9 +746,10 @@ static void ws_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* 
     const CUtensorMap tq = tma_tensor_map(q, Hq * D, stride, T, B, BM);
     const CUtensorMap tk = tma_tensor_map(k, Hkv * D, stride, T, B, BN);
     const CUtensorMap tv = tma_tensor_map(v, Hkv * D, stride, T, B, BN);
+    const CUtensorMap to = tma_tensor_map(out, Hq * D, Hq * D, T, B, 64);
     const int items = ceil_div(T, BM) * B * Hq, grid = PERSIST && items > sms ? sms : items;
     const int group_heads = attn_group_heads(L2_MIB, 4.0 * T * D / (Hq / Hkv), B * Hq);  // K and V a head
-    kernel<<<grid, 128 * (NC + 1), smem, stream>>>(tq, tk, tv, out, lse, codes, codes_scale, B, T, Hq, Hkv,
+    kernel<<<grid, 128 * (NC + 1), smem, stream>>>(tq, tk, tv, to, lse, codes, codes_scale, B, T, Hq, Hkv,
                                                    group_heads, ATTN_LOG2E / sqrtf((float)D));
     CUDA_CHECK(cudaGetLastError());
 }

@@ -437,13 +437,6 @@ static __device__ __forceinline__ void hopper_release(const HopperRing& ring, in
 static __device__ __forceinline__ int hopper_row_of(int tid) { return (tid >> 5) * 16 + ((tid & 31) >> 2); }
 static __device__ __forceinline__ int hopper_pair_of(int tid) { return tid & 3; }
 
-// Where byte b (0..127) of row `row` lies in a [rows][128 bytes] box in the 128-byte swizzle, as
-// TMA lays it out: its 16-byte slot b / 16 moves to slot (b / 16) ^ (row % 8), so the 8 rows that a
-// warp's accumulator entries span fall in 8 different bank groups.
-static __device__ __forceinline__ int hopper_swizzled(int row, int b) {
-    return row * 128 + ((((b >> 4) ^ (row & 7)) << 4) | (b & 15));
-}
-
 // One chunk of a consumer's epilogue, run by all 128 threads of consumer cw: 64 rows x 128 bytes of
 // T (64 bf16 or 32 fp32 columns), whose word for row r + 8h and columns 8jj + 2i, +1 is word(jj, h)
 // (two bf16 packed in a uint32_t, or a float2), staged in one of the consumer's two buffers in the
@@ -462,8 +455,8 @@ static __device__ __forceinline__ void hopper_stage_store(unsigned char* bufs, i
 #pragma unroll
     for (int jj = 0; jj < J_PER_CHUNK; ++jj) {
         const int b = (8 * jj + 2 * i) * (int)sizeof(T);  // columns 8jj + 2i, +1: byte b of the row
-        *reinterpret_cast<decltype(word(0, 0))*>(buf + hopper_swizzled(r, b)) = word(jj, 0);
-        *reinterpret_cast<decltype(word(0, 0))*>(buf + hopper_swizzled(r + 8, b)) = word(jj, 1);
+        *reinterpret_cast<decltype(word(0, 0))*>(buf + swizzle_128b(r, b)) = word(jj, 0);
+        *reinterpret_cast<decltype(word(0, 0))*>(buf + swizzle_128b(r + 8, b)) = word(jj, 1);
     }
     wg_fence_proxy_async();  // the writes above, before the copy engine reads them
     named_barrier(1 + cw, 128);
@@ -492,8 +485,8 @@ static __device__ __forceinline__ bool hopper_take_inputs(uint32_t (&in)[N_IN][8
 #pragma unroll
             for (int jj = 0; jj < 8; ++jj) {
                 const int b = (8 * jj + 2 * hopper_pair_of(tid)) * 2;
-                in[k][jj][0] = *reinterpret_cast<const uint32_t*>(box[k] + hopper_swizzled(r, b));
-                in[k][jj][1] = *reinterpret_cast<const uint32_t*>(box[k] + hopper_swizzled(r + 8, b));
+                in[k][jj][0] = *reinterpret_cast<const uint32_t*>(box[k] + swizzle_128b(r, b));
+                in[k][jj][1] = *reinterpret_cast<const uint32_t*>(box[k] + swizzle_128b(r + 8, b));
             }
     __syncwarp();  // the warp's reads, before its arrive frees the stage
     if ((threadIdx.x & 31) == 0) hopper_release(ring, st);

@@ -202,6 +202,13 @@ static __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t pari
         : "memory");
     return done != 0;
 }
+// Where byte b (0..127) of row `row` lies in a [rows][128 bytes] box in the 128-byte swizzle, as
+// TMA lays it out: its 16-byte slot b / 16 moves to slot (b / 16) ^ (row % 8), so the 8 rows that a
+// warp's accumulator entries span fall in 8 different bank groups (the epilogues that stage a
+// wgmma accumulator for a TMA store: our GEMM's, attention's forward).
+static __device__ __forceinline__ int swizzle_128b(int row, int b) {
+    return row * 128 + ((((b >> 4) ^ (row & 7)) << 4) | (b & 15));
+}
 // One box {64 columns, rows, 1} at (column c0, row t0, batch b) of a 3-D tensor map into shared
 // memory at dst; completes its bytes on bar.
 static __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int t0, int b,
