@@ -104,7 +104,7 @@ static __device__ __forceinline__ void attn_zero(float (&x)[N][4]) {
 // token-major tensor g; rows at or past T are skipped. With `codes` (a tensor of the same layout,
 // one byte an element), also the E4M3 codes of those bf16 values at codes_scale, raising
 // *codes_amax to their largest magnitude (lib/fp8_codes.cuh: the very codes a cast of g makes);
-// g NULL: the codes alone (the forward stores O by TMA: attn_stage_store_o).
+// g NULL: the codes alone (the forward stores O by TMA: attn_stage_store).
 template <int D>
 static __device__ __forceinline__ void attn_store_rows(bf16* g, long stride, int row0, int T,
                                                       const float (&acc)[D / 8][4], float mul0,
@@ -125,24 +125,25 @@ static __device__ __forceinline__ void attn_store_rows(bf16* g, long stride, int
         }
 }
 
-// The forward's end of an item, by all 128 threads of a consumer warpgroup: its 64 x D accumulator
-// O (times each row's mul, rounded to bf16 as attn_store_rows rounds it) staged in the consumer's
-// own buffer `stage`, a [64][64] panel in the 128-byte swizzle for each 64 columns, then stored by
-// one TMA copy a panel at (column col0, row row0, batch b) of tm_o, whose bounds clip the rows at
-// or past T. Thread 0 issues the copies and, before the buffer is written again, waits until the
-// last item's copies have read it; `bar` is the consumer's named barrier for the hand-offs. The
-// warps go on to their next item while the copy engine writes: from registers, each warp's
-// 4-byte stores left every 32-byte sector half written by each instruction.
+// A consumer warpgroup's 64 x D accumulator (the forward's O at the end of an item, the backward's
+// dK or dV at the end of its block), by all its 128 threads: times each row's mul, rounded to bf16
+// as attn_store_rows rounds it, staged in shared memory at `stage`, a panel of 64 rows x 128 bytes
+// in the 128-byte swizzle for each 64 columns (panel_bytes apart), then stored by one TMA copy a
+// panel at (column col0, row row0, batch b) of map, whose bounds clip the rows at or past T. Thread
+// 0 issues the copies and, before the buffer is written, waits until its earlier copies have read
+// it (the forward stages every item in the same buffer); `bar` is the consumer's named barrier for
+// the hand-offs. The warps go on while the copy engine writes: from registers, each warp's 4-byte
+// stores left every 32-byte sector half written by each instruction.
 template <int D>
-static __device__ __forceinline__ void attn_stage_store_o(unsigned char* stage, const CUtensorMap* tm_o,
-                                                          const float (&acc)[D / 8][4], float mul0, float mul1,
-                                                          int col0, int row0, int b, int bar) {
+static __device__ __forceinline__ void attn_stage_store(unsigned char* stage, int panel_bytes, const CUtensorMap* map,
+                                                        const float (&acc)[D / 8][4], float mul0, float mul1,
+                                                        int col0, int row0, int b, int bar) {
     const int tid = threadIdx.x & 127, r = (tid >> 5) * 16 + ((tid & 31) >> 2), pair = tid & 3;
-    if (tid == 0) bulk_wait<true>();  // the last item's copies have read the buffer
+    if (tid == 0) bulk_wait<true>();  // this thread's earlier copies have read the buffer
     named_barrier(bar, 128);
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) {
-        unsigned char* panel = stage + (dt / 8) * 64 * 128;
+        unsigned char* panel = stage + (dt / 8) * panel_bytes;
         const int byte = (8 * (dt % 8) + 2 * pair) * 2;  // columns 8 dt + 2 pair, +1 of the panel's row
         const __nv_bfloat162 lo = __floats2bfloat162_rn(acc[dt][0] * mul0, acc[dt][1] * mul0);
         const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[dt][2] * mul1, acc[dt][3] * mul1);
@@ -153,7 +154,7 @@ static __device__ __forceinline__ void attn_stage_store_o(unsigned char* stage, 
     named_barrier(bar, 128);
     if (tid == 0)
 #pragma unroll
-        for (int p = 0; p < D / 64; ++p) tma_store_3d<false>(tm_o, attn_smem_u32(stage + p * 64 * 128), col0 + 64 * p, row0, b);
+        for (int p = 0; p < D / 64; ++p) tma_store_3d<false>(map, attn_smem_u32(stage + p * panel_bytes), col0 + 64 * p, row0, b);
 }
 
 // Online softmax of one tile of scores (one warp's 16 rows, NT 8-column blocks), in place: s becomes
@@ -372,9 +373,9 @@ static CUtensorMap tma_tensor_map_encode(const bf16* base, int cols, int stride,
 // The maps encoded so far, keyed by every argument of tma_tensor_map. A map is a function of those
 // arguments alone, so a hit is exactly what encoding would return, even for a buffer freed and its
 // address reused. The trainer launches attention and its two MLP GEMMs (lib/matmul_hopper.cuh) on
-// the same buffers every step. Attention: with recompute on (the default), at most 5 maps in all
-// (q of the forward and of the backward, k, v, dO) and the forward's output O, one per layer;
-// without it, at most 5 per layer and dO's. The gate/up forward: 4 per layer (W's halves, gate_up's
+// the same buffers every step. Attention: with recompute on (the default), at most 7 maps in all
+// (q of the forward and of the backward, k, v, dO, dK, dV) and the forward's output O, one per
+// layer; without it, at most 5 per layer and dO's, dK's and dV's. The gate/up forward: 4 per layer (W's halves, gate_up's
 // halves) and x and act, which without recompute are per layer too; the down backward: W_down and
 // gate_up's halves (read, 128-row boxes) per layer, dy and d_gate_up's halves: at 256 layers at
 // most 2058 maps with recompute, 3588 without. The table (open addressing, linear probing) holds those under its 3/4 fill limit; a
@@ -487,7 +488,7 @@ static __device__ __forceinline__ int ws_next_item(int items, int grid) {
 // The consumers take turns at issuing those products (ping-pong: round robin on named barriers), so
 // that one consumer's products run while the others compute their softmax.
 // End of an item: O /= l and lse = (m + log2 l) ln 2; lse stored from registers, O staged in the
-// consumer's buffer and stored by TMA (attn_stage_store_o, named barriers NC+2 ..), so the consumer
+// consumer's buffer and stored by TMA (attn_stage_store, named barriers NC+2 ..), so the consumer
 // starts its next item while the copy engine writes O; with `codes` (FP8 training's fused path,
 // doc/fp8.md) also O's E4M3 codes at codes_scale->scale, from the same bf16 values, from registers
 // (attn_store_rows), and at the end of the block O's amax over its rows into codes_scale->amax: a
@@ -512,7 +513,7 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
     bf16* Qs = reinterpret_cast<bf16*>(attn_smem);  // [BM * D]
     bf16* Ks = Qs + BM * D;      // [2][BN * D]
     bf16* Vs = Ks + 2 * BN * D;  // [2][BN * D]
-    bf16* o_stage = Vs + 2 * BN * D;  // [NC][64 * D]: each consumer's O on its way out (attn_stage_store_o)
+    bf16* o_stage = Vs + 2 * BN * D;  // [NC][64 * D]: each consumer's O on its way out (attn_stage_store)
     int* item_slot = reinterpret_cast<int*>(o_stage + NC * 64 * D);  // the item whose Q is loaded
     const uint32_t bars = attn_smem_u32(item_slot + 4);
     // barrier addresses: q_full, q_empty, k_full[2], v_full[2], k_empty[2], v_empty[2]
@@ -705,8 +706,8 @@ __global__ void __launch_bounds__(128 * (NC + 1), 1)
             if (tq < T && (lane & 3) == 0)
                 lse[((long)it.b * Hq + it.h) * T + tq] = (row_max[r] + __log2f(l)) * ATTN_LN2;
         }
-        attn_stage_store_o<D>(reinterpret_cast<unsigned char*>(o_stage + cw * 64 * D), &tm_o, o, inv[0], inv[1],
-                              it.h * D, m0 + cw * 64, it.b, 2 + NC + cw);
+        attn_stage_store<D>(reinterpret_cast<unsigned char*>(o_stage + cw * 64 * D), 64 * 128, &tm_o, o, inv[0], inv[1],
+                            it.h * D, m0 + cw * 64, it.b, 2 + NC + cw);
         if (codes)
             attn_store_rows<D>(nullptr, (long)Hq * D, m0 + wrow, T, o, inv[0], inv[1], lane,
                                codes + (long)it.b * T * Hq * D + it.h * D, codes_mul, &codes_amax);
@@ -776,7 +777,9 @@ static void ws_forward_launch(bf16* out, float* lse, const bf16* q, const bf16* 
 //     128 keys, reading dS (MN-major: keys are the k dimension) and K (MN-major) from shared memory:
 //     D = 128, BM = 64: columns 64c .. 64c+63;  D = 64, BM = 128: rows 64c .. 64c+63.
 //     The share goes to the staging buffer in fragment order (float4 per register block and thread,
-//     conflict-free); ws_dq_convert_kernel later maps it back to (row, column).
+//     conflict-free); ws_dq_convert_kernel later maps it back to (row, column). After the last
+//     tile, dK and dV of the consumer's keys are staged where those keys' K and V rows were (both
+//     consumers past their last product: a named barrier) and stored by TMA (attn_stage_store).
 // Determinism (DET): the fp32 adds into one dQ tile come from the KV tiles 0 .. nmax of its rows,
 // and are made in a fixed order, from KV tile 0 up, by a per-tile semaphore: the writer of KV tile
 // n waits until the tile's count is n, adds (the first, n = 0, stores instead, so no zeroing pass is
@@ -803,9 +806,10 @@ template <int D, int BM, bool DET>
 __global__ void __launch_bounds__(384, 1)
     ws_backward_kernel(const __grid_constant__ CUtensorMap tm_q, const __grid_constant__ CUtensorMap tm_k,
                        const __grid_constant__ CUtensorMap tm_v, const __grid_constant__ CUtensorMap tm_do,
-                       bf16* __restrict__ dk, bf16* __restrict__ dv, float* __restrict__ dq_acc,
-                       int* __restrict__ dq_sem, const float* __restrict__ lse2, const float* __restrict__ delta,
-                       int dstride, int T, int Tp, int Hq, int Hkv, int group, float scale, float scale_log2) {
+                       const __grid_constant__ CUtensorMap tm_dk, const __grid_constant__ CUtensorMap tm_dv,
+                       float* __restrict__ dq_acc, int* __restrict__ dq_sem, const float* __restrict__ lse2,
+                       const float* __restrict__ delta, int T, int Tp, int Hq, int Hkv, int group, float scale,
+                       float scale_log2) {
     constexpr int BN = 128, NT = BM / 8, DT = D / 8, PANELS = D / 64;
     static_assert((D == 128 && BM == 64) || (D == 64 && BM == 128), "each consumer's dQ share is one 64 x 64 block");
     extern __shared__ __align__(1024) unsigned char attn_smem[];
@@ -952,8 +956,14 @@ __global__ void __launch_bounds__(384, 1)
         __syncwarp();
         if (lane == 0) mbar_arrive(dq_full);
     }
-    attn_store_rows<D>(dk + (long)b * T * dstride + hk * D, dstride, n0 + wrow, T, dk_acc, scale, scale, lane);
-    attn_store_rows<D>(dv + (long)b * T * dstride + hk * D, dstride, n0 + wrow, T, dv_acc, 1.f, 1.f, lane);
+    // dK and dV of the consumer's 64 keys, staged where its keys' K and V rows lie, once both
+    // consumers' last products (which read all of K) are done, and stored by TMA
+    named_barrier(1, 256);
+    unsigned char *k_rows = reinterpret_cast<unsigned char*>(Ks) + cw * 64 * 128,
+                  *v_rows = reinterpret_cast<unsigned char*>(Vs) + cw * 64 * 128;
+    attn_stage_store<D>(k_rows, BN * 128, &tm_dk, dk_acc, scale, scale, hk * D, n0 + cw * 64, b, 2 + cw);
+    attn_stage_store<D>(v_rows, BN * 128, &tm_dv, dv_acc, 1.f, 1.f, hk * D, n0 + cw * 64, b, 2 + cw);
+    if (ct == 0) bulk_wait<false>();  // the copies done before the block's shared memory goes
 }
 
 // The backward's query tile (rows of dQ a block accumulates): 64 at D = 128, 128 at D = 64; and
@@ -1046,13 +1056,14 @@ static void ws_backward_launch(bf16* dq, bf16* dk, bf16* dv, float* scratch, con
     const CUtensorMap tk = tma_tensor_map(k, Hkv * D, stride, T, B, 128);
     const CUtensorMap tv = tma_tensor_map(v, Hkv * D, stride, T, B, 128);
     const CUtensorMap tdo = tma_tensor_map(dout, Hq * D, Hq * D, T, B, BM);
+    const CUtensorMap tdk = tma_tensor_map(dk, Hkv * D, dstride, T, B, 64);
+    const CUtensorMap tdv = tma_tensor_map(dv, Hkv * D, dstride, T, B, 64);
     const float scale = 1.f / sqrtf((float)D);
     // a group of the block order: the (b, KV head)s whose G query heads' Q and dO fit in
     // ATTN_BWD_GROUP_MIB (ws_backward_kernel, "The order of the work")
     const int group = attn_group_heads(ATTN_BWD_GROUP_MIB, 4.0 * (Hq / Hkv) * T * D, B * Hkv);
-    kernel<<<ceil_div(T, 128) * B * Hkv, 384, smem, stream>>>(tq, tk, tv, tdo, dk, dv, dq_acc, dq_sem, lse2, delta,
-                                                              dstride, T, Tp, Hq, Hkv, group, scale,
-                                                              scale * ATTN_LOG2E);
+    kernel<<<ceil_div(T, 128) * B * Hkv, 384, smem, stream>>>(tq, tk, tv, tdo, tdk, tdv, dq_acc, dq_sem, lse2, delta,
+                                                              T, Tp, Hq, Hkv, group, scale, scale * ATTN_LOG2E);
     CUDA_CHECK(cudaGetLastError());
     if (!dq) return;  // dQ stays in the accumulators (attn_dq_tile_load)
     ws_dq_convert_kernel<D, BM><<<dim3(Tp / BM, B * Hq), 256, 0, stream>>>(dq, dq_acc, dstride, T, Tp, Hq, scale);
