@@ -154,7 +154,8 @@ static __device__ __forceinline__ void attn_stage_store(unsigned char* stage, in
     named_barrier(bar, 128);
     if (tid == 0)
 #pragma unroll
-        for (int p = 0; p < D / 64; ++p) tma_store_3d<false>(map, attn_smem_u32(stage + p * panel_bytes), col0 + 64 * p, row0, b);
+        for (int p = 0; p < D / 64; ++p)
+            tma_store_3d<false>(map, attn_smem_u32(stage + p * panel_bytes), col0 + 64 * p, row0, b);
 }
 
 // Online softmax of one tile of scores (one warp's 16 rows, NT 8-column blocks), in place: s becomes
@@ -375,12 +376,12 @@ static CUtensorMap tma_tensor_map_encode(const bf16* base, int cols, int stride,
 // address reused. The trainer launches attention and its two MLP GEMMs (lib/matmul_hopper.cuh) on
 // the same buffers every step. Attention: with recompute on (the default), at most 7 maps in all
 // (q of the forward and of the backward, k, v, dO, dK, dV) and the forward's output O, one per
-// layer; without it, at most 5 per layer and dO's, dK's and dV's. The gate/up forward: 4 per layer (W's halves, gate_up's
-// halves) and x and act, which without recompute are per layer too; the down backward: W_down and
-// gate_up's halves (read, 128-row boxes) per layer, dy and d_gate_up's halves: at 256 layers at
-// most 2058 maps with recompute, 3588 without. The table (open addressing, linear probing) holds those under its 3/4 fill limit; a
-// miss past the limit empties it first. Like the launchers' static state, it assumes one host
-// thread launches the kernels.
+// layer; without it, at most 5 per layer and those of dO, dK and dV. The gate/up forward: 4 per
+// layer (W's halves, gate_up's halves) and x and act, which without recompute are per layer too;
+// the down backward: W_down and gate_up's halves (read, 128-row boxes) per layer, dy and
+// d_gate_up's halves: at 256 layers at most 2060 maps with recompute, 3590 without. The table (open
+// addressing, linear probing) holds those under its 3/4 fill limit; a miss past the limit empties it
+// first. Like the launchers' static state, it assumes one host thread launches the kernels.
 #define TMA_MAP_SLOTS 8192  // a power of two
 struct TmaMapKey {
     const bf16* base;

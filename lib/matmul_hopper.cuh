@@ -1000,6 +1000,10 @@ static void hopper_launch(const CUtensorMap& tm_a, const CUtensorMap& tm_b, cons
                           const HopperFusion& fuse, OutT* c, int M, int N, int K, int grid, int group_m, int splits,
                           cudaStream_t s, const HopperStreamK& sk = {}) {
     constexpr int smem = hopper_smem_bytes(EPI != HOP_EPI_REGISTERS, BN, PP, hopper_tile_m(EPI, PP));
+    if (PP && splits != 1) {  // a consumer's tile is its whole product: nothing would add the splits
+        fprintf(stderr, "hopper_launch: ping-pong takes K in one split, not %d\n", splits);
+        exit(1);
+    }
     auto kernel = hopper_matmul_kernel<A_K, B_K, OutT, EPI, AT, BT, CLUSTER, BN, PP>;
     attn_allow_smem(kernel, smem);
     cudaLaunchAttribute cluster;
