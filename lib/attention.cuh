@@ -3,7 +3,8 @@
  * bf16 in and out, fp32 softmax statistics: the FlashAttention-3-style kernels the trainer runs
  * (version 4 of the dev/ ladder; attention_forward / attention_backward at the bottom), and the
  * helpers every version in dev/ shares (attn_*: exp2, bf16 packing, the online softmax step, row
- * stores, the delta kernel, argument checks; the backward's wgmma chains).
+ * stores from registers or staged for TMA, the delta kernel, argument checks; the backward's wgmma
+ * chains).
  *
  * How it fits: kernels.cuh includes it where attention comes in a training step, so train_gpt and
  * test_gpt reach it there; dev/attention.cu and its versions include it directly. The PTX wrappers
@@ -45,11 +46,12 @@ static constexpr float ATTN_LN2 = 0.69314718056f;    // ln(2) = 1 / log2(e)
 //   forward (ws_forward_kernel): one block per SM taking query tiles from a work queue; per tile,
 //     the KV tiles from the diagonal down; the softmax of tile i overlaps S = Q K^T of tile i+1 on
 //     the tensor cores, the consumers take turns at issuing their products (one's softmax under
-//     the other's products), and the next tile's loads overlap this one's epilogue.
+//     the other's products), and the next tile's loads overlap this one's epilogue, whose O goes
+//     out by TMA from shared memory.
 //   backward (ws_backward_kernel): one pass per KV tile over the query tiles at or below the
-//     diagonal, 5 products per tile pair; dK and dV stay in registers, dQ partial sums are added
-//     into fp32 accumulators in global memory in a fixed order (deterministic) or, on request, in
-//     any order.
+//     diagonal, 5 products per tile pair; dK and dV stay in registers (stored by TMA at the end),
+//     dQ partial sums are added into fp32 accumulators in global memory in a fixed order
+//     (deterministic) or, on request, in any order.
 //
 // Shared memory is laid out as wgmma's 128-byte swizzle expects: a [R][D] tile is D/64 panels of
 // [R][64] (128-byte rows); 16-byte chunk c of row r of a panel sits at chunk c ^ (r & 7), each panel
