@@ -140,18 +140,16 @@ template <int D>
 static __device__ __forceinline__ void attn_stage_store(unsigned char* stage, int panel_bytes, const CUtensorMap* map,
                                                         const float (&acc)[D / 8][4], float mul0, float mul1,
                                                         int col0, int row0, int b, int bar) {
-    const int tid = threadIdx.x & 127, r = (tid >> 5) * 16 + ((tid & 31) >> 2), pair = tid & 3;
+    const int tid = threadIdx.x & 127;
     if (tid == 0) bulk_wait<true>();  // this thread's earlier copies have read the buffer
     named_barrier(bar, 128);
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-        unsigned char* panel = stage + (dt / 8) * panel_bytes;
-        const int byte = (8 * (dt % 8) + 2 * pair) * 2;  // columns 8 dt + 2 pair, +1 of the panel's row
-        const __nv_bfloat162 lo = __floats2bfloat162_rn(acc[dt][0] * mul0, acc[dt][1] * mul0);
-        const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[dt][2] * mul1, acc[dt][3] * mul1);
-        *reinterpret_cast<__nv_bfloat162*>(panel + swizzle_128b(r, byte)) = lo;
-        *reinterpret_cast<__nv_bfloat162*>(panel + swizzle_128b(r + 8, byte)) = hi;
-    }
+    for (int p = 0; p < D / 64; ++p)
+        wg_stage_panel(stage + p * panel_bytes, [&](int jj, int h) {
+            const float(&d)[4] = acc[8 * p + jj];
+            const float mul = h ? mul1 : mul0;
+            return __floats2bfloat162_rn(d[2 * h] * mul, d[2 * h + 1] * mul);
+        });
     wg_fence_proxy_async();  // the writes above, before the copy engine reads them
     named_barrier(bar, 128);
     if (tid == 0)

@@ -176,7 +176,6 @@ constexpr int hop_bk = 128 / (int)sizeof(T);
 template <typename T>
 static int hopper_k_blocks(int K) { return (K + hop_bk<T> - 1) / hop_bk<T>; }
 constexpr int HOP_PANEL_BYTES = 64 * 64 * 2;         // one [64][64] bf16 panel
-constexpr int HOP_A_BYTES = HOP_BM * HOP_BK * 2;       // 16 KiB: 2 panels
 // A stage's B tile for tiles bn columns wide: 32 KiB (4 panels) at HOP_BN, 24 KiB (3) at the
 // narrow width HOP_BN_NARROW, which versions 5 and 9 take where 256 would leave a wave's SMs idle
 // (dev/matmul_wgmma.cuh, hopper_tile_n).
@@ -185,7 +184,6 @@ constexpr int HOP_BN_NARROW = 192;
 // the same 64 up features (the file's comment, "Ping-pong"; hopper_tile_m).
 constexpr int HOP_PP_SWIGLU_BM = 192, HOP_PP_SWIGLU_BN = 128;
 static __host__ __device__ constexpr int hop_b_bytes(int bn) { return bn * HOP_BK * 2; }
-constexpr int HOP_B_BYTES = hop_b_bytes(HOP_BN);
 // (bm: the tile's rows, HOP_BM but for SwiGLU's forward in ping-pong: A's tile is bm x 64)
 static __host__ __device__ constexpr int hopper_ring_bytes(int bn, int bm = HOP_BM) {
     return HOP_STAGES * (bm * HOP_BK * 2 + hop_b_bytes(bn));
@@ -416,11 +414,12 @@ static __host__ __device__ constexpr int hopper_epi_inputs(int epi) {
     return epi == HOP_EPI_RESIDUAL ? 1 : epi == HOP_EPI_SWIGLU_BWD || epi == HOP_EPI_SWIGLU_BWD_ACT ? 2 : 0;
 }
 
-// A consumer's view of the ring: the shared memory (stage s's A tile at a + s * HOP_A_BYTES, its B
-// tile at b + s * HOP_B_BYTES) and the barriers (full + 8s, empty + 8s); in a cluster of two, also
-// the other block's empty barriers (peer_empty + 8s, in the cluster's shared window; 0: no cluster).
+// A consumer's view of the ring: the shared memory (stage s's A tile at a + s * a_bytes, its B tile
+// at b + s * b_bytes) and the barriers (full + 8s, empty + 8s); in a cluster of two, also the other
+// block's empty barriers (peer_empty + 8s, in the cluster's shared window; 0: no cluster).
 struct HopperRing {
     const unsigned char *a, *b;
+    int a_bytes, b_bytes;
     uint32_t full, empty, peer_empty;
 };
 
@@ -430,12 +429,6 @@ static __device__ __forceinline__ void hopper_release(const HopperRing& ring, in
     mbar_arrive(ring.empty + 8 * st);
     if (ring.peer_empty) mbar_arrive_cluster(ring.peer_empty + 8 * st);
 }
-
-// Where thread tid (0..127) of a consumer holds its accumulator (lib/ptx.cuh): rows r and r + 8 of
-// the consumer's 64, columns 8j + 2i and 8j + 2i + 1 of d[j]. Since (r + 8) % 8 = r % 8, both rows
-// fall in the same swizzle phase.
-static __device__ __forceinline__ int hopper_row_of(int tid) { return (tid >> 5) * 16 + ((tid & 31) >> 2); }
-static __device__ __forceinline__ int hopper_pair_of(int tid) { return tid & 3; }
 
 // One chunk of a consumer's epilogue, run by all 128 threads of consumer cw: 64 rows x 128 bytes of
 // T (64 bf16 or 32 fp32 columns), whose word for row r + 8h and columns 8jj + 2i, +1 is word(jj, h)
@@ -447,17 +440,12 @@ template <typename T, typename Word>
 static __device__ __forceinline__ void hopper_stage_store(unsigned char* bufs, int cw, int* chunks,
                                                           const CUtensorMap* map, int c0, int t0, int batch, bool add,
                                                           Word word) {
-    constexpr int J_PER_CHUNK = 128 / sizeof(T) / 8;  // the chunk's d[j]
-    const int tid = threadIdx.x & 127, r = hopper_row_of(tid), i = hopper_pair_of(tid);
+    static_assert(sizeof(decltype(word(0, 0))) == 2 * sizeof(T), "a word is two columns of T");
+    const int tid = threadIdx.x & 127;
     unsigned char* buf = bufs + (*chunks % HOP_OUT_BUFS) * HOP_OUT_BUF_BYTES;
     if (tid == 0) bulk_wait_read_but<HOP_OUT_BUFS - 1>();  // the copy that used buf last has read it
     named_barrier(1 + cw, 128);
-#pragma unroll
-    for (int jj = 0; jj < J_PER_CHUNK; ++jj) {
-        const int b = (8 * jj + 2 * i) * (int)sizeof(T);  // columns 8jj + 2i, +1: byte b of the row
-        *reinterpret_cast<decltype(word(0, 0))*>(buf + swizzle_128b(r, b)) = word(jj, 0);
-        *reinterpret_cast<decltype(word(0, 0))*>(buf + swizzle_128b(r + 8, b)) = word(jj, 1);
-    }
+    wg_stage_panel(buf, word);
     wg_fence_proxy_async();  // the writes above, before the copy engine reads them
     named_barrier(1 + cw, 128);
     if (tid == 0) {
@@ -476,15 +464,15 @@ static __device__ __forceinline__ void hopper_stage_store(unsigned char* bufs, i
 template <int N_IN>
 static __device__ __forceinline__ bool hopper_take_inputs(uint32_t (&in)[N_IN][8][2], const HopperRing& ring, int* t,
                                                           int cw, bool read) {
-    const int st = *t % HOP_STAGES, tid = threadIdx.x & 127, r = 64 * cw + hopper_row_of(tid);
+    const int st = *t % HOP_STAGES, tid = threadIdx.x & 127, r = 64 * cw + wg_acc_row(tid);
     if (!hopper_wait(ring.full + 8 * st, (*t / HOP_STAGES) & 1)) return false;
-    const unsigned char* box[2] = {ring.a + st * HOP_A_BYTES, ring.b + st * HOP_B_BYTES};
+    const unsigned char* box[2] = {ring.a + st * ring.a_bytes, ring.b + st * ring.b_bytes};
     if (read)
 #pragma unroll
         for (int k = 0; k < N_IN; ++k)
 #pragma unroll
             for (int jj = 0; jj < 8; ++jj) {
-                const int b = (8 * jj + 2 * hopper_pair_of(tid)) * 2;
+                const int b = (8 * jj + 2 * wg_acc_pair(tid)) * 2;
                 in[k][jj][0] = *reinterpret_cast<const uint32_t*>(box[k] + swizzle_128b(r, b));
                 in[k][jj][1] = *reinterpret_cast<const uint32_t*>(box[k] + swizzle_128b(r + 8, b));
             }
@@ -511,7 +499,7 @@ static __device__ __forceinline__ void hopper_store_logits_exp(const float (&acc
                                                                unsigned char* bufs, int cw, int* chunks, int row0,
                                                                int n0, int M, int N) {
     constexpr int COLS = 64, J_PER_CHUNK = COLS / 8;  // bf16: a chunk's columns, and its d[j]
-    const int tid = threadIdx.x & 127, r = row0 + hopper_row_of(tid), pair = 2 * hopper_pair_of(tid);
+    const int tid = threadIdx.x & 127, r = row0 + wg_acc_row(tid), pair = 2 * wg_acc_pair(tid);
     float shift[2], sum[2] = {0.f, 0.f};
     int target[2];
 #pragma unroll
@@ -841,7 +829,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
                 for (int col0 = u.n0; EPI_INPUTS > 0 && col0 < min(u.n0 + BN, N); col0 += 64, ++t) {
                     const int st = t % HOP_STAGES;
                     const uint32_t bar = full + 8 * st;
-                    if (!claim(t, bar, u.m0 < M ? EPI_INPUTS * HOP_BM * 128 : 0)) return;
+                    if (!claim(t, bar, u.m0 < M ? EPI_INPUTS * BM * 128 : 0)) return;
                     if (u.m0 >= M) continue;  // a cluster's second tile past M: the stage is taken, empty
                     tma_load_3d(a_tiles + st * A_BYTES, &fuse.in[0], col0, u.m0, 0, bar);
                     if (EPI_INPUTS > 1) tma_load_3d(b_tiles + st * B_BYTES, &fuse.in[1], col0, u.m0, 0, bar);
@@ -863,7 +851,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     const float alpha = FP8 ? *fuse.a_scale_inv * *fuse.b_scale_inv : 1.0f;
     int t = 0;                // stages consumed so far (k-blocks, and version 6's input chunks)
     int chunks = 0;           // versions 5, 6: chunks this consumer has staged
-    const HopperRing ring = {hopper_smem, hopper_smem + HOP_STAGES * A_BYTES, full, empty,
+    const HopperRing ring = {hopper_smem, hopper_smem + HOP_STAGES * A_BYTES, A_BYTES, B_BYTES, full, empty,
                              MULTICAST ? cluster_map_shared(empty, rank ^ 1) : 0u};
     for (int unit = first, i = 0; unit < last; unit += step, ++i) {
         const HopperUnit u = block_unit(unit);

@@ -5,11 +5,12 @@
  * cuTensorMapEncodeTiled, fetched through the runtime to encode their maps) and stores, clusters (TMA
  * multicast, another block's shared memory and barriers, the cluster barrier), setmaxnreg,
  * bulk copies and bulk reductions with their waits, named barriers, the gpu-scope acquire / release
- * pair, and the async-proxy fences.
+ * pair, and the async-proxy fences; beside them, where a wgmma accumulator's entries lie and how it
+ * is staged in the 128-byte swizzle for a TMA store (wg_stage_panel).
  *
- * How it fits: lib/attention.cuh builds its kernels on these, and so do the wgmma versions of the
- * dev/ attention ladder and the Hopper matmul of the dev/ matmul ladder (dev/matmul_wgmma.cuh); each
- * wrapper is one instruction (or one fixed group), named for it.
+ * How it fits: lib/attention.cuh builds its kernels on these, and so does our Hopper GEMM
+ * (lib/matmul_hopper.cuh), the matmul ladder's versions 3 to 11; each wrapper is one instruction (or
+ * one fixed group), named for it.
  *
  * Conventions a reader must know: shared-memory operands are 32-bit shared-window addresses
  * (__cvta_generic_to_shared), not pointers; every wgmma wrapper is issued by all 128 threads of a
@@ -204,10 +205,32 @@ static __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t pari
 }
 // Where byte b (0..127) of row `row` lies in a [rows][128 bytes] box in the 128-byte swizzle, as
 // TMA lays it out: its 16-byte slot b / 16 moves to slot (b / 16) ^ (row % 8), so the 8 rows that a
-// warp's accumulator entries span fall in 8 different bank groups (the epilogues that stage a
-// wgmma accumulator for a TMA store: our GEMM's, attention's forward).
+// warp's accumulator entries span fall in 8 different bank groups.
 static __device__ __forceinline__ int swizzle_128b(int row, int b) {
     return row * 128 + ((((b >> 4) ^ (row & 7)) << 4) | (b & 15));
+}
+// Where thread tid (0..127) of a warpgroup holds its wgmma accumulator (wg_mma_ss's layout): rows
+// r and r + 8 of the warpgroup's 64, columns 8j + 2i and 8j + 2i + 1 of d[j]. Since (r + 8) % 8 =
+// r % 8, both rows fall in the same swizzle phase.
+static __device__ __forceinline__ int wg_acc_row(int tid) { return (tid >> 5) * 16 + ((tid & 31) >> 2); }
+static __device__ __forceinline__ int wg_acc_pair(int tid) { return tid & 3; }
+// One [64 rows][128 bytes] panel of a warpgroup's accumulator written into shared memory at `panel`
+// in the 128-byte swizzle, a TMA box's layout, by all 128 threads: word(jj, h) (a bf16 pair or a
+// float2: columns 8jj + 2i, +1 of row r + 8h of the panel, 64 bf16 or 32 fp32 columns) goes where
+// TMA will read it. The epilogues that store an accumulator by TMA stage it this way: our GEMM's
+// (lib/matmul_hopper.cuh) and attention's (lib/attention.cuh). A fence and a barrier must follow
+// before the copy.
+template <typename Word>
+static __device__ __forceinline__ void wg_stage_panel(unsigned char* panel, Word word) {
+    using W = decltype(word(0, 0));
+    constexpr int GROUPS = 128 / (int)sizeof(W) / 4;  // the panel's groups of 8 columns
+    const int tid = threadIdx.x & 127, r = wg_acc_row(tid), i = wg_acc_pair(tid);
+#pragma unroll
+    for (int jj = 0; jj < GROUPS; ++jj) {
+        const int b = (8 * jj + 2 * i) * (int)sizeof(W) / 2;  // columns 8jj + 2i, +1: byte b of the row
+        *reinterpret_cast<W*>(panel + swizzle_128b(r, b)) = word(jj, 0);
+        *reinterpret_cast<W*>(panel + swizzle_128b(r + 8, b)) = word(jj, 1);
+    }
 }
 // One box {64 columns, rows, 1} at (column c0, row t0, batch b) of a 3-D tensor map into shared
 // memory at dst; completes its bytes on bar.
