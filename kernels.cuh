@@ -4,14 +4,14 @@
  * lib/matmul_hopper.cuh's GEMM with SwiGLU, or its backward, in the epilogue).
  *
  * Read it top to bottom: small helpers, the deterministic reductions (global gradient norm, loss
- * sum) and initialization; then the kernels in the order of a training step: embedding, RMSNorm,
- * the per-head QK norm with rotary embedding, attention (in lib/attention.cuh, included at the top,
- * since the QK norm's backward reads the dQ that attention's backward leaves; its PTX wrappers are
- * in lib/ptx.cuh), SwiGLU, the chunked cross-entropy and the BF16 head's loss from what its fused
- * product leaves; then the optimizer (the learning-rate schedule; the fused AdamW update; 8-bit
- * AdamW's quantization map and its fused update), the cuBLASLt wrapper (with its tuning: which of
- * cuBLASLt's algorithms each shape runs), then Muon (momentum and Newton-Schulz), whose iteration
- * multiplies through that wrapper.
+ * sum), the master weights' two halves and initialization; then the kernels in the order of a
+ * training step: embedding, RMSNorm, the per-head QK norm with rotary embedding, attention (in
+ * lib/attention.cuh, included at the top, since the QK norm's backward reads the dQ that
+ * attention's backward leaves; its PTX wrappers are in lib/ptx.cuh), SwiGLU, the chunked
+ * cross-entropy and the BF16 head's loss from what its fused product leaves; then the optimizer (the
+ * learning-rate schedule; the fused AdamW update; 8-bit AdamW's quantization map and its fused
+ * update), the cuBLASLt wrapper (with its tuning: which of cuBLASLt's algorithms each shape runs),
+ * then Muon (momentum and Newton-Schulz), whose iteration multiplies through that wrapper.
  * Each forward kernel is followed by its backward, whose comment states the derivative it computes.
  *
  * Conventions a reader must know:
@@ -201,8 +201,40 @@ static void reduce_sum(float* out, const float* x, size_t n, bool square, bool a
 }
 
 // ----------------------------------------------------------------------------------------------
-// Initialization: a counter-based normal RNG, so that every element's value depends only on the
-// seed and its index (not on the launch shape), and fp32 -> bf16 casts.
+// The master weights in two halves, and initialization: a counter-based normal RNG, so that every
+// element's value depends only on the seed and its index (not on the launch shape).
+//
+// The optimizer updates fp32 master weights, and the model computes with their bf16 roundings.
+// Read as an integer, a weight's fp32 bits are its bf16 rounding's 16 bits shifted up 16 places
+// plus a small signed remainder. The bf16 half is the weight the model computes with (the flat
+// `params` buffer), so beside it the optimizer keeps only the remainder, an int16 (`master_low`):
+// 2 bytes a parameter instead of a 4-byte fp32 copy, and AdamW moves 28 bytes a parameter instead
+// of 30. Nothing is lost: master_join gives back the very fp32 bits master_split was given, which
+// is what checkpoints and exports store (doc/optimizers.md).
+//
+// The rounding is to nearest with ties away from zero, not ties to even. Adding 0x8000 to the bits
+// and keeping the top 16 carries into the bf16's last place exactly when the 16 bits dropped are
+// 0x8000 or more, for either sign (fp32 is sign and magnitude); the remainder, the bits less the
+// bf16's shifted up, then lies in [-0x8000, 0x7FFF], an int16's range. Ties to even would need one
+// value more (a tie rounded down leaves +0x8000). The two roundings differ on exact ties only, one
+// weight in 2^17. A NaN stays a NaN (the carry could reach the sign bit), its payload not kept.
+__host__ __device__ __forceinline__ bf16 master_split(float p, int16_t* low) {
+    uint32_t bits;
+    memcpy(&bits, &p, 4);
+    uint32_t high = p != p ? (bits >> 16) | 0x40 : (bits + 0x8000u) >> 16;
+    *low = (int16_t)(int32_t)(bits - (high << 16));
+    __nv_bfloat16_raw raw;
+    raw.x = (unsigned short)high;
+    return bf16(raw);
+}
+
+__host__ __device__ __forceinline__ float master_join(bf16 w, int16_t low) {
+    __nv_bfloat16_raw raw = w;
+    uint32_t bits = ((uint32_t)raw.x << 16) + (uint32_t)(int32_t)low;
+    float p;
+    memcpy(&p, &bits, 4);
+    return p;
+}
 
 __host__ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
     x += 0x9E3779B97F4A7C15ull;
@@ -211,19 +243,22 @@ __host__ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-// p[i] = mean + std * N(0, 1), the normal drawn by Box-Muller from the hash of (seed, first + i):
-// element first + i of a tensor gets the same value whichever part of the tensor is initialized.
-__global__ void init_normal_kernel(float* p, size_t n, float mean, float std, uint64_t seed, size_t first) {
+// Master weights w[i], low[i] = mean + std * N(0, 1), the normal drawn by Box-Muller from the hash
+// of (seed, first + i): element first + i of a tensor gets the same value whichever part of the
+// tensor is initialized.
+__global__ void init_normal_kernel(bf16* w, int16_t* low, size_t n, float mean, float std, uint64_t seed,
+                                   size_t first) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
         uint64_t h = splitmix64(seed ^ splitmix64(first + i));
         float u1 = ((h >> 40) + 1) * (1.0f / 16777217.0f);  // in (0, 1]: log() stays finite
         float u2 = ((h >> 16) & 0xFFFFFF) * (1.0f / 16777216.0f);
-        p[i] = mean + std * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2);
+        w[i] = master_split(mean + std * sqrtf(-2.0f * logf(u1)) * cospif(2.0f * u2), &low[i]);
     }
 }
 
-static void init_normal(float* p, size_t n, float mean, float std, uint64_t seed, size_t first, cudaStream_t s) {
-    init_normal_kernel<<<1024, 256, 0, s>>>(p, n, mean, std, seed, first);
+static void init_normal(bf16* w, int16_t* low, size_t n, float mean, float std, uint64_t seed, size_t first,
+                        cudaStream_t s) {
+    init_normal_kernel<<<1024, 256, 0, s>>>(w, low, n, mean, std, seed, first);
     LAUNCH_CHECK();
 }
 
@@ -235,16 +270,6 @@ __global__ void add_into_kernel(float* y, const float* x, size_t n) {
 
 static void add_into(float* y, const float* x, size_t n, cudaStream_t s) {
     add_into_kernel<<<1024, 256, 0, s>>>(y, x, n);
-    LAUNCH_CHECK();
-}
-
-__global__ void cast_to_bf16_kernel(bf16* out, const float* in, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        out[i] = __float2bfloat16(in[i]);
-}
-
-static void cast_to_bf16(bf16* out, const float* in, size_t n, cudaStream_t s) {
-    cast_to_bf16_kernel<<<1024, 256, 0, s>>>(out, in, n);
     LAUNCH_CHECK();
 }
 
@@ -1054,21 +1079,41 @@ __device__ __forceinline__ void adamw4(float4 g, float4* m, float4* v, float4* p
 
 __device__ __forceinline__ float4 scaled4(float4 x, float a) { return make_float4(x.x * a, x.y * a, x.z * a, x.w * a); }
 
-// Four new fp32 weights rounded to bf16, as pairs and as the one 8-byte word both paths store.
+// Four consecutive master weights (the section on initialization says how they are held): their
+// bf16 halves in one 8-byte load, their low halves in another.
+__device__ __forceinline__ float4 master_load4(const bf16* params, const int16_t* low, size_t q) {
+    uint2 w = ((const uint2*)params)[q], l = ((const uint2*)low)[q];
+    const bf16* wk = (const bf16*)&w;
+    const int16_t* lk = (const int16_t*)&l;
+    return make_float4(master_join(wk[0], lk[0]), master_join(wk[1], lk[1]), master_join(wk[2], lk[2]),
+                       master_join(wk[3], lk[3]));
+}
+
+// The reverse: four new master weights stored in their two halves, 8-byte stores each. Returns the
+// bf16 halves, as pairs, for FP8's update that casts them (fp8_adamw_kernel, lib/fp8.cuh).
 typedef union {
     __nv_bfloat162 pair[2];
     uint2 bytes;
 } Bf16x4;
-__device__ __forceinline__ Bf16x4 bf16x4_of(float4 p) {
-    return {{{__float2bfloat16(p.x), __float2bfloat16(p.y)}, {__float2bfloat16(p.z), __float2bfloat16(p.w)}}};
+__device__ __forceinline__ Bf16x4 master_store4(float4 p, bf16* params, int16_t* low, size_t q) {
+    union {
+        int16_t k[4];
+        uint2 bytes;
+    } lows;
+    __nv_bfloat162 xy = {master_split(p.x, &lows.k[0]), master_split(p.y, &lows.k[1])};
+    __nv_bfloat162 zw = {master_split(p.z, &lows.k[2]), master_split(p.w, &lows.k[3])};
+    Bf16x4 w = {{xy, zw}};
+    ((uint2*)params)[q] = w.bytes;
+    ((uint2*)low)[q] = lows.bytes;
+    return {{xy, zw}};
 }
 
-// Four consecutive elements a thread: 16-byte loads and stores (8 bytes for the bf16 weights), so
-// that more bytes are in flight per thread; the kernel moves 30 bytes a parameter and is bound by
-// memory bandwidth (15% of a 1b FP8 step). The four share one flag (PARAM_ALIGN is a multiple of
-// 4, and a range starts on a PARAM_ALIGN boundary, so the vectors are aligned too); a range's last
-// n % 4 elements are done one by one.
-__global__ void adamw_kernel(float* master, bf16* params, const float* grads, float* m, float* v,
+// Four consecutive elements a thread: 16-byte loads and stores (8 bytes for either half of the
+// master weights), so that more bytes are in flight per thread; the kernel moves 28 bytes a
+// parameter and is bound by memory bandwidth (15% of a 1b FP8 step). The four share one flag
+// (PARAM_ALIGN is a multiple of 4, and a range starts on a PARAM_ALIGN boundary, so the vectors
+// are aligned too); a range's last n % 4 elements are done one by one.
+__global__ void adamw_kernel(bf16* params, int16_t* master_low, const float* grads, float* m, float* v,
                              const uint8_t* flags, size_t n, OptimConfig o, const OptimScalars* s) {
     float clip_scale = clip_scale_of(o, s);
     float lr = s->lr, bias_corr1 = s->bias_corr1, bias_corr2 = s->bias_corr2;
@@ -1077,28 +1122,28 @@ __global__ void adamw_kernel(float* master, bf16* params, const float* grads, fl
         uint8_t flag = flags[q * 4 / PARAM_ALIGN];
         if (flag & PARAM_FLAG_MUON) continue;
         float wd = (flag & PARAM_FLAG_DECAY) ? o.weight_decay : 0.0f;
-        float4 mq = ((float4*)m)[q], vq = ((float4*)v)[q], p = ((float4*)master)[q];
+        float4 mq = ((float4*)m)[q], vq = ((float4*)v)[q], p = master_load4(params, master_low, q);
         adamw4(scaled4(((const float4*)grads)[q], clip_scale), &mq, &vq, &p, wd, o, lr, bias_corr1, bias_corr2);
         ((float4*)m)[q] = mq;
         ((float4*)v)[q] = vq;
-        ((float4*)master)[q] = p;
-        ((uint2*)params)[q] = bf16x4_of(p).bytes;  // one 8-byte store
+        master_store4(p, params, master_low, q);
     }
     size_t i = 4 * n4 + blockIdx.x * (size_t)blockDim.x + threadIdx.x;  // the tail: fewer than 4
     if (i < n && !(flags[i / PARAM_ALIGN] & PARAM_FLAG_MUON)) {
         float wd = (flags[i / PARAM_ALIGN] & PARAM_FLAG_DECAY) ? o.weight_decay : 0.0f;
-        master[i] = adamw_element(grads[i] * clip_scale, master[i], &m[i], &v[i], wd, o, lr, bias_corr1, bias_corr2);
-        params[i] = __float2bfloat16(master[i]);
+        float p = adamw_element(grads[i] * clip_scale, master_join(params[i], master_low[i]), &m[i], &v[i], wd, o, lr,
+                                bias_corr1, bias_corr2);
+        params[i] = master_split(p, &master_low[i]);
     }
 }
 
 // An optimizer step is one optimizer_schedule (the step's learning rate and bias corrections),
 // then adamw_step (or adamw8bit_step; with Muon also muon_matrix_step per hidden matrix) over one
-// or more ranges of the flat buffers (the trainer updates bucket by
-// bucket, so that each bucket's new weights can be sent while the next is updated): each pointer
-// points at the range's first element, and params may be elsewhere than the others (ZeRO writes
-// a rank's bf16 piece straight into its place in the full buffer). The gradient norm must
-// already be in s->grad_norm_sq.
+// or more ranges of the flat buffers (the trainer updates bucket by bucket, so that each bucket's
+// new weights can be sent while the next is updated): each pointer points at the range's first
+// element, and params, the master weights' bf16 halves, may be elsewhere than the others (ZeRO
+// keeps a rank's bf16 piece in its place in the full buffer, its low halves, moments and gradients
+// in the rank's own). The gradient norm must already be in s->grad_norm_sq.
 static void optimizer_schedule(const OptimConfig* o, OptimScalars* s, cudaStream_t stream) {
     optimizer_schedule_kernel<<<1, 1, 0, stream>>>(s, *o);
     LAUNCH_CHECK();
@@ -1107,7 +1152,7 @@ static void optimizer_schedule(const OptimConfig* o, OptimScalars* s, cudaStream
 // The grid is what the GPU holds at once (SMs x resident blocks, asked once): the blocks stride
 // over the range in one wave, with no second, partial wave at the end; a small range (FP8's
 // fused path updates each layer's norms on their own) gets no more blocks than it has work for.
-static void adamw_step(float* master, bf16* params, const float* grads, float* m, float* v, const uint8_t* flags,
+static void adamw_step(bf16* params, int16_t* master_low, const float* grads, float* m, float* v, const uint8_t* flags,
                        size_t n, const OptimConfig* o, const OptimScalars* s, cudaStream_t stream) {
     static int wave = 0;
     if (!wave) {
@@ -1120,7 +1165,7 @@ static void adamw_step(float* master, bf16* params, const float* grads, float* m
     if (n == 0) return;
     int needed = ceil_div((long)n, 4 * 256);  // a float4 a thread; block 0 also takes the last n % 4
     int grid = needed < wave ? needed : wave;
-    adamw_kernel<<<grid, 256, 0, stream>>>(master, params, grads, m, v, flags, n, *o, s);
+    adamw_kernel<<<grid, 256, 0, stream>>>(params, master_low, grads, m, v, flags, n, *o, s);
     LAUNCH_CHECK();
 }
 
@@ -1213,10 +1258,10 @@ __host__ __device__ static inline float q8_decode(uint8_t code, float absmax, co
 
 // One thread block of Q8_BLOCK threads per quantization block (grid-stride over the blocks):
 // each thread dequantizes its element's m and r = sqrt(v) (code value * the block's absmax), runs
-// AdamW's update in fp32 as adamw_kernel does, writes the master weight and its bf16 copy; then
+// AdamW's update in fp32 as adamw_kernel does, writes the master weight's two halves; then
 // the block takes the new absmax of |m| and of r, and every thread requantizes its element.
 // n is a multiple of Q8_BLOCK (every range the trainer passes is).
-__global__ void __launch_bounds__(Q8_BLOCK) adamw8bit_kernel(float* master, bf16* params, const float* grads,
+__global__ void __launch_bounds__(Q8_BLOCK) adamw8bit_kernel(bf16* params, int16_t* master_low, const float* grads,
                                                              uint8_t* qm, uint8_t* qv, float* absmax_m,
                                                              float* absmax_v, const uint8_t* flags, size_t n_blocks,
                                                              OptimConfig o, const OptimScalars* s, Q8Maps maps) {
@@ -1230,9 +1275,8 @@ __global__ void __launch_bounds__(Q8_BLOCK) adamw8bit_kernel(float* master, bf16
         float g = grads[i] * clip_scale;
         float mi = q8_decode(qm[i], absmax_m[b], map_m), ri = q8_decode(qv[i], absmax_v[b], map_v), vi = ri * ri;
         float wd = (flags[b] & PARAM_FLAG_DECAY) ? o.weight_decay : 0.0f;
-        float p = adamw_element(g, master[i], &mi, &vi, wd, o, lr, bias_corr1, bias_corr2);
-        master[i] = p;
-        params[i] = __float2bfloat16(p);
+        float p = adamw_element(g, master_join(params[i], master_low[i]), &mi, &vi, wd, o, lr, bias_corr1, bias_corr2);
+        params[i] = master_split(p, &master_low[i]);
         ri = sqrtf(vi);
         float am = block_max(fabsf(mi)), av = block_max(ri);
         qm[i] = q8_encode(mi, am, map_m, true);
@@ -1243,14 +1287,14 @@ __global__ void __launch_bounds__(Q8_BLOCK) adamw8bit_kernel(float* master, bf16
 
 // adamw_step's 8-bit twin over n elements (a multiple of Q8_BLOCK); absmax_m, absmax_v and flags
 // point at the range's first block.
-static void adamw8bit_step(float* master, bf16* params, const float* grads, uint8_t* qm, uint8_t* qv, float* absmax_m,
-                           float* absmax_v, const uint8_t* flags, size_t n, const OptimConfig* o, const OptimScalars* s,
-                           cudaStream_t stream) {
+static void adamw8bit_step(bf16* params, int16_t* master_low, const float* grads, uint8_t* qm, uint8_t* qv,
+                           float* absmax_m, float* absmax_v, const uint8_t* flags, size_t n, const OptimConfig* o,
+                           const OptimScalars* s, cudaStream_t stream) {
     size_t n_blocks = n / Q8_BLOCK;
     int grid = n_blocks < 8192 ? (int)n_blocks : 8192;
     if (grid == 0) return;
-    adamw8bit_kernel<<<grid, Q8_BLOCK, 0, stream>>>(master, params, grads, qm, qv, absmax_m, absmax_v, flags, n_blocks,
-                                                     *o, s, *q8_maps());
+    adamw8bit_kernel<<<grid, Q8_BLOCK, 0, stream>>>(params, master_low, grads, qm, qv, absmax_m, absmax_v, flags,
+                                                     n_blocks, *o, s, *q8_maps());
     LAUNCH_CHECK();
 }
 
@@ -1737,14 +1781,13 @@ __global__ void muon_normalize_kernel(bf16* x, const float* u, size_t n, const f
         x[i] = __float2bfloat16(u[i] * inv);
 }
 
-// p -= lr_muon * scale * x, the master weight and its bf16 copy.
-__global__ void muon_update_kernel(float* master, bf16* params, const bf16* x, size_t n, float scale,
+// p -= lr_muon * scale * x on the master weight, held in its two halves.
+__global__ void muon_update_kernel(bf16* params, int16_t* master_low, const bf16* x, size_t n, float scale,
                                    const OptimScalars* s) {
     float step = s->muon_lr * scale;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        float p = master[i] - step * __bfloat162float(x[i]);
-        master[i] = p;
-        params[i] = __float2bfloat16(p);
+        float p = master_join(params[i], master_low[i]) - step * __bfloat162float(x[i]);
+        params[i] = master_split(p, &master_low[i]);
     }
 }
 
@@ -1770,9 +1813,9 @@ static bf16* newton_schulz5(const MuonScratch* w, int R, int C, cudaStream_t str
     return x;
 }
 
-// One Muon update of the matrix [R, C] whose master weights, bf16 copy, gradient and momentum
-// start at the given pointers. partials: REDUCE_BLOCKS floats of scratch for the norm.
-static void muon_matrix_step(float* master, bf16* params, const float* grads, float* buf, int R, int C,
+// One Muon update of the matrix [R, C] whose master weights (bf16 and low halves), gradient and
+// momentum start at the given pointers. partials: REDUCE_BLOCKS floats of scratch for the norm.
+static void muon_matrix_step(bf16* params, int16_t* master_low, const float* grads, float* buf, int R, int C,
                              const MuonScratch* w, float* partials, const OptimConfig* o, const OptimScalars* s,
                              cudaStream_t stream) {
     size_t n = (size_t)R * C;
@@ -1782,7 +1825,7 @@ static void muon_matrix_step(float* master, bf16* params, const float* grads, fl
     muon_normalize_kernel<<<1024, 256, 0, stream>>>(w->x, w->u, n, w->norm_sq);
     LAUNCH_CHECK();
     const bf16* x = newton_schulz5(w, R, C, stream);
-    muon_update_kernel<<<1024, 256, 0, stream>>>(master, params, x, n, sqrtf(fmaxf(1.0f, (float)R / C)), s);
+    muon_update_kernel<<<1024, 256, 0, stream>>>(params, master_low, x, n, sqrtf(fmaxf(1.0f, (float)R / C)), s);
     LAUNCH_CHECK();
 }
 

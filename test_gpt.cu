@@ -131,6 +131,32 @@ static double* from_device_f32(const float* d, size_t n) {
     return x;
 }
 
+// Master weights on the device (kernels.cuh, master_split): x's n values taken as fp32, their bf16
+// halves into a new buffer *w and their low halves into a new buffer *low. And back, joined.
+static void to_device_master(const double* x, size_t n, bf16** w, int16_t** low) {
+    bf16* host_w = (bf16*)malloc(n * sizeof(bf16));
+    int16_t* host_low = (int16_t*)malloc(n * sizeof(int16_t));
+    for (size_t i = 0; i < n; i++) host_w[i] = master_split((float)x[i], &host_low[i]);
+    CUDA_CHECK(cudaMalloc(w, n * sizeof(bf16) + 256));
+    CUDA_CHECK(cudaMalloc(low, n * sizeof(int16_t) + 256));
+    CUDA_CHECK(cudaMemcpy(*w, host_w, n * sizeof(bf16), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(*low, host_low, n * sizeof(int16_t), cudaMemcpyHostToDevice));
+    free(host_w);
+    free(host_low);
+}
+
+static double* from_device_master(const bf16* w, const int16_t* low, size_t n) {
+    bf16* host_w = (bf16*)malloc(n * sizeof(bf16));
+    int16_t* host_low = (int16_t*)malloc(n * sizeof(int16_t));
+    CUDA_CHECK(cudaMemcpy(host_w, w, n * sizeof(bf16), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(host_low, low, n * sizeof(int16_t), cudaMemcpyDeviceToHost));
+    double* x = (double*)malloc(n * sizeof(double));
+    for (size_t i = 0; i < n; i++) x[i] = master_join(host_w[i], host_low[i]);
+    free(host_w);
+    free(host_low);
+    return x;
+}
+
 // Whether two device buffers hold the same bytes (a bit-for-bit comparison of two kernels' outputs).
 static bool device_bytes_equal(const void* a, const void* b, size_t bytes) {
     unsigned char *host_a = (unsigned char*)malloc(bytes), *host_b = (unsigned char*)malloc(bytes);
@@ -346,6 +372,46 @@ static int test_learning_rate_schedules(void) {
     EXPECT(learning_rate(&o, 87) == 1e-3f, "WSD stable phase");
     EXPECT(learning_rate(&o, 88) < 1e-3f && learning_rate(&o, 88) > 9e-4f, "WSD decay starts");
     EXPECT(fabsf(learning_rate(&o, 109) - 1e-4f) < 1e-7f, "WSD ends at min lr: %g", learning_rate(&o, 109));
+    return TEST_RESULT;
+}
+
+// The master weights' two halves (kernels.cuh, master_split): every fp32 value comes back bit for bit
+// from its bf16 half and its low half, and the bf16 half is the value rounded to the nearest bf16,
+// as CUDA's own cast (ties to even) rounds it but on exact ties, which go away from zero. Values:
+// every low pattern under a few bf16 values of both signs (ties among them), normals at scales
+// from 1e-30 to 1e30, subnormals, zeros, the largest finite values (whose rounding overflows to
+// infinity, the join still exact), infinities; a NaN stays a NaN.
+static int test_master_halves_round_trip(void) {
+    int failed = 0;
+    size_t n_values = 0, n_ties = 0, bad_join = 0, bad_round = 0;
+    uint32_t highs[] = {0x3F80, 0x3F81, 0xBF80, 0xBF81, 0x0000, 0x8000, 0x0001, 0x7F7F, 0xFF7F, 0x7F80, 0x4B00};
+    const int n_normals = 200000;
+    for (size_t k = 0; k < sizeof(highs) / sizeof(highs[0]) * 65536 + n_normals; k++) {
+        float x;
+        if (k < sizeof(highs) / sizeof(highs[0]) * 65536) {
+            uint32_t bits = highs[k / 65536] << 16 | (uint32_t)(k % 65536);
+            if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x7FFFFF)) continue;  // NaNs: below
+            memcpy(&x, &bits, 4);
+        } else {
+            x = (float)(rand_normal() * pow(10.0, -30 + 60 * rand_uniform()));
+        }
+        int16_t low;
+        bf16 w = master_split(x, &low);
+        float back = master_join(w, low);
+        bad_join += memcmp(&back, &x, 4) != 0;
+        double wd = __bfloat162float(w), rne = __bfloat162float(__float2bfloat16(x));
+        bool tie = wd != rne && fabs(wd - x) == fabs(rne - x);
+        n_ties += tie;
+        bad_round += !(wd == rne || (tie && fabs(wd) > fabs(rne)));
+        n_values++;
+    }
+    EXPECT(bad_join == 0, "%zu of %zu values did not come back bit for bit", bad_join, n_values);
+    EXPECT(bad_round == 0, "%zu of %zu bf16 halves are not the nearest bf16", bad_round, n_values);
+    EXPECT(n_ties >= 5, "only %zu ties were tried", n_ties);  // the five even highs' 0x8000
+    float nan = NAN;
+    int16_t low;
+    bf16 w = master_split(nan, &low);
+    EXPECT(isnan(master_join(w, low)) && isnan(__bfloat162float(w)), "a NaN did not stay a NaN");
     return TEST_RESULT;
 }
 
@@ -1122,14 +1188,13 @@ static int test_kernel_cross_entropy_matches_two_pass(void) {
     for (auto& s : shapes) {
         int N = s[0], V = s[1];
         size_t n = (size_t)N * V;
-        float* z32;
-        CUDA_CHECK(cudaMalloc(&z32, n * sizeof(float)));
-        init_normal(z32, n, 0.0f, 3.0f, g_rng, 0, 0);
         bf16 *d_old, *d_new;
+        int16_t* low;  // the draws' low halves, unused
         CUDA_CHECK(cudaMalloc(&d_old, n * sizeof(bf16)));
         CUDA_CHECK(cudaMalloc(&d_new, n * sizeof(bf16)));
-        cast_to_bf16(d_old, z32, n, 0);
-        CUDA_CHECK(cudaFree(z32));
+        CUDA_CHECK(cudaMalloc(&low, n * sizeof(int16_t)));
+        init_normal(d_old, low, n, 0.0f, 3.0f, g_rng, 0, 0);
+        CUDA_CHECK(cudaFree(low));
         CUDA_CHECK(cudaMemcpy(d_new, d_old, n * sizeof(bf16), cudaMemcpyDeviceToDevice));
         int* targets = random_targets(N, V);
         int* d_targets = to_device_int(targets, N);
@@ -1738,17 +1803,26 @@ static int test_kernel_embedding_and_reductions(void) {
 }
 
 // AdamW over a range of a buffer with decay flags per PARAM_ALIGN block, after the schedule
-// kernel: the device's learning rate and bias corrections against the host's, the update against
-// fp64, the elements outside the range untouched, and the bf16 copy written where it was asked to
-// go (the start of its own buffer, as ZeRO puts a piece in its place in the full weights).
+// kernel: the device's learning rate and bias corrections against the host's, the update of the
+// fp32 master weights (their two halves joined) against fp64, their bf16 halves the nearest bf16,
+// the elements outside the range untouched, and the bf16 halves read and written where they were
+// asked to be (the start of their own buffer, as ZeRO keeps a piece in its place in the full
+// weights, the rest of that buffer poisoned).
 static int test_kernel_adamw(void) {
     REQUIRE_GPU();
     int failed = 0;
-    size_t n = 100000, begin = 3 * PARAM_ALIGN, end = n - 1001;  // 98615 elements: 4-wide, then a tail of 3
+    size_t n = 100000, begin = 3 * PARAM_ALIGN, end = n - 1001, m = end - begin;  // 98615: 4-wide, a tail of 3
     double *p = random_array(n, 1.0), *g = random_array(n, 0.1), *m0 = random_array(n, 0.01), *v0 = random_array(n, 0.01);
     for (size_t i = 0; i < n; i++) v0[i] = fabs(v0[i]);
-    float *d_p = to_device_f32(p, n), *d_g = to_device_f32(g, n), *d_m = to_device_f32(m0, n), *d_v = to_device_f32(v0, n);
-    bf16* d_pb = (bf16*)device_alloc_poisoned(n * 2);
+    bf16* w = (bf16*)malloc(n * 2);
+    int16_t* low = (int16_t*)malloc(n * 2);
+    for (size_t i = 0; i < n; i++) w[i] = master_split((float)p[i], &low[i]);
+    float *d_g = to_device_f32(g, n), *d_m = to_device_f32(m0, n), *d_v = to_device_f32(v0, n);
+    bf16* d_w = (bf16*)device_alloc_poisoned(n * 2);
+    int16_t* d_low;
+    CUDA_CHECK(cudaMalloc(&d_low, n * 2));
+    CUDA_CHECK(cudaMemcpy(d_w, w + begin, m * 2, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(d_low, low, n * 2, cudaMemcpyHostToDevice));
     size_t n_blocks = (n + PARAM_ALIGN - 1) / PARAM_ALIGN;
     uint8_t* flags = (uint8_t*)malloc(n_blocks);
     for (size_t i = 0; i < n_blocks; i++) flags[i] = rand_uniform() < 0.6;
@@ -1764,7 +1838,7 @@ static int test_kernel_adamw(void) {
     CUDA_CHECK(cudaMalloc(&d_scalars, sizeof(OptimScalars)));
     CUDA_CHECK(cudaMemcpy(d_scalars, &host_scalars, sizeof(OptimScalars), cudaMemcpyHostToDevice));
     optimizer_schedule(&o, d_scalars, 0);
-    adamw_step(d_p + begin, d_pb, d_g + begin, d_m + begin, d_v + begin, d_flags + begin / PARAM_ALIGN, end - begin, &o,
+    adamw_step(d_w, d_low + begin, d_g + begin, d_m + begin, d_v + begin, d_flags + begin / PARAM_ALIGN, m, &o,
                d_scalars, 0);
     CUDA_CHECK(cudaMemcpy(&host_scalars, d_scalars, sizeof(OptimScalars), cudaMemcpyDeviceToHost));
     double lr = learning_rate(&o, t), bc1 = 1 - pow(o.beta1, t + 1), bc2 = 1 - pow(o.beta2, t + 1);
@@ -1773,26 +1847,33 @@ static int test_kernel_adamw(void) {
     EXPECT(fabs(host_scalars.bias_corr1 - bc1) < 1e-5 && fabs(host_scalars.bias_corr2 - bc2) < 1e-5,
            "bias corrections %.7f %.7f vs %.7f %.7f", host_scalars.bias_corr1, host_scalars.bias_corr2, bc1, bc2);
     double scale = sqrt(norm_sq) > o.grad_clip ? o.grad_clip / sqrt(norm_sq) : 1.0;
-    double *gp = from_device_f32(d_p, n), *gpb = from_device_bf16(d_pb, end - begin);
+    bf16* got_w = (bf16*)malloc(n * 2);
+    int16_t* got_low = (int16_t*)malloc(n * 2);
+    CUDA_CHECK(cudaMemcpy(got_w, d_w, n * 2, cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(got_low, d_low, n * 2, cudaMemcpyDeviceToHost));
     // compare the update (p_new - p_old), which is ~lr: fp32 arithmetic on it must hold to 1e-3
-    size_t m = end - begin;
-    double *dgot = (double*)malloc(m * 8), *dwant = (double*)malloc(m * 8), *want = (double*)malloc(m * 8);
+    double *dgot = (double*)malloc(m * 8), *dwant = (double*)malloc(m * 8);
+    size_t not_nearest = 0;
     for (size_t i = begin; i < end; i++) {
         double gi = (float)g[i] * scale, mi = o.beta1 * (float)m0[i] + (1 - o.beta1) * gi;
         double vi = o.beta2 * (float)v0[i] + (1 - o.beta2) * gi * gi, pi = (float)p[i];
         double wd = flags[i / PARAM_ALIGN] ? o.weight_decay : 0.0;
-        want[i - begin] = pi - lr * ((mi / bc1) / (sqrt(vi / bc2) + o.eps) + wd * pi);
-        dgot[i - begin] = gp[i] - pi;
-        dwant[i - begin] = want[i - begin] - pi;
+        float got = master_join(got_w[i - begin], got_low[i]);
+        dgot[i - begin] = got - pi;
+        dwant[i - begin] = pi - lr * ((mi / bc1) / (sqrt(vi / bc2) + o.eps) + wd * pi) - pi;
+        double half = __bfloat162float(got_w[i - begin]), rne = round_bf16(got);  // ties aside, the same
+        not_nearest += half != rne && fabs(half - got) != fabs(rne - got);
     }
     CHECK_CLOSE("adamw update", dgot, dwant, m, 1e-3);
-    CHECK_CLOSE("adamw bf16 copy", gpb, want, m, 4e-3);
-    bool outside_same = true;
-    for (size_t i = 0; i < n; i++)
-        if ((i < begin || i >= end) && gp[i] != (float)p[i]) outside_same = false;
-    EXPECT(outside_same, "elements outside [begin, end) changed");
-    free(p); free(g); free(m0); free(v0); free(want); free(gp); free(gpb); free(dgot); free(dwant); free(flags);
-    void* dev[] = {d_p, d_g, d_m, d_v, d_pb, d_flags, d_scalars};
+    EXPECT(not_nearest == 0, "%zu bf16 halves are not their weight's nearest bf16", not_nearest);
+    size_t changed = 0;
+    for (size_t i = 0; i < n; i++) changed += (i < begin || i >= end) && got_low[i] != low[i];
+    const uint16_t poison = 0xFFFF;  // device_alloc_poisoned's, past the range's bf16 halves
+    for (size_t i = m; i < n; i++) changed += memcmp(&got_w[i], &poison, 2) != 0;
+    EXPECT(changed == 0, "%zu elements outside [begin, end) changed", changed);
+    free(p); free(g); free(m0); free(v0); free(w); free(low); free(got_w); free(got_low); free(dgot); free(dwant);
+    free(flags);
+    void* dev[] = {d_w, d_low, d_g, d_m, d_v, d_flags, d_scalars};
     for (void* d : dev) CUDA_CHECK(cudaFree(d));
     return TEST_RESULT;
 }
@@ -1809,8 +1890,7 @@ static double gpu_forward_backward(GPT* m, Uploader* up, double* p, const uint16
         p[i] = round_bf16(p[i]);
         host[i] = (float)p[i];
     }
-    CUDA_CHECK(cudaMemcpy(m->master, host, n * 4, cudaMemcpyHostToDevice));
-    cast_to_bf16(m->params, m->master, n, m->stream);
+    gpt_upload_state(m, host, NULL);
     for (int i = 0; i < m->table.n_tensors; i++) {  // NaN: the first micro-batch must set every gradient
         const ParamTensor* t = &m->table.tensors[i];
         CUDA_CHECK(cudaMemsetAsync(m->grads + t->offset, 0xFF, (size_t)(t->rows * t->cols) * 4, m->stream));
@@ -2000,11 +2080,13 @@ static int test_model_bucket_hook(void) {
 // and the embedding gets two contributions per micro-batch (the head and the lookup), so its sum
 // is associated differently. So ZeRO 2 with accumulation is held to three things: it repeats bit
 // for bit; after one step its weights are ZeRO 0's to 1e-6 (relative L2: only the fp32 sums'
-// order differs); after six, its losses and weights are ZeRO 0's to 1e-4. Not 1e-6 there: once
-// the fp32 weights differ in their last bits, a few of their bf16 copies round the other way, one
-// bf16 step (2^-8 relative) each, and the later steps differ by some 1e-5 (seen: 7e-6 in the loss).
-// A micro-batch's gradient lost or counted twice moves the weights by the update itself, lr =
-// 3e-3 against weights of about 0.02: 1e-1, not 1e-4.
+// order differs); after six, its losses and weights are ZeRO 0's to 1e-2. Not 1e-6 there: once
+// the fp32 weights differ in their last bits, some of their bf16 halves may round the other way,
+// one bf16 step (2^-8 relative) each, and from there the runs part as any two bf16 runs do. How
+// far depends on whether and where such a flip happens: seen from 0 to 7e-5 in the loss and 1e-9
+// to 1.5e-4 in the weights, with the inputs of different seeds. A micro-batch's gradient lost or
+// counted twice moves the weights by the update itself, lr = 3e-3 against weights of about 0.02:
+// 1e-1, ten times the bound.
 static void zero_mode_run(int zero, int accum, const ModelConfig* c, const uint16_t* windows, int steps,
                           float* losses, float** master) {
     CommEnv env = {};
@@ -2029,8 +2111,7 @@ static void zero_mode_run(int zero, int accum, const ModelConfig* c, const uint1
         CUDA_CHECK(cudaMemcpy(&losses[step], &m.scalars->loss_sum, sizeof(float), cudaMemcpyDeviceToHost));
     }
     *master = (float*)malloc(m.table.n_elements * sizeof(float));
-    gpt_download_state(&m, m.master, *master);
-    CUDA_CHECK(cudaStreamSynchronize(m.stream));
+    gpt_gather_master(&m, *master);
     uploader_free(&up);
     gpt_free(&m);
     comm_close(&comm);
@@ -2065,7 +2146,7 @@ static int test_zero_modes_agree_on_one_gpu(void) {
             double last = rel_l2(master[2], master[0], pt.n_elements);
             EXPECT(one_loss[0] == one_loss[1] && first < 1e-6, "accum 2: after one step ZeRO-2's weights are %.2e "
                    "apart (loss %.7g against %.7g)", first, one_loss[1], one_loss[0]);
-            EXPECT(worst < 1e-4 && last < 1e-4, "accum 2: after %d steps ZeRO-2's losses are %.2e, weights %.2e apart",
+            EXPECT(worst < 1e-2 && last < 1e-2, "accum 2: after %d steps ZeRO-2's losses are %.2e, weights %.2e apart",
                    steps, worst, last);
             printf("    accum 2: ZeRO-2 against ZeRO-0: weights %.1e apart after one step; after %d, losses %.1e, "
                    "weights %.1e (relative)\n", first, steps, worst, last);
@@ -2573,6 +2654,7 @@ static const TestCase model_tests[] = {
     {"param_table_buckets_split_evenly", test_param_table_buckets_split_evenly},
     {"hf_names_cover_every_parameter", test_hf_names_cover_every_parameter},
     {"learning_rate_schedules", test_learning_rate_schedules},
+    {"master_halves_round_trip", test_master_halves_round_trip},
     {"hopper_swiglu_requirements", test_hopper_swiglu_requirements},
     {"hopper_logits_requirements", test_hopper_logits_requirements},
     {"flops_per_token", test_flops_per_token},

@@ -25,10 +25,11 @@
  * whose train_step() is one optimizer step and whose loop main() runs.
  *
  * Precision: bf16 weights and activations for compute (or FP8 for the layers' matmuls with --fp8 1,
- * and the head's with --fp8-head 1), fp32 accumulation everywhere, fp32 master weights and
- * gradients, the optimizer's state in fp32 (or 8 bits). One convention to know: parameters live in
- * ONE flat buffer (the same layout for the fp32 master copy, the bf16 copy and the gradients; the
- * optimizer's buffers hold this rank's pieces of it), laid out layer by layer, so that each layer's
+ * and the head's with --fp8-head 1), fp32 accumulation everywhere, fp32 master weights (held as
+ * the bf16 weights and their low 16 bits: kernels.cuh, master_split) and gradients, the optimizer's
+ * state in fp32 (or 8 bits). One convention to know: parameters live in ONE flat buffer (the same
+ * layout for the bf16 weights, the master weights' low halves and the gradients; the optimizer's
+ * buffers hold this rank's pieces of it), laid out layer by layer, so that each layer's
  * gradients are one contiguous range (a "bucket") that is complete as soon as the backward has left
  * that layer. test_gpt.cu #includes this file with TRAIN_GPT_NO_MAIN defined, so tests run this
  * exact code.
@@ -490,11 +491,11 @@ typedef struct GPT {
     // The flat buffers: bf16 weights and (ZeRO 0, 1) gradients are table.n_elements long; the
     // optimizer's buffers are opt_len long: everything (ZeRO 0) or this rank's pieces of the
     // buckets, one after the other (ZeRO 1, 2).
-    bf16* params;           // bf16 weights used by forward and backward
+    bf16* params;           // bf16 weights used by forward and backward: the master weights' high halves
     float* grads;           // fp32, accumulated over micro-batches (NULL with ZeRO 2)
     size_t opt_len;
     size_t* opt_offset;     // [L + 1] where bucket b's owned part starts in the optimizer's buffers
-    float* master;          // fp32 weights, updated by the optimizer
+    int16_t* master_low;    // the fp32 master weights' low halves (master_join), updated by the optimizer
     OptimizerKind optimizer;
     const OptStateTensor* opt_tensors;  // the optimizer's state tensors (optimizer_state_tensors)
     int n_opt_tensors;
@@ -791,13 +792,13 @@ static size_t largest_bucket(const ParamTable* pt, int n) {
 }
 
 // Sizes every buffer from the config and the ZeRO mode, before anything is allocated: weights
-// (bf16 everywhere; fp32 master only for the owned part), gradients (full, or with ZeRO 2 the ring,
-// bucket L and the reduced pieces), the optimizer's state (and Muon's scratch), and the activations
-// (measured by laying them out over no memory).
+// (bf16 everywhere; the fp32 master's low halves only for the owned part), gradients (full, or with
+// ZeRO 2 the ring, bucket L and the reduced pieces), the optimizer's state (and Muon's scratch), and
+// the activations (measured by laying them out over no memory).
 static void gpt_plan_memory(GPT* m) {
     const ParamTable* pt = &m->table;
     size_t P = pt->n_elements, S = m->opt_len, L = pt->n_layers, sharded = m->dp.zero > 0;
-    m->bytes_params = P * 2 + S * 4;
+    m->bytes_params = P * 2 + S * 2;
     if (m->dp.zero < 2) m->bytes_grads = P * 4 + sharded * S * 4;
     else m->bytes_grads = (2 * largest_bucket(pt, L) + bucket_len(pt, L) + S + largest_bucket(pt, L + 1) / m->dp.world) * 4;
     gpt_plan_optimizer_state(m);
@@ -905,8 +906,8 @@ static void gpt_allocate(GPT* m) {
     size_t P = m->table.n_elements, S = m->opt_len;
     CUDA_CHECK(cudaMalloc(&m->params, P * 2));
     CUDA_CHECK(cudaMemsetAsync(m->params, 0, P * 2, m->stream));
-    CUDA_CHECK(cudaMalloc(&m->master, S * 4));
-    CUDA_CHECK(cudaMemsetAsync(m->master, 0, S * 4, m->stream));
+    CUDA_CHECK(cudaMalloc(&m->master_low, S * 2));
+    CUDA_CHECK(cudaMemsetAsync(m->master_low, 0, S * 2, m->stream));
     CUDA_CHECK(cudaMalloc(&m->opt_state, m->opt_state_bytes));  // all zero: m = v = 0 in every format
     CUDA_CHECK(cudaMemsetAsync(m->opt_state, 0, m->opt_state_bytes, m->stream));
     if (m->optimizer == OPTIMIZER_MUON) {
@@ -990,7 +991,7 @@ static void gpt_build(GPT* m) {
 }
 
 static void gpt_free(GPT* m) {
-    void* buffers[] = {m->master, m->params, m->grads, m->opt_state, m->muon_memory, m->decay_flags, m->scalars,
+    void* buffers[] = {m->master_low, m->params, m->grads, m->opt_state, m->muon_memory, m->decay_flags, m->scalars,
                        m->grad_shard, m->grad_ring[0], m->grad_ring[1], m->grad_tail,
                        m->rs_scratch, m->activation_memory, m->scratch_memory, m->rope_cos, m->fp8.memory};
     for (void* p : buffers) CUDA_CHECK(cudaFree(p));
@@ -1045,18 +1046,12 @@ static void await_params(GPT* m, int b) {
     if (m->dp.zero > 0) CUDA_CHECK(cudaStreamWaitEvent(m->stream, m->params_ready[b], 0));
 }
 
-// The bf16 weights every rank computes with, from the optimizer's fp32 master (init, resume).
+// The bf16 weights every rank computes with, once the master weights are set (init, resume): they
+// are the master's high halves already, so with ZeRO 1/2 only each rank's pieces go to every rank.
 static void publish_params(GPT* m) {
     m->fp8.weights_stale = true;
-    if (m->dp.zero == 0) {
-        cast_to_bf16(m->params, m->master, m->opt_len, m->stream);
-        return;
-    }
-    for (int i = 0; i <= m->table.n_layers; i++) {
-        int b = forward_order(i, m->table.n_layers);
-        cast_to_bf16(owned_params(m, b), m->master + m->opt_offset[b], bucket_piece(m, b), m->stream);
-        send_params(m, b);
-    }
+    if (m->dp.zero == 0) return;
+    for (int i = 0; i <= m->table.n_layers; i++) send_params(m, forward_order(i, m->table.n_layers));
 }
 
 // Initialization as in GPT-2 and torch_baseline.py: matrices N(0, 0.02), norm weights 1.
@@ -1064,7 +1059,8 @@ static void publish_params(GPT* m) {
 // and layer by layer (1 + kind L + layer), so its values depend neither on the layout of the flat
 // buffer nor on the other tensors, nor on which rank initializes which part.
 static void gpt_init(GPT* m, uint64_t seed) {
-    CUDA_CHECK(cudaMemsetAsync(m->master, 0, m->opt_len * 4, m->stream));
+    CUDA_CHECK(cudaMemsetAsync(m->params, 0, m->table.n_elements * 2, m->stream));  // the padding
+    CUDA_CHECK(cudaMemsetAsync(m->master_low, 0, m->opt_len * 2, m->stream));
     for (int i = 0; i < m->table.n_tensors; i++) {
         const ParamTensor* t = &m->table.tensors[i];
         int b = bucket_of(t, m->table.n_layers);
@@ -1073,10 +1069,11 @@ static void gpt_init(GPT* m, uint64_t seed) {
         size_t begin = t->offset > own_begin ? t->offset : own_begin;
         size_t end = t->offset + n < own_end ? t->offset + n : own_end;
         if (begin >= end) continue;
-        float* dst = m->master + m->opt_offset[b] + (begin - own_begin);
+        bf16* w = m->params + begin;
+        int16_t* low = m->master_low + m->opt_offset[b] + (begin - own_begin);
         uint64_t stream = t->kind == P_EMBED ? 0 : 1 + (uint64_t)t->kind * m->cfg.n_layer + t->layer;
-        if (t->decay) init_normal(dst, end - begin, 0.0f, 0.02f, seed * 1000003 + stream, begin - t->offset, m->stream);
-        else init_normal(dst, end - begin, 1.0f, 0.0f, 0, 0, m->stream);
+        if (t->decay) init_normal(w, low, end - begin, 0.0f, 0.02f, seed * 1000003 + stream, begin - t->offset, m->stream);
+        else init_normal(w, low, end - begin, 1.0f, 0.0f, 0, 0, m->stream);
     }
     publish_params(m);
 }
@@ -1089,7 +1086,7 @@ static void print_memory_plan(const GPT* m) {
     printf("optimizer: %s, its state %.3f bytes per parameter held%s\n", OPTIMIZER_NAMES[m->optimizer],
            (double)m->opt_state_bytes / m->opt_len,
            m->optimizer == OPTIMIZER_ADAMW8BIT ? " (AdamW's: 8)" : m->optimizer == OPTIMIZER_MUON ? " (momentum; v for AdamW's part)" : "");
-    printf("memory plan (GiB): params %.2f (fp32 master + bf16) | grads %.2f | optimizer %.2f | "
+    printf("memory plan (GiB): params %.2f (bf16 + the fp32 master's low halves) | grads %.2f | optimizer %.2f | "
            "activations %.2f (recompute %d of %d layers) | scratch %.2f (logits chunk %d rows) | cuBLASLt workspace "
            "%.2f | total %.2f\n",
            gib(m->bytes_params), gib(m->bytes_grads), gib(m->bytes_optimizer), gib(m->bytes_activations),
@@ -1389,7 +1386,7 @@ static void mlp_gate_up(GPT* m, int l) {
 // (=, beta 0). The first micro-batch of an optimizer step sets them, so nothing zeroes them and no
 // product reads them back before its first write: at 1b that is 4.3 GB of memset and as much read
 // a step saved. The padding between tensors, which no kernel writes and the norm and the optimizer
-// read, stays zero from its allocation (gpt_allocate_grads; gpt_download_state, which borrows the
+// read, stays zero from its allocation (gpt_allocate_grads; gpt_download_master, which borrows the
 // buffers, zeroes them again). Later micro-batches add. With ZeRO 2 each micro-batch sets them:
 // its buckets lie in ring slots that every micro-batch fills afresh, once the previous contents
 // have been reduce-scattered into this rank's piece (grads_ready).
@@ -1747,16 +1744,16 @@ static void sum_over_ranks(GPT* m, float* scalars, int count) {
 }
 
 // AdamW, or 8-bit AdamW, over the n optimizer elements from `at` (Muon's elements are skipped by
-// their flag), writing their bf16 weights at `params`.
+// their flag), whose master weights' bf16 halves are at `params`.
 static void adamw_range(GPT* m, const OptimConfig* o, const float* grads, size_t at, bf16* params, size_t n) {
     const uint8_t* flags = m->decay_flags + at / PARAM_ALIGN;
     void* st = m->opt_state;
     if (m->optimizer == OPTIMIZER_ADAMW8BIT)
-        adamw8bit_step(m->master + at, params, grads + at, (uint8_t*)opt_part(m, st, OPT_Q8_M, at),
+        adamw8bit_step(params, m->master_low + at, grads + at, (uint8_t*)opt_part(m, st, OPT_Q8_M, at),
                        (uint8_t*)opt_part(m, st, OPT_Q8_R, at), (float*)opt_part(m, st, OPT_Q8_M_ABSMAX, at),
                        (float*)opt_part(m, st, OPT_Q8_R_ABSMAX, at), flags, n, o, m->scalars, m->stream);
     else
-        adamw_step(m->master + at, params, grads + at, (float*)opt_part(m, st, OPT_EXP_AVG, at),
+        adamw_step(params, m->master_low + at, grads + at, (float*)opt_part(m, st, OPT_EXP_AVG, at),
                    (float*)opt_part(m, st, OPT_EXP_AVG_SQ, at), flags, n, o, m->scalars, m->stream);
 }
 
@@ -1791,7 +1788,7 @@ static bool fp8_matrix(const GPT* m, ParamKind kind) {
 static void adamw_making_fp8_weights(GPT* m, const OptimConfig* o) {
     const ParamTable* pt = &m->table;
     GptFp8* f = &m->fp8;
-    AdamwBuffers adamw = {m->master, m->params, m->grads, (float*)opt_part(m, m->opt_state, OPT_EXP_AVG, 0),
+    AdamwBuffers adamw = {m->params, m->master_low, m->grads, (float*)opt_part(m, m->opt_state, OPT_EXP_AVG, 0),
                           (float*)opt_part(m, m->opt_state, OPT_EXP_AVG_SQ, 0), m->decay_flags, *o, m->scalars};
     for (int i = 0; i < pt->n_tensors; i++) {
         const ParamTensor* t = &pt->tensors[i];
@@ -1822,7 +1819,7 @@ static void muon_matrices(GPT* m, const OptimConfig* o) {
         int n = muon_blocks(&m->cfg, t, rows);
         size_t at = t->offset;
         for (int k = 0; k < n; at += (size_t)rows[k] * t->cols, k++)
-            muon_matrix_step(m->master + at, m->params + at, m->grads + at,
+            muon_matrix_step(m->params + at, m->master_low + at, m->grads + at,
                              (float*)opt_part(m, m->opt_state, OPT_EXP_AVG, at),
                              (int)rows[k], (int)t->cols, &m->muon, m->act.partials, o, m->scalars, m->stream);
     }
@@ -2341,42 +2338,74 @@ static bool checkpoint_read(const GPT* m, const char* dir, Restored* out, char* 
     return ok;
 }
 
-// Puts the master weights (a host copy of the whole flat layout) on the GPU, this rank's parts of
-// them, with the bf16 weights, and the optimizer's state when given (a host copy of opt_state).
+// Puts the master weights (a host copy of the whole flat layout, fp32) on the GPU, this rank's
+// parts of them, split into their two halves, and the optimizer's state when given (a host copy of
+// opt_state).
 static void gpt_upload_state(GPT* m, const float* master, const void* opt_state) {
+    size_t n = m->table.n_elements;
+    bf16* w = (bf16*)xmalloc(n * sizeof(bf16));
+    int16_t* low = (int16_t*)xmalloc(n * sizeof(int16_t));
+    for (size_t i = 0; i < n; i++) w[i] = master_split(master[i], &low[i]);
     for (int b = 0; b <= m->table.n_layers; b++) {
         size_t begin, end;
         owned_part(m, b, &begin, &end);
-        CUDA_CHECK(cudaMemcpy(m->master + m->opt_offset[b], master + begin, (end - begin) * 4, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(m->params + begin, w + begin, (end - begin) * 2, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(m->master_low + m->opt_offset[b], low + begin, (end - begin) * 2, cudaMemcpyHostToDevice));
     }
+    free(w);
+    free(low);
     if (opt_state) CUDA_CHECK(cudaMemcpy(m->opt_state, opt_state, m->opt_state_bytes, cudaMemcpyHostToDevice));
     publish_params(m);
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
 }
 
-// The reverse, into pinned or pageable host memory of the flat layout (queued on the model's
-// stream, or with ZeRO 1/2 on the comm stream behind an all-gather per bucket, through a
-// gradient buffer, which is free between steps and zeroed again after: its padding must read
-// zero, grads_accumulate). Every rank must call it; host is filled on rank 0 only (other ranks
-// pass NULL). The caller synchronizes.
-static void gpt_download_state(GPT* m, const float* state, float* host) {
+// The reverse, the master weights' two halves of the whole flat layout into pinned or pageable
+// host memory (queued on the model's stream, or with ZeRO 1/2 on the comm stream: the bf16 halves
+// are whole on every rank once the optimizer step's all-gathers are done, which that stream runs
+// first; the low halves come by an all-gather per bucket, through a gradient buffer, which is free
+// between steps and zeroed again after: its padding must read zero, grads_accumulate). Every rank
+// must call it; the host arrays are filled on rank 0 only (other ranks pass NULL). The caller
+// synchronizes, and joins the halves (master_join).
+static void gpt_download_master(GPT* m, bf16* host_w, int16_t* host_low) {
     const ParamTable* pt = &m->table;
+    size_t n = pt->n_elements;
     if (m->dp.zero == 0) {
-        if (host) CUDA_CHECK(cudaMemcpyAsync(host, state, pt->n_elements * 4, cudaMemcpyDeviceToHost, m->stream));
+        if (!host_w) return;
+        CUDA_CHECK(cudaMemcpyAsync(host_w, m->params, n * 2, cudaMemcpyDeviceToHost, m->stream));
+        CUDA_CHECK(cudaMemcpyAsync(host_low, m->master_low, n * 2, cudaMemcpyDeviceToHost, m->stream));
         return;
     }
     Comm* c = m->dp.comm;
     comm_follow(c, m->stream);
+    if (host_w) CUDA_CHECK(cudaMemcpyAsync(host_w, m->params, n * 2, cudaMemcpyDeviceToHost, c->stream));
     for (int b = 0; b <= pt->n_layers; b++) {
         float* whole = m->dp.zero == 1 ? m->grads + pt->bucket_offset[b]
                        : b == pt->n_layers ? m->grad_tail : m->grad_ring[0];
-        comm_all_gather(c, state + m->opt_offset[b], whole, bucket_piece(m, b), sizeof(float));
-        if (host)
-            CUDA_CHECK(cudaMemcpyAsync(host + pt->bucket_offset[b], whole, bucket_len(pt, b) * 4,
+        comm_all_gather(c, m->master_low + m->opt_offset[b], whole, bucket_piece(m, b), sizeof(int16_t));
+        if (host_low)
+            CUDA_CHECK(cudaMemcpyAsync(host_low + pt->bucket_offset[b], whole, bucket_len(pt, b) * 2,
                                        cudaMemcpyDeviceToHost, c->stream));
-        CUDA_CHECK(cudaMemsetAsync(whole, 0, bucket_len(pt, b) * 4, c->stream));
+        CUDA_CHECK(cudaMemsetAsync(whole, 0, bucket_len(pt, b) * 2, c->stream));
     }
     comm_join(c, m->stream);
+}
+
+// The master weights in fp32 from their two halves on the host, n of them.
+static void master_join_all(float* master, const bf16* w, const int16_t* low, size_t n) {
+    for (size_t i = 0; i < n; i++) master[i] = master_join(w[i], low[i]);
+}
+
+// The master weights of the whole flat layout in fp32, into `host` on rank 0 (NULL on the other
+// ranks, which must call it too): downloaded, then joined.
+static void gpt_gather_master(GPT* m, float* host) {
+    size_t n = m->table.n_elements;
+    bf16* w = host ? (bf16*)xmalloc(n * sizeof(bf16)) : NULL;
+    int16_t* low = host ? (int16_t*)xmalloc(n * sizeof(int16_t)) : NULL;
+    gpt_download_master(m, w, low);
+    CUDA_CHECK(cudaStreamSynchronize(m->stream));
+    if (host) master_join_all(host, w, low, n);
+    free(w);
+    free(low);
 }
 
 #ifndef TRAIN_GPT_NO_MAIN
@@ -2849,7 +2878,9 @@ typedef struct {
     const GPT* model;
     bool owner;              // rank 0: it owns the checkpoint directory and writes the master weights
     bool writes_shard;       // it writes a shard of the optimizer's state (rank 0; with ZeRO 1, 2 every rank)
-    float* host_master;      // pinned, the owner's: the whole flat layout
+    bf16* host_w;            // pinned, the owner's: the master weights' two halves, the whole flat layout
+    int16_t* host_low;
+    float* host_master;      // the owner's: the two joined in fp32, by the writer thread
     void* host_opt_state;    // pinned: this rank's optimizer state (opt_state_bytes)
     void* host_fp8;          // pinned, the owner's in FP8 runs: fp8_scales.bin's bytes
     cudaStream_t stream;
@@ -2872,7 +2903,11 @@ static void checkpointer_create(Checkpointer* c, const GPT* m, const char* out_d
     c->keep_last = keep_last;
     c->owner = m->dp.rank == 0;
     c->writes_shard = c->owner || m->dp.zero > 0;
-    if (c->owner) CUDA_CHECK(cudaMallocHost(&c->host_master, m->table.n_elements * sizeof(float)));
+    if (c->owner) {
+        CUDA_CHECK(cudaMallocHost(&c->host_w, m->table.n_elements * sizeof(bf16)));
+        CUDA_CHECK(cudaMallocHost(&c->host_low, m->table.n_elements * sizeof(int16_t)));
+        c->host_master = (float*)xmalloc(m->table.n_elements * sizeof(float));
+    }
     if (c->writes_shard) CUDA_CHECK(cudaMallocHost(&c->host_opt_state, m->opt_state_bytes));
     if (c->owner && m->fp8.on) CUDA_CHECK(cudaMallocHost(&c->host_fp8, fp8_state_bytes(m)));
     CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
@@ -2884,10 +2919,11 @@ static void* checkpoint_thread(void* arg) {
     Checkpointer* c = (Checkpointer*)arg;
     CUDA_CHECK(cudaEventSynchronize(c->copied));
     double t0 = now_seconds();
-    if (c->owner)
+    if (c->owner) {
+        master_join_all(c->host_master, c->host_w, c->host_low, c->model->table.n_elements);
         c->failed = !checkpoint_write_owner(c->model, c->host_master, c->host_opt_state, c->host_fp8, &c->state,
                                             c->out_dir, c->keep_last, c->err, sizeof(c->err));
-    else
+    } else
         c->failed = !checkpoint_write_shard(c->model, c->host_opt_state, c->state.step, c->out_dir, c->err,
                                             sizeof(c->err));
     c->write_seconds = now_seconds() - t0;
@@ -2909,7 +2945,7 @@ static bool checkpoint_wait(Checkpointer* c) {
 // calls it. The master weights go whole to rank 0 (with ZeRO 1/2 every rank joins the all-gathers
 // that bring the pieces there); each rank that writes a shard copies its moments.
 static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state) {
-    if (m->dp.zero > 0) gpt_download_state(m, m->master, c->host_master);  // NULL but on rank 0
+    if (m->dp.zero > 0) gpt_download_master(m, c->host_w, c->host_low);  // NULL but on rank 0
     if (!c->writes_shard) return;
     if (c->host_fp8) {  // on the model's stream: the next forward's casts update the scales (a few KB)
         fp8_state_header(m, c->host_fp8);
@@ -2919,7 +2955,10 @@ static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state)
     CUDA_CHECK(cudaEventRecord(c->ready, m->stream));
     CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ready, 0));
     size_t S = m->opt_len;
-    if (m->dp.zero == 0) CUDA_CHECK(cudaMemcpyAsync(c->host_master, m->master, S * 4, cudaMemcpyDeviceToHost, c->stream));
+    if (m->dp.zero == 0) {
+        CUDA_CHECK(cudaMemcpyAsync(c->host_w, m->params, S * 2, cudaMemcpyDeviceToHost, c->stream));
+        CUDA_CHECK(cudaMemcpyAsync(c->host_low, m->master_low, S * 2, cudaMemcpyDeviceToHost, c->stream));
+    }
     CUDA_CHECK(cudaMemcpyAsync(c->host_opt_state, m->opt_state, m->opt_state_bytes, cudaMemcpyDeviceToHost, c->stream));
     CUDA_CHECK(cudaEventRecord(c->copied, c->stream));
     c->state = *state;
@@ -2930,7 +2969,9 @@ static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state)
 
 static void checkpointer_free(Checkpointer* c) {
     checkpoint_wait(c);
-    CUDA_CHECK(cudaFreeHost(c->host_master));
+    CUDA_CHECK(cudaFreeHost(c->host_w));
+    CUDA_CHECK(cudaFreeHost(c->host_low));
+    free(c->host_master);
     CUDA_CHECK(cudaFreeHost(c->host_opt_state));
     CUDA_CHECK(cudaFreeHost(c->host_fp8));
     CUDA_CHECK(cudaStreamDestroy(c->stream));
@@ -3535,8 +3576,7 @@ static void trainer_finish(Trainer* t) {
     if (o->export_dir) {  // every rank joins the gather of the master weights; rank 0 writes
         bool writer = t->env.rank == 0;
         float* master = writer ? (float*)xmalloc(t->model.table.n_elements * sizeof(float)) : NULL;
-        gpt_download_state(&t->model, t->model.master, master);
-        CUDA_CHECK(cudaStreamSynchronize(t->model.stream));
+        gpt_gather_master(&t->model, master);
         if (writer && !export_hf(&t->model, master, o->export_dir, err, sizeof(err))) die("--export: %s", err);
         printf("exported transformers' Qwen3 checkpoint to %s\n", o->export_dir);
         free(master);

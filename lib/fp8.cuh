@@ -194,8 +194,8 @@ __global__ static void __launch_bounds__(256) fp8_cast_kernel(uint8_t* out, uint
 // buffers from their element 0 (ZeRO 0's whole buffers), the decay flags, the settings and the
 // step's scalars on the device.
 typedef struct {
-    float* master;
-    bf16* params;
+    bf16* params;          // the master weights' bf16 halves
+    int16_t* master_low;   // and their low halves (kernels.cuh, master_split)
     const float* grads;
     float* m;
     float* v;
@@ -206,10 +206,10 @@ typedef struct {
 
 // AdamW's step on a weight matrix [rows, cols] (its elements from `first` on in every flat buffer)
 // with its E4M3 copies made in the same pass (doc/fp8.md): the step on each element as adamw_kernel
-// takes it (adamw4, bf16x4_of: the same arithmetic, the same bits), writing what adamw_kernel
-// writes (master, both moments, the bf16 weights), then the codes of the new bf16 weights at the
-// delayed scale s->scale into W (weights) and, through a shared tile, W^T (weights_t), and their
-// amax recorded: what a delayed cast of the bf16 weights after AdamW would store and record. One
+// takes it (adamw4, master_store4: the same arithmetic, the same bits), writing what adamw_kernel
+// writes (both moments, both halves of the master weights), then the codes of the new bf16 weights
+// at the delayed scale s->scale into W (weights) and, through a shared tile, W^T (weights_t), and
+// their amax recorded: what a delayed cast of the bf16 weights after AdamW would store and record. One
 // launch serves a kind's matrix in every layer (blockIdx.z: the layer): they have one shape and lie
 // layer_stride elements apart in every flat buffer, their weight scales scale_stride apart. AdamW's
 // elements only: a flag's PARAM_FLAG_MUON is not looked at (Muon keeps the unfused path).
@@ -239,7 +239,7 @@ __global__ static void __launch_bounds__(256) fp8_adamw_kernel(uint8_t* weights,
         size_t i = first + (size_t)(r0 + tr + 8 * k) * cols + c0 + tc;
         if (r0 + tr + 8 * k < rows && c0 + tc < cols)
             g[k] = *(const float4*)(a.grads + i), m[k] = *(float4*)(a.m + i), v[k] = *(float4*)(a.v + i),
-            p[k] = *(float4*)(a.master + i);
+            p[k] = master_load4(a.params, a.master_low, i / 4);
     }
     float amax = 0.0f;
 #pragma unroll
@@ -251,9 +251,7 @@ __global__ static void __launch_bounds__(256) fp8_adamw_kernel(uint8_t* weights,
         adamw4(scaled4(g[k], clip_scale), &m[k], &v[k], &p[k], wd, a.o, lr, bias_corr1, bias_corr2);
         *(float4*)(a.m + i) = m[k];
         *(float4*)(a.v + i) = v[k];
-        *(float4*)(a.master + i) = p[k];
-        Bf16x4 w = bf16x4_of(p[k]);
-        *(uint2*)(a.params + i) = w.bytes;
+        Bf16x4 w = master_store4(p[k], a.params, a.master_low, i / 4);
         uint32_t codes = fp8_encode2<__NV_E4M3>(w.pair[0].x, w.pair[0].y, scale, &amax) |
                          (uint32_t)fp8_encode2<__NV_E4M3>(w.pair[1].x, w.pair[1].y, scale, &amax) << 16;
         *(uint32_t*)(weights + i) = codes;

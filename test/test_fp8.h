@@ -758,8 +758,7 @@ static Fp8StepState fp8_step_state_download(GPT* m) {
     size_t n = m->table.n_elements, n_scales = fp8_n_scales(&m->cfg);
     Fp8StepState s = {(float*)malloc(n * 4), (bf16*)malloc(n * 2), (uint8_t*)malloc(m->opt_state_bytes),
                       (uint8_t*)malloc(n), (uint8_t*)malloc(n), (Fp8Scale*)malloc(n_scales * sizeof(Fp8Scale))};
-    CUDA_CHECK(cudaStreamSynchronize(m->stream));
-    CUDA_CHECK(cudaMemcpy(s.master, m->master, n * 4, cudaMemcpyDeviceToHost));
+    gpt_gather_master(m, s.master);
     CUDA_CHECK(cudaMemcpy(s.params, m->params, n * 2, cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(s.opt_state, m->opt_state, m->opt_state_bytes, cudaMemcpyDeviceToHost));
     CUDA_CHECK(cudaMemcpy(s.weights, m->fp8.weights, n, cudaMemcpyDeviceToHost));
@@ -833,13 +832,12 @@ static int test_fp8_gpu_adamw_makes_the_weights(void) {
         }
         Fp8StepState got[2];
         for (int fused = 0; fused < 2; fused++) {
-            CUDA_CHECK(cudaMemcpy(m.master, master, n * 4, cudaMemcpyHostToDevice));
+            gpt_upload_state(&m, master, NULL);
             CUDA_CHECK(cudaMemcpy(m.grads, grads, n * 4, cudaMemcpyHostToDevice));
             CUDA_CHECK(cudaMemcpy(m.opt_state, opt, m.opt_state_bytes, cudaMemcpyHostToDevice));
             CUDA_CHECK(cudaMemcpy(m.fp8.scales, scales, n_scales * sizeof(Fp8Scale), cudaMemcpyHostToDevice));
             CUDA_CHECK(cudaMemset(m.fp8.weights, 0xFF, n));
             CUDA_CHECK(cudaMemset(m.fp8.weights_t, 0xFF, n));
-            cast_to_bf16(m.params, m.master, n, m.stream);
             set_step(&m, 5);
             m.fp8.calibrated = true;
             m.fp8.fuse_weights = fused == 1;

@@ -201,7 +201,7 @@ static int test_q8_gpu_round_trip(void) {
 }
 
 // The fused 8-bit AdamW kernel over a range (blocks 3 .. 3+nb of a buffer) against
-// ref_adamw8bit_step: the weights' update, the bf16 copy, and the new state decoded.
+// ref_adamw8bit_step: the master weights' update, their bf16 halves, and the new state decoded.
 static int test_adamw8bit_gpu_kernel(void) {
     REQUIRE_GPU();
     int failed = 0;
@@ -212,9 +212,11 @@ static int test_adamw8bit_gpu_kernel(void) {
     for (size_t i = 0; i < n; i++) qm[i] = (uint8_t)(rand_uniform() * 256), qv[i] = (uint8_t)(rand_uniform() * 256);
     for (size_t b = 0; b < n / Q8_BLOCK; b++)
         am[b] = (float)(0.01 * exp(rand_normal())), av[b] = (float)(1e-4 * exp(rand_normal())), flags[b] = b % 3 != 0;
-    float *d_p = to_device_f32(p, n), *d_g = to_device_f32(g, n), *d_am, *d_av;
+    float *d_g = to_device_f32(g, n), *d_am, *d_av;
     uint8_t *d_qm, *d_qv, *d_flags;
-    bf16* d_pb = (bf16*)device_alloc_poisoned(len * 2);
+    bf16* d_w;
+    int16_t* d_low;
+    to_device_master(p, n, &d_w, &d_low);
     CUDA_CHECK(cudaMalloc(&d_qm, n));
     CUDA_CHECK(cudaMalloc(&d_qv, n));
     CUDA_CHECK(cudaMalloc(&d_flags, n / Q8_BLOCK));
@@ -233,10 +235,10 @@ static int test_adamw8bit_gpu_kernel(void) {
     CUDA_CHECK(cudaMemcpy(d_scalars, &host_scalars, sizeof(OptimScalars), cudaMemcpyHostToDevice));
     optimizer_schedule(&o, d_scalars, 0);
     size_t b0 = begin / Q8_BLOCK;
-    adamw8bit_step(d_p + begin, d_pb, d_g + begin, d_qm + begin, d_qv + begin, d_am + b0, d_av + b0, d_flags + b0, len,
-                   &o, d_scalars, 0);
-    double* gp = from_device_f32(d_p, n);
-    double* gpb = from_device_bf16(d_pb, len);
+    adamw8bit_step(d_w + begin, d_low + begin, d_g + begin, d_qm + begin, d_qv + begin, d_am + b0, d_av + b0,
+                   d_flags + b0, len, &o, d_scalars, 0);
+    double* gp = from_device_master(d_w, d_low, n);
+    double* gpb = from_device_bf16(d_w + begin, len);
     uint8_t *gqm = (uint8_t*)malloc(n), *gqv = (uint8_t*)malloc(n);
     float *gam = (float*)malloc(n / Q8_BLOCK * 4), *gav = (float*)malloc(n / Q8_BLOCK * 4);
     CUDA_CHECK(cudaMemcpy(gqm, d_qm, n, cudaMemcpyDeviceToHost));
@@ -263,7 +265,7 @@ static int test_adamw8bit_gpu_kernel(void) {
         far_codes += abs((int)(gqm[i] & 127) - (int)(qm[i] & 127)) > 1 || abs((int)gqv[i] - (int)qv[i]) > 1;
     }
     CHECK_CLOSE("adamw8bit update", dgot, dwant, len, 1e-3);
-    CHECK_CLOSE("adamw8bit bf16 copy", gpb, want + begin, len, 4e-3);
+    CHECK_CLOSE("adamw8bit bf16 halves", gpb, want + begin, len, 4e-3);
     CHECK_CLOSE("adamw8bit m (decoded)", m_got, m_want, len, 1e-3);
     CHECK_CLOSE("adamw8bit sqrt(v) (decoded)", v_got, v_want, len, 1e-3);
     EXPECT(far_codes == 0, "%d codes more than one step from the reference's", far_codes);
@@ -274,7 +276,7 @@ static int test_adamw8bit_gpu_kernel(void) {
     free(p); free(g); free(qm); free(qv); free(flags); free(am); free(av); free(gp); free(gpb); free(gqm); free(gqv);
     free(gam); free(gav); free(want); free(gf); free(dgot); free(dwant); free(m_got); free(m_want); free(v_got);
     free(v_want);
-    void* dev[] = {d_p, d_g, d_pb, d_qm, d_qv, d_flags, d_am, d_av, d_scalars};
+    void* dev[] = {d_w, d_low, d_g, d_qm, d_qv, d_flags, d_am, d_av, d_scalars};
     for (void* d : dev) CUDA_CHECK(cudaFree(d));
     return TEST_RESULT;
 }
@@ -291,8 +293,10 @@ static int test_muon_gpu_step(void) {
         int R = shape[0], C = shape[1];
         size_t n = (size_t)R * C, side = R < C ? R : C;
         double *p = random_array(n, 0.02), *g = random_array(n, 0.01), *buf = random_array(n, 0.01);
-        float *d_p = to_device_f32(p, n), *d_g = to_device_f32(g, n), *d_buf = to_device_f32(buf, n), *d_partials;
-        bf16* d_pb = (bf16*)device_alloc_poisoned(n * 2);
+        float *d_g = to_device_f32(g, n), *d_buf = to_device_f32(buf, n), *d_partials;
+        bf16* d_w;
+        int16_t* d_low;
+        to_device_master(p, n, &d_w, &d_low);
         MuonScratch w;
         CUDA_CHECK(cudaMalloc(&w.u, n * 4));
         CUDA_CHECK(cudaMalloc(&w.x, n * 2));
@@ -307,7 +311,7 @@ static int test_muon_gpu_step(void) {
         CUDA_CHECK(cudaMalloc(&d_scalars, sizeof(OptimScalars)));
         CUDA_CHECK(cudaMemcpy(d_scalars, &host_scalars, sizeof(OptimScalars), cudaMemcpyHostToDevice));
         optimizer_schedule(&o, d_scalars, 0);
-        muon_matrix_step(d_p, d_pb, d_g, d_buf, R, C, &w, d_partials, &o, d_scalars, 0);
+        muon_matrix_step(d_w, d_low, d_g, d_buf, R, C, &w, d_partials, &o, d_scalars, 0);
         CUDA_CHECK(cudaMemcpy(&host_scalars, d_scalars, sizeof(OptimScalars), cudaMemcpyDeviceToHost));
         OptimConfig muon = o;
         muon.lr = o.muon_lr;
@@ -316,17 +320,17 @@ static int test_muon_gpu_step(void) {
         double *want = (double*)malloc(n * 8), *want_buf = (double*)malloc(n * 8), *gf = (double*)malloc(n * 8);
         for (size_t i = 0; i < n; i++) want[i] = (float)p[i], want_buf[i] = (float)buf[i], gf[i] = (float)g[i];
         ref_muon_step(want, want_buf, gf, R, C, lr, o.muon_momentum);
-        double *gp = from_device_f32(d_p, n), *gbuf = from_device_f32(d_buf, n), *gpb = from_device_bf16(d_pb, n);
+        double *gp = from_device_master(d_w, d_low, n), *gbuf = from_device_f32(d_buf, n), *gpb = from_device_bf16(d_w, n);
         double *dgot = (double*)malloc(n * 8), *dwant = (double*)malloc(n * 8);
         for (size_t i = 0; i < n; i++) dgot[i] = gp[i] - (float)p[i], dwant[i] = want[i] - (float)p[i];
         double err = rel_l2(dgot, dwant, n);
         printf("    %dx%d: relative L2 error of Muon's update (bf16 Newton-Schulz vs fp64) %.4f\n", R, C, err);
         CHECK_CLOSE("muon momentum", gbuf, want_buf, n, 1e-6);
         CHECK_CLOSE("muon update", dgot, dwant, n, 5e-2);
-        CHECK_CLOSE("muon bf16 copy", gpb, want, n, 4e-3);
+        CHECK_CLOSE("muon bf16 halves", gpb, want, n, 4e-3);
         free(p); free(g); free(buf); free(want); free(want_buf); free(gf); free(gp); free(gbuf); free(gpb); free(dgot);
         free(dwant);
-        void* dev[] = {d_p, d_g, d_buf, d_pb, w.u, w.x, w.y, w.a, w.b, w.norm_sq, d_partials, d_scalars};
+        void* dev[] = {d_w, d_low, d_g, d_buf, w.u, w.x, w.y, w.a, w.b, w.norm_sq, d_partials, d_scalars};
         for (void* d : dev) CUDA_CHECK(cudaFree(d));
     }
     matmul_free();
