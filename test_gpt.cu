@@ -616,6 +616,68 @@ static int test_recompute_auto_choice(void) {
     return TEST_RESULT;
 }
 
+// --max-memory (plan_within_limit, recompute_room), on the host: for the default model and 1b, a
+// limit at each plan's size, one byte under and one over, and GPUs with plenty of memory free or
+// less than the limit. --recompute auto must pick the fewest recomputed layers whose plan takes at
+// most the limit and leaves the margin free (found here by planning every k in turn), or none; the
+// limit check must pass that plan and refuse the plan with one layer fewer, in one line that
+// names the flag and says what would lower it.
+static int test_recompute_within_max_memory(void) {
+    int failed = 0;
+    const ModelConfig one_b = {50304, 2048, 16, 32, 8, 64, 8192, 1024, 1e6f, 1e-6f};
+    struct {
+        const ModelConfig* c;
+        int B;
+    } cases[] = {{&DEFAULT_CONFIG, 32}, {&one_b, 8}};
+    const size_t margin = RECOMPUTE_MARGIN_BYTES;
+    for (auto& tc : cases) {
+        const ModelConfig* c = tc.c;
+        int L = c->n_layer;
+        size_t plan[MAX_LAYERS + 1];
+        for (int k = 0; k <= L; k++) {
+            GPT m;
+            gpt_plan(&m, c, tc.B, c->seq_len, k, 4096, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
+            plan[k] = gpt_bytes_total(&m);
+            gpt_plan_free(&m);
+        }
+        GPT m;
+        gpt_plan(&m, c, tc.B, c->seq_len, L, 4096, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
+        int checked = 0;
+        for (int k = 0; k <= L; k++)
+            for (int d = -1; d <= 1; d++) {
+                size_t limit = plan[k] + d;
+                size_t frees[] = {(size_t)1 << 50, limit + margin / 2};
+                for (size_t f : frees) {
+                    int want = -1;  // the fewest k whose plan keeps to the limit and to f with the margin
+                    for (int j = L; j >= 0; j--)
+                        if (plan[j] <= limit && plan[j] + margin <= f) want = j;
+                    char err[512] = "";
+                    int got = recompute_layers_that_fit(&m, recompute_room(f, limit), margin, err, sizeof(err));
+                    EXPECT(got == want, "L %d, limit %zu, %zu free: chose %d, expected %d", L, limit, f, got, want);
+                    if (got < 0) continue;
+                    EXPECT(plan_within_limit(&m, limit, err, sizeof(err)), "L %d: the chosen plan (%d) is refused: %s",
+                           L, got, err);
+                    if (got == 0) continue;
+                    GPT fewer;
+                    gpt_plan(&fewer, c, tc.B, c->seq_len, got - 1, 4096, &ONE_GPU, OPTIMIZER_ADAMW, FP8_OFF);
+                    bool over = !plan_within_limit(&fewer, limit, err, sizeof(err));
+                    EXPECT(over || plan[got - 1] + margin > f, "L %d, limit %zu: %d layers would keep to it", L, limit,
+                           got - 1);
+                    if (over)
+                        EXPECT(!strchr(err, '\n') && strstr(err, "--max-memory") && strstr(err, "lower --batch"),
+                               "the line: '%s'", err);
+                    gpt_plan_free(&fewer);
+                    checked++;
+                }
+            }
+        EXPECT(checked > L, "L %d: only %d choices checked", L, checked);
+        char err[512];
+        EXPECT(plan_within_limit(&m, 0, err, sizeof(err)), "no limit refused a plan");
+        gpt_plan_free(&m);
+    }
+    return TEST_RESULT;
+}
+
 // A tiny model for the reference checks. head_dim 8 is fine on the CPU (the GPU needs 64 or 128).
 static const ModelConfig TINY = {24, 16, 2, 4, 2, 8, 24, 5, 10000.0f, 1e-5f};
 
@@ -2659,6 +2721,7 @@ static const TestCase model_tests[] = {
     {"hopper_logits_requirements", test_hopper_logits_requirements},
     {"flops_per_token", test_flops_per_token},
     {"recompute_auto_choice", test_recompute_auto_choice},
+    {"recompute_within_max_memory", test_recompute_within_max_memory},
     {"reference_gradients_match_finite_differences", test_reference_gradients_match_finite_differences},
     {"export_hf_files", test_export_hf_files},
     {"command_line", test_command_line},

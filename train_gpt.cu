@@ -858,6 +858,24 @@ static int recompute_layers_that_fit(GPT* m, size_t free_bytes, size_t headroom,
     return -1;
 }
 
+// --max-memory: the most bytes a plan may take (limit; 0: no limit). Whether m's plan keeps to it;
+// if not, one line in err, naming what the plan holds and what would lower it.
+static bool plan_within_limit(const GPT* m, size_t limit, char* err, size_t err_len) {
+    if (limit == 0 || gpt_bytes_total(m) <= limit) return true;
+    snprintf(err, err_len, "--max-memory %.2f GiB: this config plans %.2f GiB (activations %.2f with %d of %d layers "
+             "recomputed); lower --batch%s", gib(limit), gib(gpt_bytes_total(m)), gib(m->bytes_activations),
+             m->recompute_layers, m->cfg.n_layer,
+             m->recompute_layers < m->cfg.n_layer ? ", or use --recompute auto or 1" : "");
+    return false;
+}
+
+// --recompute auto's room: the GPU's free bytes, or with a --max-memory limit at most the limit
+// plus the margin recompute_layers_that_fit keeps free, so that the plan it picks takes at most
+// the limit.
+static size_t recompute_room(size_t free_bytes, size_t limit) {
+    return limit && limit + RECOMPUTE_MARGIN_BYTES < free_bytes ? limit + RECOMPUTE_MARGIN_BYTES : free_bytes;
+}
+
 // The optimizer's flags for its buffers: the table's (param_flags; Muon's matrices are whole here,
 // since Muon runs only with ZeRO 0), for the owned parts.
 static void gpt_upload_decay_flags(GPT* m) {
@@ -2423,6 +2441,7 @@ typedef struct {
     int batch_size;          // B: sequences per micro-batch
     int total_batch_tokens;  // tokens per optimizer step over all GPUs; a multiple of B*T*GPUs (accumulation)
     int recompute;           // RecomputeChoice
+    float max_memory;        // GiB the plan may take at most (0: no limit); --recompute auto chooses within it
     int deterministic;
     int loss_chunk;
     uint64_t seed;
@@ -2501,7 +2520,10 @@ static int option_specs(Options* o, OptionSpec* specs) {
         {"--muon-momentum", OPT_FLOAT, &o->optim.muon_momentum, "Muon's (Nesterov) momentum"},
         {"--recompute", OPT_CHOICE, &o->recompute,
          "which layers recompute their norms, QK rope and SwiGLU in the backward (1: every one; auto: the fewest "
-         "that fit the GPU's free memory)", RECOMPUTE_NAMES, N_RECOMPUTE},
+         "that fit the GPU's free memory, or --max-memory)", RECOMPUTE_NAMES, N_RECOMPUTE},
+        {"--max-memory", OPT_FLOAT, &o->max_memory,
+         "GiB of GPU memory the run may plan at most (0: no limit); with --recompute auto, the fewest recomputed "
+         "layers that fit it"},
         {"--deterministic", OPT_BOOL, &o->deterministic,
          "1: bitwise reproducible steps; 0: attention adds dQ in any order (faster only at long seq)"},
         {"--loss-chunk", OPT_INT, &o->loss_chunk, "rows of logits materialized at once"},
@@ -2734,6 +2756,7 @@ static void check_options(const Options* o) {
     else if (o->gpus < 0 || o->gpus > 1024) problem = "--gpus must be in [0, 1024] (0: every GPU of this machine)";
     else if (o->zero < 0 || o->zero > 2) problem = "--zero must be 0, 1 or 2";
     else if (!(o->timeout >= 5.0f)) problem = "--timeout must be at least 5 seconds";
+    else if (!(o->max_memory >= 0.0f)) problem = "--max-memory must be >= 0 GiB (0: no limit)";
     else if (!o->fp8 && (o->fp8_head || o->fp8_fast_accum || o->fp8_log_scales))
         problem = "--fp8-head, --fp8-fast-accum and --fp8-log-scales need --fp8 1";
     else if (o->fp8 && fp8_check_shapes(&o->model, tokens, err, sizeof(err)) < 0) problem = err;
@@ -3166,17 +3189,20 @@ static void trainer_open_comm(Trainer* t) {
 }
 
 // --recompute auto: the fewest recomputed layers whose plan fits this GPU's free memory, keeping
-// RECOMPUTE_MARGIN_BYTES free for what no plan counts. Ranks may see different free memory:
-// all take the largest k any rank needs (fewer recomputed layers need more memory, so the largest
-// k is the one that fits on every rank), and then run the same layout at the same speed. A rank
-// on which even k = L does not fit says so, and every rank stops.
-static void trainer_choose_recompute(Trainer* t) {
+// RECOMPUTE_MARGIN_BYTES free for what no plan counts, and takes at most --max-memory. Ranks may
+// see different free memory: all take the largest k any rank needs (fewer recomputed layers need
+// more memory, so the largest k is the one that fits on every rank), and then run the same layout
+// at the same speed. A rank on which even k = L does not fit says so, and every rank stops; where
+// it is the limit that even k = L passes, k = L goes on to trainer_open_model's check, which says so.
+static void trainer_choose_recompute(Trainer* t, size_t limit) {
     GPT* m = &t->model;
     int L = m->cfg.n_layer;
     size_t total_bytes;
     char err[512];
     CUDA_CHECK(cudaMemGetInfo(&t->recompute_free, &total_bytes));
-    int k = recompute_layers_that_fit(m, t->recompute_free, RECOMPUTE_MARGIN_BYTES, err, sizeof(err));
+    size_t room = recompute_room(t->recompute_free, limit);
+    int k = recompute_layers_that_fit(m, room, RECOMPUTE_MARGIN_BYTES, err, sizeof(err));
+    if (k < 0 && room < t->recompute_free) k = L;
     int agreed = t->parallel ? comm_max_int(&t->comm, k < 0 ? L + 1 : k) : k;
     if (k < 0) die("%s", err);
     if (agreed > L) die("--recompute auto: another rank's GPU cannot fit this config (its line says why)");
@@ -3193,7 +3219,10 @@ static void trainer_open_model(Trainer* t) {
     Fp8Mode fp8 = {o->fp8 != 0, (Fp8Scaling)o->fp8_scaling, o->fp8_head != 0, o->fp8_fast_accum != 0};
     gpt_plan(m, &o->model, o->batch_size, o->model.seq_len, o->recompute == RECOMPUTE_NONE ? 0 : o->model.n_layer,
              o->loss_chunk, &dp, (OptimizerKind)o->optimizer, fp8);
-    if (o->recompute == RECOMPUTE_AUTO) trainer_choose_recompute(t);
+    size_t limit = (size_t)((double)o->max_memory * (1ull << 30));
+    if (o->recompute == RECOMPUTE_AUTO) trainer_choose_recompute(t, limit);
+    char over[512];
+    if (!plan_within_limit(m, limit, over, sizeof(over))) die("%s", over);
     gpt_build(m);
     m->deterministic = o->deterministic != 0;
     g_matmul_tune = o->matmul_tune ? MATMUL_TUNE_CHECK : MATMUL_TUNE_OFF;
@@ -3254,10 +3283,14 @@ static void print_run_header(const Trainer* t) {
     const GPT* m = &t->model;
     printf("device: %s, %d SMs, %.1f GiB\n", t->prop.name, t->prop.multiProcessorCount, gib(t->prop.totalGlobalMem));
     print_memory_plan(m);
-    if (t->recompute_free)
-        printf("recompute auto: %d of %d layers, the fewest whose plan fits in the %.2f GiB free with a margin of "
-               "%.2f GiB kept free%s\n", m->recompute_layers, m->cfg.n_layer, gib(t->recompute_free),
+    if (t->recompute_free) {
+        char within[80] = "";
+        if (t->o.max_memory > 0)
+            snprintf(within, sizeof(within), "takes at most --max-memory %.2f GiB and ", t->o.max_memory);
+        printf("recompute auto: %d of %d layers, the fewest whose plan %sfits in the %.2f GiB free with a margin of "
+               "%.2f GiB kept free%s\n", m->recompute_layers, m->cfg.n_layer, within, gib(t->recompute_free),
                gib(RECOMPUTE_MARGIN_BYTES), m->dp.world > 1 ? "; on every rank, the most any rank needs" : "");
+    }
     printf("batch: %d x %d tokens, %d micro-batches per step on each of %d GPUs (%d tokens); %d steps\n", m->B, m->T,
            t->accum, m->dp.world, m->N * t->accum * m->dp.world, t->o.optim.total_steps);
     if (t->parallel)

@@ -86,6 +86,8 @@ static int test_train_flag_domains(void) {
         {"--gpus 0 --zero 3", 2, "--zero"},  // --gpus 0 counts GPUs only after the checks that need none
         {"--gpus 0 --fp8-head 1", 2, "need --fp8 1"},
         {"--timeout nan", 2, "--timeout"},
+        {"--max-memory -1", 2, "--max-memory must be >= 0 GiB"},
+        {"--max-memory nan", 2, "--max-memory"},
         {"--lr inf", 2, "--lr"},
         {"--peak-tflops 0", 2, "--peak-tflops"},
         {"--heads 4 --init-from %s", 2, "--heads"},
@@ -140,6 +142,11 @@ static int test_train_missing_inputs(void) {
                                    {TI_RUN "--recompute auto --out %s/out", 1, "no CUDA GPU found"},
                                    {TI_RUN "--out %s/out --gpus 0", 1, "--gpus 0 (every GPU): this machine has no CUDA GPU"}};
         failed |= ti_run_cases("./train_gpt", no_gpu, sizeof(no_gpu) / sizeof(no_gpu[0]), dir);
+    } else {  // a plan over --max-memory, with auto's choice too: refused before anything is allocated
+        const BadInput over[] = {
+            {TI_RUN "--max-memory 0.05 --out %s/out", 1, "--max-memory 0.05 GiB: this config plans"},
+            {TI_RUN "--recompute auto --max-memory 0.05 --out %s/out", 1, "with 12 of 12 layers recomputed); lower --batch"}};
+        failed |= ti_run_cases("./train_gpt", over, sizeof(over) / sizeof(over[0]), dir);
     }
     remove_test_dir(dir);
     return TEST_RESULT;
