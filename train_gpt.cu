@@ -2377,20 +2377,20 @@ static void gpt_upload_state(GPT* m, const float* master, const void* opt_state)
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
 }
 
-// The reverse, the master weights' two halves of the whole flat layout into pinned or pageable
-// host memory (queued on the model's stream, or with ZeRO 1/2 on the comm stream: the bf16 halves
-// are whole on every rank once the optimizer step's all-gathers are done, which that stream runs
-// first; the low halves come by an all-gather per bucket, through a gradient buffer, which is free
-// between steps and zeroed again after: its padding must read zero, grads_accumulate). Every rank
-// must call it; the host arrays are filled on rank 0 only (other ranks pass NULL). The caller
-// synchronizes, and joins the halves (master_join).
-static void gpt_download_master(GPT* m, bf16* host_w, int16_t* host_low) {
+// The reverse, the master weights' two halves of the whole flat layout into pinned or pageable host
+// memory: with ZeRO 0 two copies queued on `stream` (the model's, or the checkpointer's side stream
+// behind the update); with ZeRO 1/2 on the comm stream, which runs the optimizer step's all-gathers
+// first, so the bf16 halves are whole on every rank, while the low halves come by an all-gather per
+// bucket through a gradient buffer, which is free between steps and zeroed again after (its padding
+// must read zero: grads_accumulate). Every rank must call it; the host arrays are filled on rank 0
+// only (other ranks pass NULL). The caller synchronizes, and joins the halves (master_join).
+static void gpt_download_master(GPT* m, bf16* host_w, int16_t* host_low, cudaStream_t stream) {
     const ParamTable* pt = &m->table;
     size_t n = pt->n_elements;
     if (m->dp.zero == 0) {
         if (!host_w) return;
-        CUDA_CHECK(cudaMemcpyAsync(host_w, m->params, n * 2, cudaMemcpyDeviceToHost, m->stream));
-        CUDA_CHECK(cudaMemcpyAsync(host_low, m->master_low, n * 2, cudaMemcpyDeviceToHost, m->stream));
+        CUDA_CHECK(cudaMemcpyAsync(host_w, m->params, n * 2, cudaMemcpyDeviceToHost, stream));
+        CUDA_CHECK(cudaMemcpyAsync(host_low, m->master_low, n * 2, cudaMemcpyDeviceToHost, stream));
         return;
     }
     Comm* c = m->dp.comm;
@@ -2419,7 +2419,7 @@ static void gpt_gather_master(GPT* m, float* host) {
     size_t n = m->table.n_elements;
     bf16* w = host ? (bf16*)xmalloc(n * sizeof(bf16)) : NULL;
     int16_t* low = host ? (int16_t*)xmalloc(n * sizeof(int16_t)) : NULL;
-    gpt_download_master(m, w, low);
+    gpt_download_master(m, w, low, m->stream);
     CUDA_CHECK(cudaStreamSynchronize(m->stream));
     if (host) master_join_all(host, w, low, n);
     free(w);
@@ -2968,7 +2968,7 @@ static bool checkpoint_wait(Checkpointer* c) {
 // calls it. The master weights go whole to rank 0 (with ZeRO 1/2 every rank joins the all-gathers
 // that bring the pieces there); each rank that writes a shard copies its moments.
 static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state) {
-    if (m->dp.zero > 0) gpt_download_master(m, c->host_w, c->host_low);  // NULL but on rank 0
+    if (m->dp.zero > 0) gpt_download_master(m, c->host_w, c->host_low, m->stream);  // NULL but on rank 0
     if (!c->writes_shard) return;
     if (c->host_fp8) {  // on the model's stream: the next forward's casts update the scales (a few KB)
         fp8_state_header(m, c->host_fp8);
@@ -2977,11 +2977,7 @@ static void checkpoint_start(Checkpointer* c, GPT* m, const TrainerState* state)
     }
     CUDA_CHECK(cudaEventRecord(c->ready, m->stream));
     CUDA_CHECK(cudaStreamWaitEvent(c->stream, c->ready, 0));
-    size_t S = m->opt_len;
-    if (m->dp.zero == 0) {
-        CUDA_CHECK(cudaMemcpyAsync(c->host_w, m->params, S * 2, cudaMemcpyDeviceToHost, c->stream));
-        CUDA_CHECK(cudaMemcpyAsync(c->host_low, m->master_low, S * 2, cudaMemcpyDeviceToHost, c->stream));
-    }
+    if (m->dp.zero == 0) gpt_download_master(m, c->host_w, c->host_low, c->stream);
     CUDA_CHECK(cudaMemcpyAsync(c->host_opt_state, m->opt_state, m->opt_state_bytes, cudaMemcpyDeviceToHost, c->stream));
     CUDA_CHECK(cudaEventRecord(c->copied, c->stream));
     c->state = *state;
@@ -3193,7 +3189,8 @@ static void trainer_open_comm(Trainer* t) {
 // see different free memory: all take the largest k any rank needs (fewer recomputed layers need
 // more memory, so the largest k is the one that fits on every rank), and then run the same layout
 // at the same speed. A rank on which even k = L does not fit says so, and every rank stops; where
-// it is the limit that even k = L passes, k = L goes on to trainer_open_model's check, which says so.
+// even k = L is over --max-memory (and fits the GPU), k = L goes on to trainer_open_model's limit
+// check, which says so.
 static void trainer_choose_recompute(Trainer* t, size_t limit) {
     GPT* m = &t->model;
     int L = m->cfg.n_layer;

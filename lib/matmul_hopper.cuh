@@ -184,9 +184,11 @@ constexpr int HOP_BN_NARROW = 192;
 // the same 64 up features (the file's comment, "Ping-pong"; hopper_tile_m).
 constexpr int HOP_PP_SWIGLU_BM = 192, HOP_PP_SWIGLU_BN = 128;
 static __host__ __device__ constexpr int hop_b_bytes(int bn) { return bn * HOP_BK * 2; }
-// (bm: the tile's rows, HOP_BM but for SwiGLU's forward in ping-pong: A's tile is bm x 64)
+// A stage's A tile for tiles bm rows high: 16 KiB at HOP_BM, 24 KiB for SwiGLU's forward in
+// ping-pong (HOP_PP_SWIGLU_BM).
+static __host__ __device__ constexpr int hop_a_bytes(int bm) { return bm * HOP_BK * 2; }
 static __host__ __device__ constexpr int hopper_ring_bytes(int bn, int bm = HOP_BM) {
-    return HOP_STAGES * (bm * HOP_BK * 2 + hop_b_bytes(bn));
+    return HOP_STAGES * (hop_a_bytes(bm) + hop_b_bytes(bn));
 }
 constexpr int HOP_OUT_BUF_BYTES = 64 * 128, HOP_OUT_BUFS = 2;               // version 5: a consumer's staging
 constexpr int HOP_OUT_BYTES = 2 * HOP_OUT_BUFS * HOP_OUT_BUF_BYTES;         // 32 KiB for the two consumers
@@ -694,7 +696,7 @@ __global__ void __launch_bounds__(HOP_THREADS, 1)
     constexpr bool STREAM_K = EPI == HOP_EPI_STREAM_K;
     constexpr int TILE_N = SWIGLU ? BN / 2 : BN;  // the columns of C (SwiGLU: features) a tile covers
     constexpr int BM = hopper_tile_m(EPI, PP);    // and its rows
-    constexpr int A_BYTES = BM * HOP_BK * 2, B_BYTES = hop_b_bytes(BN), RING_BYTES = hopper_ring_bytes(BN, BM);
+    constexpr int A_BYTES = hop_a_bytes(BM), B_BYTES = hop_b_bytes(BN), RING_BYTES = hopper_ring_bytes(BN, BM);
     constexpr bool FP8 = sizeof(AT) == 1;                 // version 8
     constexpr int BK = hop_bk<AT>;
     static_assert(sizeof(AT) == sizeof(BT) && (!FP8 || std::is_same_v<BT, __nv_fp8_e4m3>),
