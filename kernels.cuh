@@ -370,25 +370,28 @@ static void rmsnorm_forward(bf16* out, float* rstd, const bf16* in, const bf16* 
 // output y = x_hat * w again, for a layer that recomputes it (--recompute): it reads x and w
 // anyway, and rmsnorm_apply8 on the saved rstd gives the very bits rmsnorm_forward stored, so the
 // weight gradient that needs y runs after this kernel and no forward kernel reads x a second time.
-// Each block takes `rows` consecutive rows (from rmsnorm_bwd_rows); each of its 4 warps keeps its
-// own fp32 dw row in shared memory, and the block writes their sum as its partial (sum_partials
-// adds the blocks' partials in order). Lane l owns channels 256i + 8l + k (k < 8), which its 16-byte
-// loads bring; in the warp's dw row channel 256i + 8l + k lies at 256i + 32k + l (rmsnorm_dw_slot),
-// so that the 32 lanes adding their channel k hit 32 different banks (at 256i + 8l + k, 8 lanes
-// shared each bank: 11.0M bank conflicts a launch at the default config, 0.35M now, and the launch
-// 1-6% faster; the rest is bandwidth, below).
+// Each block takes `rows` consecutive rows (from rmsnorm_bwd_rows); each of its warps (4, or 8 on
+// rows of 1024 channels or fewer: rmsnorm_bwd_warps) keeps its own fp32 dw row in shared memory,
+// and the block writes their sum as its partial (sum_partials adds the blocks' partials in order).
+// Lane l owns channels 256i + 8l + k (k < 8), which its 16-byte loads bring; in the warp's dw row
+// channel 256i + 8l + k lies at 256i + 32k + l (rmsnorm_dw_slot), so that the 32 lanes adding their
+// channel k hit 32 different banks (at 256i + 8l + k, 8 lanes shared each bank: 11.0M bank
+// conflicts a launch at the default config, 0.35M now, and the launch 1-6% faster).
 // The kernel is bound by memory latency, so it needs many warps in flight: 64 rows a block when
 // that makes 512 blocks or more (the default config's 32768 rows), fewer down to 16 otherwise (at
 // 1b's 8192 rows, 64 left 128 blocks of 4 warps for 132 SMs, at 0.9 TB/s: 5% of an FP8 step).
 // Past 512 blocks more gain nothing: 16 rows a block at the default config (2048 blocks) ran as
-// fast as 64 (doc/perf.md); there the kernel is bound by bandwidth.
+// fast as 64 (doc/perf.md). More warps a block did: at the default config's rows of 768, 512
+// blocks of 4 warps ran at 2.06 TB/s, of 8 warps at 2.41 (98 against 84 us a launch, H100); at
+// medium's rows of 1024 the two were level, and at 1b's 2048 (16 rows a block, 2 a warp) 8 warps
+// were 15% slower, the block's fixed work (its dw rows zeroed, summed and written) a larger share.
 static int rmsnorm_bwd_rows(int N) {
     int rows = 64;
     while (rows > 16 && ceil_div(N, rows) < 512) rows /= 2;
     return rows;
 }
+static int rmsnorm_bwd_warps(int C) { return C <= 1024 ? 8 : 4; }
 #define RMSNORM_MAX_C 8192  // the widest row: 4 warps keep one fp32 row each in shared memory (128 KiB)
-#define RMSNORM_BWD_WARPS 4
 // Where channel c (= 256i + 8l + k) of a warp's dw row lies: 256i + 32k + l. A row takes C rounded
 // up to 256 floats.
 static __device__ __forceinline__ int rmsnorm_dw_slot(int c) { return (c & ~255) | ((c & 7) << 5) | ((c >> 3) & 31); }
@@ -396,13 +399,13 @@ static __host__ __device__ int rmsnorm_dw_row(int C) { return (C + 255) / 256 * 
 __global__ void rmsnorm_backward_kernel(bf16* d_residual, float* dw_partials, bf16* y, const bf16* dy,
                                         const bf16* in, const bf16* weight, const float* rstd, int N, int C,
                                         int rows) {
-    extern __shared__ float dw_warp[];  // [RMSNORM_BWD_WARPS][rmsnorm_dw_row(C)], rmsnorm_dw_slot's order
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, dw_row = rmsnorm_dw_row(C);
+    extern __shared__ float dw_warp[];  // [warps][rmsnorm_dw_row(C)], rmsnorm_dw_slot's order
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32, dw_row = rmsnorm_dw_row(C);
     float* my_dw = dw_warp + warp * dw_row;
     for (int c = lane; c < dw_row; c += 32) my_dw[c] = 0.0f;
     __syncwarp();
     int row_end = min(N, (blockIdx.x + 1) * rows);
-    for (int row = blockIdx.x * rows + warp; row < row_end; row += RMSNORM_BWD_WARPS) {
+    for (int row = blockIdx.x * rows + warp; row < row_end; row += warps) {
         const bf16* x = in + (size_t)row * C;
         const bf16* g_out = dy + (size_t)row * C;
         bf16* d_res = d_residual + (size_t)row * C;
@@ -428,7 +431,7 @@ __global__ void rmsnorm_backward_kernel(bf16* d_residual, float* dw_partials, bf
         }
     }
     __syncthreads();
-    block_partial_row(dw_partials + (size_t)blockIdx.x * C, dw_warp, RMSNORM_BWD_WARPS, dw_row, C,
+    block_partial_row(dw_partials + (size_t)blockIdx.x * C, dw_warp, warps, dw_row, C,
                       [](int c) { return rmsnorm_dw_slot(c); });
 }
 
@@ -437,16 +440,16 @@ __global__ void rmsnorm_backward_kernel(bf16* d_residual, float* dw_partials, bf
 static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partials, bf16* y, const bf16* dy,
                              const bf16* in, const bf16* weight, const float* rstd, int N, int C, bool accumulate,
                              PartialSums* sums, cudaStream_t s) {
-    int rows = rmsnorm_bwd_rows(N), blocks = ceil_div(N, rows);
-    size_t smem = RMSNORM_BWD_WARPS * rmsnorm_dw_row(C) * sizeof(float);
+    int rows = rmsnorm_bwd_rows(N), blocks = ceil_div(N, rows), warps = rmsnorm_bwd_warps(C);
+    size_t smem = warps * rmsnorm_dw_row(C) * sizeof(float);
     static bool configured = false;  // once, for the widest row allowed, so no launch sets it again
     if (!configured) {
-        int most = RMSNORM_BWD_WARPS * RMSNORM_MAX_C * (int)sizeof(float);
+        int most = rmsnorm_bwd_warps(RMSNORM_MAX_C) * RMSNORM_MAX_C * (int)sizeof(float);
         CUDA_CHECK(cudaFuncSetAttribute(rmsnorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
         configured = true;
     }
-    rmsnorm_backward_kernel<<<blocks, 32 * RMSNORM_BWD_WARPS, smem, s>>>(d_residual, dw_partials, y, dy, in,
-                                                                         weight, rstd, N, C, rows);
+    rmsnorm_backward_kernel<<<blocks, 32 * warps, smem, s>>>(d_residual, dw_partials, y, dy, in, weight, rstd, N,
+                                                             C, rows);
     LAUNCH_CHECK();
     sum_partials(sums, d_weight, dw_partials, blocks, C, C, accumulate, s);
 }
