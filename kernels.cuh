@@ -120,8 +120,12 @@ __global__ void sum_partials_kernel(const PartialSums sums) {
     if (blockIdx.x * 32 >= job.C) return;  // the whole block: a narrower sum than the launch's widest
     int c = blockIdx.x * 32 + threadIdx.x;
     float sum = 0.0f;
-    if (c < job.C)
+    if (c < job.C) {
+        // 16 loads issued ahead of their adds, which keep their order: a long job (the QK norm's
+        // 4096 partial rows at medium) is 128 loads a thread
+#pragma unroll 16
         for (int p = threadIdx.y; p < job.n_partials; p += 32) sum += job.partials[(size_t)p * job.stride + c];
+    }
     row_sums[threadIdx.y][threadIdx.x] = sum;
     __syncthreads();
     if (threadIdx.y == 0 && c < job.C) {
