@@ -446,7 +446,9 @@ static void rmsnorm_backward(bf16* d_residual, float* d_weight, float* dw_partia
                              PartialSums* sums, cudaStream_t s) {
     int rows = rmsnorm_bwd_rows(N), blocks = ceil_div(N, rows), warps = rmsnorm_bwd_warps(C);
     size_t smem = warps * rmsnorm_dw_row(C) * sizeof(float);
-    static bool configured = false;  // once, for the widest row allowed, so no launch sets it again
+    // once, for the widest row allowed (4 x 8192 floats, more than 8 warps' rows of at most 1024),
+    // so no launch sets it again
+    static bool configured = false;
     if (!configured) {
         int most = rmsnorm_bwd_warps(RMSNORM_MAX_C) * RMSNORM_MAX_C * (int)sizeof(float);
         CUDA_CHECK(cudaFuncSetAttribute(rmsnorm_backward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most));
@@ -1158,11 +1160,11 @@ static void optimizer_schedule(const OptimConfig* o, OptimScalars* s, cudaStream
     LAUNCH_CHECK();
 }
 
-// A thread a group of four elements (and the tail's threads after them), a block of 256 threads
-// a 1024 elements: the blocks come and go as the GPU takes them. A grid of one wave of resident
-// blocks striding over the range, each thread one group after another, moved the same bytes 8%
-// slower: at 1b's 1.08 billion parameters 10.8 ms against 10.0 (2.79 against 3.01 TB/s, H100;
-// doc/perf.md).
+// One thread for each group of four elements (and one for each of the tail's), 256 threads a
+// block, so 1024 elements a block: the blocks come and go as the GPU takes them. A grid of one wave
+// of resident blocks striding over the range, each thread one group after another, moved the same
+// bytes 8% slower: at 1b's 1.08 billion parameters 10.8 ms against 10.0 (2.79 against 3.01 TB/s,
+// H100; doc/perf.md).
 static void adamw_step(bf16* params, int16_t* master_low, const float* grads, float* m, float* v, const uint8_t* flags,
                        size_t n, const OptimConfig* o, const OptimScalars* s, cudaStream_t stream) {
     if (n == 0) return;
