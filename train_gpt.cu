@@ -2356,6 +2356,15 @@ static bool checkpoint_read(const GPT* m, const char* dir, Restored* out, char* 
     return ok;
 }
 
+// n fp32 master weights on the host into their two halves (master_split), and back (master_join).
+static void master_split_all(bf16* w, int16_t* low, const float* master, size_t n) {
+    for (size_t i = 0; i < n; i++) w[i] = master_split(master[i], &low[i]);
+}
+
+static void master_join_all(float* master, const bf16* w, const int16_t* low, size_t n) {
+    for (size_t i = 0; i < n; i++) master[i] = master_join(w[i], low[i]);
+}
+
 // Puts the master weights (a host copy of the whole flat layout, fp32) on the GPU, this rank's
 // parts of them, split into their two halves, and the optimizer's state when given (a host copy of
 // opt_state).
@@ -2363,10 +2372,10 @@ static void gpt_upload_state(GPT* m, const float* master, const void* opt_state)
     size_t n = m->table.n_elements;
     bf16* w = (bf16*)xmalloc(n * sizeof(bf16));
     int16_t* low = (int16_t*)xmalloc(n * sizeof(int16_t));
-    for (size_t i = 0; i < n; i++) w[i] = master_split(master[i], &low[i]);
     for (int b = 0; b <= m->table.n_layers; b++) {
         size_t begin, end;
         owned_part(m, b, &begin, &end);
+        master_split_all(w + begin, low + begin, master + begin, end - begin);
         CUDA_CHECK(cudaMemcpy(m->params + begin, w + begin, (end - begin) * 2, cudaMemcpyHostToDevice));
         CUDA_CHECK(cudaMemcpy(m->master_low + m->opt_offset[b], low + begin, (end - begin) * 2, cudaMemcpyHostToDevice));
     }
@@ -2379,10 +2388,10 @@ static void gpt_upload_state(GPT* m, const float* master, const void* opt_state)
 
 // The reverse, the master weights' two halves of the whole flat layout into pinned or pageable host
 // memory: with ZeRO 0 two copies queued on `stream` (the model's, or the checkpointer's side stream
-// behind the update); with ZeRO 1/2 on the comm stream, which runs the optimizer step's all-gathers
-// first, so the bf16 halves are whole on every rank, while the low halves come by an all-gather per
-// bucket through a gradient buffer, which is free between steps and zeroed again after (its padding
-// must read zero: grads_accumulate). Every rank must call it; the host arrays are filled on rank 0
+// behind the update); with ZeRO 1/2 on the comm stream, after `stream`'s work so far and joined back
+// into it: the optimizer step's all-gathers have run there first, so the bf16 halves are whole on
+// every rank, while the low halves come by an all-gather per bucket through a gradient buffer,
+// which is free between steps and zeroed again after (its padding must read zero: grads_accumulate). Every rank must call it; the host arrays are filled on rank 0
 // only (other ranks pass NULL). The caller synchronizes, and joins the halves (master_join).
 static void gpt_download_master(GPT* m, bf16* host_w, int16_t* host_low, cudaStream_t stream) {
     const ParamTable* pt = &m->table;
@@ -2394,7 +2403,7 @@ static void gpt_download_master(GPT* m, bf16* host_w, int16_t* host_low, cudaStr
         return;
     }
     Comm* c = m->dp.comm;
-    comm_follow(c, m->stream);
+    comm_follow(c, stream);
     if (host_w) CUDA_CHECK(cudaMemcpyAsync(host_w, m->params, n * 2, cudaMemcpyDeviceToHost, c->stream));
     for (int b = 0; b <= pt->n_layers; b++) {
         float* whole = m->dp.zero == 1 ? m->grads + pt->bucket_offset[b]
@@ -2405,12 +2414,7 @@ static void gpt_download_master(GPT* m, bf16* host_w, int16_t* host_low, cudaStr
                                        cudaMemcpyDeviceToHost, c->stream));
         CUDA_CHECK(cudaMemsetAsync(whole, 0, bucket_len(pt, b) * 2, c->stream));
     }
-    comm_join(c, m->stream);
-}
-
-// The master weights in fp32 from their two halves on the host, n of them.
-static void master_join_all(float* master, const bf16* w, const int16_t* low, size_t n) {
-    for (size_t i = 0; i < n; i++) master[i] = master_join(w[i], low[i]);
+    comm_join(c, stream);
 }
 
 // The master weights of the whole flat layout in fp32, into `host` on rank 0 (NULL on the other
