@@ -1114,7 +1114,7 @@ __device__ __forceinline__ Bf16x4 master_store4(float4 p, bf16* params, int16_t*
     Bf16x4 w = {{xy, zw}};
     ((uint2*)params)[q] = w.bytes;
     ((uint2*)low)[q] = lows.bytes;
-    return {{xy, zw}};
+    return {{xy, zw}};  // built again: a union of bf16 pairs has no copy constructor to return w with
 }
 
 // Four consecutive elements a thread: 16-byte loads and stores (8 bytes for either half of the

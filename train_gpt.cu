@@ -1090,8 +1090,10 @@ static void gpt_init(GPT* m, uint64_t seed) {
         bf16* w = m->params + begin;
         int16_t* low = m->master_low + m->opt_offset[b] + (begin - own_begin);
         uint64_t stream = t->kind == P_EMBED ? 0 : 1 + (uint64_t)t->kind * m->cfg.n_layer + t->layer;
-        if (t->decay) init_normal(w, low, end - begin, 0.0f, 0.02f, seed * 1000003 + stream, begin - t->offset, m->stream);
-        else init_normal(w, low, end - begin, 1.0f, 0.0f, 0, 0, m->stream);
+        if (t->decay)
+            init_normal(w, low, end - begin, 0.0f, 0.02f, seed * 1000003 + stream, begin - t->offset, m->stream);
+        else
+            init_normal(w, low, end - begin, 1.0f, 0.0f, 0, 0, m->stream);
     }
     publish_params(m);
 }
@@ -2391,8 +2393,9 @@ static void gpt_upload_state(GPT* m, const float* master, const void* opt_state)
 // behind the update); with ZeRO 1/2 on the comm stream, after `stream`'s work so far and joined back
 // into it: the optimizer step's all-gathers have run there first, so the bf16 halves are whole on
 // every rank, while the low halves come by an all-gather per bucket through a gradient buffer,
-// which is free between steps and zeroed again after (its padding must read zero: grads_accumulate). Every rank must call it; the host arrays are filled on rank 0
-// only (other ranks pass NULL). The caller synchronizes, and joins the halves (master_join).
+// which is free between steps and zeroed again after (its padding must read zero: grads_accumulate).
+// Every rank must call it; the host arrays are filled on rank 0 only (other ranks pass NULL). The
+// caller synchronizes, and joins the halves (master_join).
 static void gpt_download_master(GPT* m, bf16* host_w, int16_t* host_low, cudaStream_t stream) {
     const ParamTable* pt = &m->table;
     size_t n = pt->n_elements;
