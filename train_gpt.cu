@@ -2369,17 +2369,17 @@ static void master_join_all(float* master, const bf16* w, const int16_t* low, si
 
 // Puts the master weights (a host copy of the whole flat layout, fp32) on the GPU, this rank's
 // parts of them, split into their two halves, and the optimizer's state when given (a host copy of
-// opt_state).
+// opt_state). The halves are made a bucket's part at a time, in host buffers one bucket long.
 static void gpt_upload_state(GPT* m, const float* master, const void* opt_state) {
-    size_t n = m->table.n_elements;
-    bf16* w = (bf16*)xmalloc(n * sizeof(bf16));
-    int16_t* low = (int16_t*)xmalloc(n * sizeof(int16_t));
+    size_t most = largest_bucket(&m->table, m->table.n_layers + 1);  // no rank's part of a bucket is longer
+    bf16* w = (bf16*)xmalloc(most * sizeof(bf16));
+    int16_t* low = (int16_t*)xmalloc(most * sizeof(int16_t));
     for (int b = 0; b <= m->table.n_layers; b++) {
         size_t begin, end;
         owned_part(m, b, &begin, &end);
-        master_split_all(w + begin, low + begin, master + begin, end - begin);
-        CUDA_CHECK(cudaMemcpy(m->params + begin, w + begin, (end - begin) * 2, cudaMemcpyHostToDevice));
-        CUDA_CHECK(cudaMemcpy(m->master_low + m->opt_offset[b], low + begin, (end - begin) * 2, cudaMemcpyHostToDevice));
+        master_split_all(w, low, master + begin, end - begin);
+        CUDA_CHECK(cudaMemcpy(m->params + begin, w, (end - begin) * 2, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(m->master_low + m->opt_offset[b], low, (end - begin) * 2, cudaMemcpyHostToDevice));
     }
     free(w);
     free(low);
